@@ -1,0 +1,400 @@
+//! Devices, CUDA contexts, streams and events.
+//!
+//! The CPU is a device like any other: every layer above this one runs the same code on
+//! [`Device::Cpu`] (with `memcpy` for copies) and on CUDA devices. A machine without a CUDA driver or
+//! GPU gets an [`Error`] from every CUDA entry point, never a panic: the driver library is probed
+//! before cudarc touches it (cudarc panics when a library or symbol is missing).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::sys::{self, CUdevice_attribute};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, result};
+
+use crate::abi::DeviceType;
+use crate::error::{Error, Result};
+
+/// A place where Arrow buffers can live, named as the C Device Data Interface names them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Device {
+    /// Ordinary host memory (`ARROW_DEVICE_CPU`).
+    Cpu,
+    /// Memory of the CUDA device with this ordinal (`ARROW_DEVICE_CUDA`).
+    Cuda(usize),
+    /// Page-locked host memory registered with the CUDA driver of this device (`ARROW_DEVICE_CUDA_HOST`).
+    CudaHost(usize),
+    /// CUDA managed (unified) memory of this device (`ARROW_DEVICE_CUDA_MANAGED`).
+    CudaManaged(usize),
+}
+
+impl Device {
+    /// The C Device Data Interface device type.
+    pub fn device_type(self) -> DeviceType {
+        match self {
+            Device::Cpu => DeviceType::CPU,
+            Device::Cuda(_) => DeviceType::CUDA,
+            Device::CudaHost(_) => DeviceType::CUDA_HOST,
+            Device::CudaManaged(_) => DeviceType::CUDA_MANAGED,
+        }
+    }
+
+    /// The C Device Data Interface device id: -1 for the CPU, the CUDA ordinal otherwise.
+    pub fn device_id(self) -> i64 {
+        self.ordinal().map_or(-1, |o| o as i64)
+    }
+
+    /// The device named by a C Device Data Interface type and id, if this crate can serve it.
+    pub fn from_c(device_type: DeviceType, device_id: i64) -> Result<Device> {
+        let ordinal = || {
+            usize::try_from(device_id)
+                .map_err(|_| Error::InvalidData(format!("device id {device_id} is not a CUDA ordinal")))
+        };
+        match device_type {
+            DeviceType::CPU if device_id == -1 || device_id == 0 => Ok(Device::Cpu),
+            DeviceType::CPU => Err(Error::InvalidData(format!("CPU device id must be -1 or 0, got {device_id}"))),
+            DeviceType::CUDA => Ok(Device::Cuda(ordinal()?)),
+            DeviceType::CUDA_HOST => Ok(Device::CudaHost(ordinal()?)),
+            DeviceType::CUDA_MANAGED => Ok(Device::CudaManaged(ordinal()?)),
+            other => Err(Error::Unsupported(format!("device type {other} (id {device_id})"))),
+        }
+    }
+
+    /// The CUDA ordinal, or `None` for the CPU.
+    pub fn ordinal(self) -> Option<usize> {
+        match self {
+            Device::Cpu => None,
+            Device::Cuda(o) | Device::CudaHost(o) | Device::CudaManaged(o) => Some(o),
+        }
+    }
+
+    /// Whether the CPU can read and write this memory directly.
+    pub fn is_host_accessible(self) -> bool {
+        !matches!(self, Device::Cuda(_))
+    }
+
+    /// The CUDA context that serves this device, or `None` for the CPU.
+    pub fn context(self) -> Result<Option<Arc<CudaContext>>> {
+        self.ordinal().map(context).transpose()
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(o) => write!(f, "cuda:{o}"),
+            Device::CudaHost(o) => write!(f, "cuda_host:{o}"),
+            Device::CudaManaged(o) => write!(f, "cuda_managed:{o}"),
+        }
+    }
+}
+
+/// Driver entry points the crate calls. Each is checked once before first use, so an old driver is
+/// an [`Error::DriverTooOld`] rather than a panic inside cudarc.
+const REQUIRED_SYMBOLS: &[&str] = &[
+    "cuInit",
+    "cuDeviceGetCount",
+    "cuMemAllocAsync",
+    "cuMemFreeAsync",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemAllocManaged",
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
+    "cuMemcpyAsync",
+    "cuMemcpyHtoDAsync_v2",
+    "cuMemcpyDtoHAsync_v2",
+    "cuMemcpyDtoDAsync_v2",
+    "cuMemcpy2DAsync_v2",
+    "cuMemsetD8Async",
+    "cuIpcGetMemHandle",
+    "cuIpcOpenMemHandle_v2",
+    "cuIpcCloseMemHandle",
+    "cuStreamWaitEvent",
+    "cuEventRecord",
+    "cuPointerGetAttribute",
+];
+
+/// Why the driver is unusable, kept so every later call reports the same thing.
+#[derive(Clone, Debug)]
+enum Unavailable {
+    NoLibrary(String),
+    MissingSymbol(&'static str),
+    Init(result::DriverError),
+    NoDevice,
+}
+
+fn probe() -> Result<(), Unavailable> {
+    // SAFETY: loading the driver library runs its initialisers, which is what any CUDA program does.
+    if !unsafe { sys::is_culib_present() } {
+        let names = cudarc::get_lib_name_candidates("cuda");
+        return Err(Unavailable::NoLibrary(names.join(", ")));
+    }
+    // SAFETY: the library is present (checked above), so `culib` returns it without panicking.
+    let lib = unsafe { sys::culib() };
+    for &symbol in REQUIRED_SYMBOLS {
+        // SAFETY: the symbol is only looked up, never called through this type.
+        if unsafe { lib.get::<unsafe extern "C" fn()>(symbol.as_bytes()) }.is_err() {
+            return Err(Unavailable::MissingSymbol(symbol));
+        }
+    }
+    result::init().map_err(Unavailable::Init)?;
+    match result::device::get_count() {
+        Ok(0) => Err(Unavailable::NoDevice),
+        Ok(_) => Ok(()),
+        Err(e) => Err(Unavailable::Init(e)),
+    }
+}
+
+/// Checks once that a CUDA driver and at least one GPU are present.
+pub(crate) fn driver() -> Result<()> {
+    static PROBE: OnceLock<Result<(), Unavailable>> = OnceLock::new();
+    PROBE.get_or_init(probe).clone().map_err(|u| match u {
+        Unavailable::NoLibrary(looked_for) => Error::NoDriver { looked_for },
+        Unavailable::MissingSymbol(symbol) => Error::DriverTooOld { symbol },
+        Unavailable::Init(e) => Error::NoDevice { reason: format!("cuInit failed: {e}") },
+        Unavailable::NoDevice => Error::NoDevice { reason: "the driver reports 0 devices".into() },
+    })
+}
+
+/// Whether a CUDA driver and at least one GPU are usable.
+pub fn cuda_available() -> bool {
+    driver().is_ok()
+}
+
+/// The number of visible CUDA devices (an error when there is no driver or no GPU).
+pub fn cuda_device_count() -> Result<usize> {
+    driver()?;
+    let n = result::device::get_count().map_err(Error::driver("cuDeviceGetCount"))?;
+    Ok(n as usize)
+}
+
+/// The primary context of a CUDA device, retained once per process.
+pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    static CONTEXTS: OnceLock<Mutex<HashMap<usize, Arc<CudaContext>>>> = OnceLock::new();
+    let count = cuda_device_count()?;
+    if ordinal >= count {
+        return Err(Error::InvalidArgument(format!("CUDA device {ordinal} does not exist ({count} visible)")));
+    }
+    let mut map = CONTEXTS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(ctx) = map.get(&ordinal) {
+        ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
+        return Ok(ctx.clone());
+    }
+    let ctx = CudaContext::new(ordinal).map_err(Error::driver("cuDevicePrimaryCtxRetain"))?;
+    map.insert(ordinal, ctx.clone());
+    Ok(ctx)
+}
+
+/// What the driver reports about one CUDA device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaDeviceInfo {
+    /// The device's ordinal.
+    pub ordinal: usize,
+    /// The marketing name, such as "NVIDIA H200".
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    /// Total device memory in bytes.
+    pub total_memory: usize,
+    /// Free device memory in bytes at the time of the call.
+    pub free_memory: usize,
+    /// Whether the device supports stream-ordered memory pools (`cuMemAllocAsync`).
+    pub memory_pools: bool,
+    /// PCI bus id, as `domain:bus:device`.
+    pub pci_bus_id: String,
+}
+
+/// Lists the CUDA devices (an error when there is no driver or no GPU).
+pub fn cuda_devices() -> Result<Vec<CudaDeviceInfo>> {
+    (0..cuda_device_count()?).map(cuda_device_info).collect()
+}
+
+fn cuda_device_info(ordinal: usize) -> Result<CudaDeviceInfo> {
+    let ctx = context(ordinal)?;
+    let attr = |a| ctx.attribute(a).map_err(Error::driver("cuDeviceGetAttribute"));
+    let (free_memory, total_memory) = ctx.mem_get_info().map_err(Error::driver("cuMemGetInfo"))?;
+    Ok(CudaDeviceInfo {
+        ordinal,
+        name: ctx.name().map_err(Error::driver("cuDeviceGetName"))?,
+        compute_capability: ctx.compute_capability().map_err(Error::driver("cuDeviceGetAttribute"))?,
+        total_memory,
+        free_memory,
+        memory_pools: ctx.has_async_alloc(),
+        pci_bus_id: format!(
+            "{:04x}:{:02x}:{:02x}",
+            attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+            attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+            attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
+        ),
+    })
+}
+
+/// Every device this machine offers: the CPU, then for each GPU its device memory and its
+/// pinned host memory.
+pub fn devices() -> Vec<Device> {
+    let gpus = cuda_device_count().unwrap_or(0);
+    std::iter::once(Device::Cpu)
+        .chain((0..gpus).flat_map(|o| [Device::Cuda(o), Device::CudaHost(o)]))
+        .collect()
+}
+
+/// An ordered queue of work on a device. On the CPU, work runs when it is issued.
+#[derive(Clone, Debug)]
+pub struct Stream {
+    inner: StreamInner,
+}
+
+#[derive(Clone, Debug)]
+enum StreamInner {
+    Cpu,
+    Cuda(Arc<CudaStream>),
+}
+
+impl Stream {
+    /// The CPU's stream: work completes before the call that issues it returns.
+    pub fn cpu() -> Stream {
+        Stream { inner: StreamInner::Cpu }
+    }
+
+    /// A new non-blocking stream on `device`'s GPU (the CPU stream for [`Device::Cpu`]).
+    pub fn new(device: Device) -> Result<Stream> {
+        match device.context()? {
+            None => Ok(Stream::cpu()),
+            Some(ctx) => {
+                let s = ctx.new_stream().map_err(Error::driver("cuStreamCreate"))?;
+                Ok(Stream { inner: StreamInner::Cuda(s) })
+            }
+        }
+    }
+
+    /// The crate's shared stream for `device`, created on first use and kept for the process.
+    pub fn shared(device: Device) -> Result<Stream> {
+        static STREAMS: OnceLock<Mutex<HashMap<usize, Stream>>> = OnceLock::new();
+        let Some(ordinal) = device.ordinal() else { return Ok(Stream::cpu()) };
+        let mut map = STREAMS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = map.get(&ordinal) {
+            return Ok(s.clone());
+        }
+        let s = Stream::new(Device::Cuda(ordinal))?;
+        map.insert(ordinal, s.clone());
+        Ok(s)
+    }
+
+    /// Wraps a cudarc stream.
+    pub fn from_cuda(stream: Arc<CudaStream>) -> Stream {
+        Stream { inner: StreamInner::Cuda(stream) }
+    }
+
+    /// The cudarc stream, or `None` for the CPU.
+    pub fn cuda(&self) -> Option<&Arc<CudaStream>> {
+        match &self.inner {
+            StreamInner::Cpu => None,
+            StreamInner::Cuda(s) => Some(s),
+        }
+    }
+
+    /// The device whose work this stream orders.
+    pub fn device(&self) -> Device {
+        match &self.inner {
+            StreamInner::Cpu => Device::Cpu,
+            StreamInner::Cuda(s) => Device::Cuda(s.context().ordinal()),
+        }
+    }
+
+    /// The raw `CUstream` (null for the CPU) with its context bound to the calling thread.
+    pub(crate) fn bind(&self) -> Result<sys::CUstream> {
+        match &self.inner {
+            StreamInner::Cpu => Ok(std::ptr::null_mut()),
+            StreamInner::Cuda(s) => {
+                s.context().bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
+                Ok(s.cu_stream())
+            }
+        }
+    }
+
+    /// Blocks until all work issued so far has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        match &self.inner {
+            StreamInner::Cpu => Ok(()),
+            StreamInner::Cuda(s) => s.synchronize().map_err(Error::driver("cuStreamSynchronize")),
+        }
+    }
+
+    /// Records an event that completes when all work issued so far has finished.
+    pub fn record(&self) -> Result<Event> {
+        match &self.inner {
+            StreamInner::Cpu => Ok(Event::completed()),
+            StreamInner::Cuda(s) => {
+                let e = s.record_event(None).map_err(Error::driver("cuEventRecord"))?;
+                Ok(Event { inner: EventInner::Cuda(Arc::new(e)) })
+            }
+        }
+    }
+
+    /// Makes work issued later on this stream wait for `event`, without blocking the host.
+    /// On the CPU stream this blocks until the event completes.
+    pub fn wait(&self, event: &Event) -> Result<()> {
+        match (&self.inner, &event.inner) {
+            (_, EventInner::Completed) => Ok(()),
+            (StreamInner::Cpu, EventInner::Cuda(_)) => event.synchronize(),
+            (StreamInner::Cuda(s), EventInner::Cuda(e)) => {
+                self.bind()?;
+                // SAFETY: both handles are alive for the call; a wait across contexts is allowed.
+                unsafe { result::stream::wait_event(s.cu_stream(), e.cu_event(), sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+                    .map_err(Error::driver("cuStreamWaitEvent"))
+            }
+        }
+    }
+}
+
+/// A point in a stream's work. Completed events (from the CPU) never block.
+#[derive(Clone, Debug)]
+pub struct Event {
+    inner: EventInner,
+}
+
+#[derive(Clone, Debug)]
+enum EventInner {
+    Completed,
+    Cuda(Arc<CudaEvent>),
+}
+
+impl Event {
+    /// An event with nothing to wait for.
+    pub fn completed() -> Event {
+        Event { inner: EventInner::Completed }
+    }
+
+    /// Wraps a cudarc event.
+    pub fn from_cuda(event: Arc<CudaEvent>) -> Event {
+        Event { inner: EventInner::Cuda(event) }
+    }
+
+    /// The cudarc event, or `None` when there is nothing to wait for.
+    pub fn cuda(&self) -> Option<&Arc<CudaEvent>> {
+        match &self.inner {
+            EventInner::Completed => None,
+            EventInner::Cuda(e) => Some(e),
+        }
+    }
+
+    /// Blocks until the event has completed.
+    pub fn synchronize(&self) -> Result<()> {
+        match &self.inner {
+            EventInner::Completed => Ok(()),
+            EventInner::Cuda(e) => e.synchronize().map_err(Error::driver("cuEventSynchronize")),
+        }
+    }
+
+    /// Whether the work before the event has finished.
+    pub fn is_complete(&self) -> Result<bool> {
+        match &self.inner {
+            EventInner::Completed => Ok(true),
+            EventInner::Cuda(e) => e.try_is_complete().map_err(Error::driver("cuEventQuery")),
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! Page-locked host memory: a reusable pool, so that pinning never happens on a hot path.
+//!
+//! Pinning costs about as much as copying the memory over the link, so blocks are kept and reused.
+//! A block taken from a [`PinnedPool`] is a [`DeviceBuffer`]; when its last view drops (including
+//! arrow buffers made from it), the block goes back to the pool.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use crate::device::Stream;
+use crate::error::Result;
+use crate::memory::resource::{Allocation, MemoryResource};
+use crate::memory::DeviceBuffer;
+
+/// Free blocks larger than this are not kept by default.
+const DEFAULT_CACHE_LIMIT: usize = 8 << 30;
+
+/// A cache of pinned host blocks of one kind (plain or write-combined) for one device.
+#[derive(Debug)]
+pub struct PinnedPool {
+    resource: MemoryResource,
+    state: Mutex<PoolState>,
+}
+
+#[derive(Debug, Default)]
+struct PoolState {
+    free: HashMap<usize, Vec<Allocation>>,
+    cached: usize,
+    limit: usize,
+}
+
+/// Returns its block to the pool on drop.
+struct PooledBlock {
+    block: Option<Allocation>,
+    pool: Weak<PinnedPool>,
+}
+
+impl Drop for PooledBlock {
+    fn drop(&mut self) {
+        if let (Some(block), Some(pool)) = (self.block.take(), self.pool.upgrade()) {
+            pool.put_back(block);
+        }
+    }
+}
+
+impl PinnedPool {
+    /// The process-wide pool of `resource` ([`MemoryResource::PinnedHost`] or
+    /// [`MemoryResource::WriteCombinedHost`]).
+    pub fn shared(resource: MemoryResource) -> Result<Arc<PinnedPool>> {
+        static POOLS: OnceLock<Mutex<HashMap<MemoryResource, Arc<PinnedPool>>>> = OnceLock::new();
+        if !matches!(resource, MemoryResource::PinnedHost(_) | MemoryResource::WriteCombinedHost(_)) {
+            return Err(crate::Error::InvalidArgument(format!("{resource:?} is not pinned host memory")));
+        }
+        let mut pools = POOLS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+        Ok(pools.entry(resource).or_insert_with(|| Arc::new(PinnedPool::new(resource))).clone())
+    }
+
+    /// A new, empty pool of `resource`.
+    pub fn new(resource: MemoryResource) -> PinnedPool {
+        PinnedPool { resource, state: Mutex::new(PoolState { limit: DEFAULT_CACHE_LIMIT, ..Default::default() }) }
+    }
+
+    /// Sets how many bytes of free blocks the pool keeps; blocks beyond it are freed.
+    pub fn set_cache_limit(&self, bytes: usize) {
+        let mut s = self.lock();
+        s.limit = bytes;
+        s.trim();
+    }
+
+    /// Bytes held in free blocks.
+    pub fn cached_bytes(&self) -> usize {
+        self.lock().cached
+    }
+
+    /// Frees every cached block.
+    pub fn trim(&self) {
+        let mut s = self.lock();
+        s.free.clear();
+        s.cached = 0;
+    }
+
+    /// A buffer of exactly `len` bytes of pinned memory, from a cached block when one fits. Its
+    /// contents are whatever the block held before.
+    pub fn take(self: &Arc<Self>, len: usize) -> Result<DeviceBuffer> {
+        let class = size_class(len);
+        let cached = {
+            let mut s = self.lock();
+            let block = s.free.get_mut(&class).and_then(Vec::pop);
+            if block.is_some() {
+                s.cached -= class;
+            }
+            block
+        };
+        let block = match cached {
+            Some(b) => b,
+            None => self.resource.allocate(class, &Stream::cpu())?,
+        };
+        let (ptr, resource) = (block.ptr(), block.resource());
+        let owner = PooledBlock { block: Some(block), pool: Arc::downgrade(self) };
+        // SAFETY: the block is `class >= len` bytes of pinned memory of `resource`, kept alive by `owner`.
+        let alloc = unsafe { Allocation::owned_by(ptr, class, resource, Box::new(owner)) };
+        DeviceBuffer::from_allocation(alloc).slice(0, len)
+    }
+
+    fn put_back(&self, block: Allocation) {
+        let mut s = self.lock();
+        let size = block.size();
+        if s.cached + size <= s.limit {
+            s.cached += size;
+            s.free.entry(size).or_default().push(block);
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl PoolState {
+    fn trim(&mut self) {
+        let mut sizes: Vec<usize> = self.free.keys().copied().collect();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        for size in sizes {
+            while self.cached > self.limit {
+                match self.free.get_mut(&size).and_then(Vec::pop) {
+                    Some(_) => self.cached -= size,
+                    None => break,
+                }
+            }
+        }
+    }
+}
+
+/// Rounds up to one of eight sizes per power of two (at least 64 KiB), wasting at most 12.5%.
+fn size_class(len: usize) -> usize {
+    let len = len.max(64 << 10);
+    let step = len.next_power_of_two() / 8;
+    len.div_ceil(step) * step
+}
+
+#[cfg(test)]
+mod tests {
+    use super::size_class;
+
+    #[test]
+    fn size_classes_round_up_by_at_most_an_eighth() {
+        assert_eq!(size_class(0), 64 << 10);
+        assert_eq!(size_class(1 << 30), 1 << 30);
+        assert_eq!(size_class((1 << 30) + 1), (1 << 30) + (1 << 28));
+        for len in [65_537usize, 1_000_000, 3 << 20, 123_456_789] {
+            let c = size_class(len);
+            assert!(c >= len && c - len <= len / 8 + 1, "{len} -> {c}");
+        }
+    }
+}

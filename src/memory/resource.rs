@@ -1,0 +1,223 @@
+//! Memory resources and the allocations they hand out.
+
+use std::alloc::Layout;
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, result, sys};
+
+use crate::device::{Device, Stream};
+use crate::error::{Error, Result};
+
+/// The alignment of every allocation this crate makes on the host, and of every buffer it plans.
+pub const ALIGNMENT: usize = 64;
+
+/// Where and how memory is allocated. Every [`DeviceBuffer`](crate::DeviceBuffer) remembers its resource.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum MemoryResource {
+    /// Ordinary host memory, 64-byte aligned, zero-initialised (the CPU device).
+    Host,
+    /// Stream-ordered pool memory of a GPU (`cuMemAllocAsync`): fast to allocate and free, but
+    /// `cuIpcGetMemHandle` rejects it, so it cannot cross processes. Falls back to
+    /// [`MemoryResource::Device`] on GPUs without memory pools.
+    DevicePool(usize),
+    /// Plain device memory (`cuMemAlloc`) that CUDA IPC can export.
+    Device(usize),
+    /// Page-locked host memory (`cuMemHostAlloc`, portable and mapped into the device's address
+    /// space): the fast target of device-to-host copies, readable by the CPU at full speed.
+    PinnedHost(usize),
+    /// Write-combined page-locked host memory: fast for uploads, very slow for the CPU to read.
+    WriteCombinedHost(usize),
+    /// CUDA managed (unified) memory (`cuMemAllocManaged`), reachable from host and device.
+    Managed(usize),
+    /// Memory allocated elsewhere and wrapped, on the given device.
+    Foreign(Device),
+}
+
+impl MemoryResource {
+    /// The resource a device uses by default: pool memory for a GPU, pinned memory for CUDA_HOST.
+    pub fn default_for(device: Device) -> MemoryResource {
+        match device {
+            Device::Cpu => MemoryResource::Host,
+            Device::Cuda(o) => MemoryResource::DevicePool(o),
+            Device::CudaHost(o) => MemoryResource::PinnedHost(o),
+            Device::CudaManaged(o) => MemoryResource::Managed(o),
+        }
+    }
+
+    /// The device that this resource's memory belongs to.
+    pub fn device(self) -> Device {
+        match self {
+            MemoryResource::Host => Device::Cpu,
+            MemoryResource::DevicePool(o) | MemoryResource::Device(o) => Device::Cuda(o),
+            MemoryResource::PinnedHost(o) | MemoryResource::WriteCombinedHost(o) => Device::CudaHost(o),
+            MemoryResource::Managed(o) => Device::CudaManaged(o),
+            MemoryResource::Foreign(d) => d,
+        }
+    }
+
+    /// Whether `cuIpcGetMemHandle` accepts memory of this resource.
+    pub fn ipc_exportable(self) -> bool {
+        matches!(self, MemoryResource::Device(_))
+    }
+
+    /// Allocates `size` bytes. Pool memory is allocated in the order of `stream` (the device's shared
+    /// stream when `stream` is the CPU's) and later freed on that stream.
+    pub(crate) fn allocate(self, size: usize, stream: &Stream) -> Result<Allocation> {
+        let device = self.device();
+        if size == 0 {
+            return Ok(Allocation { ptr: ALIGNMENT as u64, size, resource: self, release: Release::Nothing });
+        }
+        let ctx = device.context()?;
+        let alloc_err = |call| Error::alloc(call, device, size);
+        let (ptr, release) = match (self, ctx) {
+            (MemoryResource::Host, _) => {
+                let layout = Layout::from_size_align(size, ALIGNMENT)
+                    .map_err(|_| Error::OutOfMemory { device, requested: size })?;
+                // SAFETY: the layout has a non-zero size (checked above).
+                let p = unsafe { std::alloc::alloc_zeroed(layout) };
+                if p.is_null() {
+                    return Err(Error::OutOfMemory { device, requested: size });
+                }
+                (p as u64, Release::Host(layout))
+            }
+            (MemoryResource::DevicePool(o), Some(ctx)) if ctx.has_async_alloc() => {
+                let stream = match stream.cuda() {
+                    Some(s) if s.context().ordinal() == o => stream.clone(),
+                    _ => Stream::shared(device)?,
+                };
+                let raw = stream.bind()?;
+                // SAFETY: the stream belongs to this device's context, bound above.
+                let p = unsafe { result::malloc_async(raw, size) }.map_err(alloc_err("cuMemAllocAsync"))?;
+                (p, Release::Pool(stream))
+            }
+            (MemoryResource::DevicePool(_) | MemoryResource::Device(_), Some(ctx)) => {
+                ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
+                // SAFETY: the context is bound to this thread.
+                let p = unsafe { result::malloc_sync(size) }.map_err(alloc_err("cuMemAlloc"))?;
+                (p, Release::Device(ctx))
+            }
+            (MemoryResource::PinnedHost(_) | MemoryResource::WriteCombinedHost(_), Some(ctx)) => {
+                let mut flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+                if matches!(self, MemoryResource::WriteCombinedHost(_)) {
+                    flags |= sys::CU_MEMHOSTALLOC_WRITECOMBINED;
+                }
+                ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
+                // SAFETY: the context is bound to this thread.
+                let p = unsafe { result::malloc_host(size, flags) }.map_err(alloc_err("cuMemHostAlloc"))?;
+                (p as u64, Release::PinnedHost(ctx))
+            }
+            (MemoryResource::Managed(_), Some(ctx)) => {
+                ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
+                // SAFETY: the context is bound to this thread.
+                let p = unsafe { result::malloc_managed(size, sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL) }
+                    .map_err(alloc_err("cuMemAllocManaged"))?;
+                (p, Release::Device(ctx))
+            }
+            (MemoryResource::Foreign(_), _) => {
+                return Err(Error::Unsupported("foreign memory is wrapped, not allocated".into()));
+            }
+            (_, None) => unreachable!("every CUDA resource's device has a context"),
+        };
+        Ok(Allocation { ptr, size, resource: self, release })
+    }
+}
+
+/// How an allocation is given back.
+enum Release {
+    Nothing,
+    Host(Layout),
+    Device(Arc<CudaContext>),
+    Pool(Stream),
+    PinnedHost(Arc<CudaContext>),
+    Owner(#[allow(dead_code)] Box<dyn Any + Send + Sync>),
+}
+
+/// One block of memory with one owner. Buffers share it through an `Arc` and view ranges of it.
+pub(crate) struct Allocation {
+    ptr: u64,
+    size: usize,
+    resource: MemoryResource,
+    release: Release,
+}
+
+impl Allocation {
+    /// Wraps memory owned by `owner`, which is dropped when the allocation is.
+    ///
+    /// # Safety
+    /// `ptr..ptr + size` must be memory of `device` that stays valid until `owner` is dropped.
+    pub(crate) unsafe fn foreign(ptr: u64, size: usize, device: Device, owner: Box<dyn Any + Send + Sync>) -> Self {
+        Allocation { ptr, size, resource: MemoryResource::Foreign(device), release: Release::Owner(owner) }
+    }
+
+    /// Like [`Allocation::foreign`], but keeping the resource the memory came from.
+    ///
+    /// # Safety
+    /// As for [`Allocation::foreign`], and the memory must be of `resource`'s kind.
+    pub(crate) unsafe fn owned_by(ptr: u64, size: usize, resource: MemoryResource, owner: Box<dyn Any + Send + Sync>) -> Self {
+        Allocation { ptr, size, resource, release: Release::Owner(owner) }
+    }
+
+    pub(crate) fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub(crate) fn size(&self) -> usize {
+        self.size
+    }
+
+    pub(crate) fn resource(&self) -> MemoryResource {
+        self.resource
+    }
+
+    /// Frees pool memory in the order of `stream` rather than the stream it was allocated on
+    /// (other kinds of memory are freed at once).
+    pub(crate) fn free_on(mut self, stream: &Stream) {
+        if let Release::Pool(s) = &mut self.release
+            && stream.cuda().is_some_and(|c| Some(c.context().ordinal()) == self.resource.device().ordinal())
+        {
+            *s = stream.clone();
+        }
+    }
+}
+
+impl fmt::Debug for Allocation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Allocation({:#x}, {} bytes, {:?})", self.ptr, self.size, self.resource)
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        // Errors cannot be reported from here and must not panic; the driver keeps them sticky for
+        // the context, where the next call reports them.
+        match &self.release {
+            Release::Nothing | Release::Owner(_) => {}
+            Release::Host(layout) => {
+                // SAFETY: allocated with exactly this layout in `allocate`.
+                unsafe { std::alloc::dealloc(self.ptr as *mut u8, *layout) }
+            }
+            Release::Device(ctx) => {
+                if ctx.bind_to_thread().is_ok() {
+                    // SAFETY: allocated by cuMemAlloc / cuMemAllocManaged in this context, freed once.
+                    let _ = unsafe { result::free_sync(self.ptr) };
+                }
+            }
+            Release::Pool(stream) => {
+                if let Ok(raw) = stream.bind() {
+                    // SAFETY: allocated by cuMemAllocAsync on this device, freed once in stream order.
+                    let _ = unsafe { result::free_async(self.ptr, raw) };
+                }
+            }
+            Release::PinnedHost(ctx) => {
+                if ctx.bind_to_thread().is_ok() {
+                    // SAFETY: allocated by cuMemHostAlloc, freed once.
+                    let _ = unsafe { result::free_host(self.ptr as *mut std::ffi::c_void) };
+                }
+            }
+        }
+    }
+}
+

@@ -1,0 +1,36 @@
+//! Shared by the integration tests: the devices each case runs on.
+#![allow(dead_code)]
+
+use arrow_cuda::{Device, Stream};
+
+/// Whether this machine has an NVIDIA GPU, whatever the driver says: on such a machine CUDA cases
+/// must run, never skip.
+fn gpu_machine() -> bool {
+    std::path::Path::new("/dev/nvidia0").exists() || std::env::var_os("ARROW_CUDA_REQUIRE_GPU").is_some()
+}
+
+/// The devices every case runs on: the CPU always, CUDA device 0 when a GPU is present. Without a
+/// GPU the CUDA case prints `skipped: no CUDA device`; on a GPU machine whose driver fails, it panics.
+pub fn devices() -> Vec<Device> {
+    let mut out = vec![Device::Cpu];
+    match arrow_cuda::device::cuda_device_count() {
+        Ok(_) => out.push(Device::Cuda(0)),
+        Err(e) if gpu_machine() => panic!("this machine has a GPU but CUDA is unusable: {e}"),
+        Err(_) => eprintln!("skipped: no CUDA device"),
+    }
+    out
+}
+
+/// Runs `case` on every device with a fresh stream, naming the device when it fails.
+pub fn each_device(mut case: impl FnMut(Device, &Stream)) {
+    for device in devices() {
+        let stream = Stream::new(device).expect("stream");
+        eprintln!("device {device}");
+        case(device, &stream);
+    }
+}
+
+/// The CUDA device, or `None` (printing `skipped: no CUDA device`) on a machine without a GPU.
+pub fn cuda() -> Option<Device> {
+    devices().into_iter().find(|d| matches!(d, Device::Cuda(_)))
+}
