@@ -1,10 +1,13 @@
 #![doc = include_str!("../README.md")]
 
 pub mod abi;
+pub mod array;
 pub mod device;
 mod error;
 pub mod memory;
+pub mod transfer;
 
+pub use array::{DeviceArrayData, DeviceRecordBatch};
 pub use device::{Device, Event, Stream};
 pub use error::{Error, Result};
 pub use memory::{DeviceBuffer, MemoryResource};

@@ -132,6 +132,14 @@ impl DeviceBuffer {
         self.is_host_accessible().then(|| unsafe { std::slice::from_raw_parts(self.address() as *const u8, self.len) })
     }
 
+    /// The bytes for writing, when the memory is host-accessible and this is its only view.
+    pub fn host_slice_mut(&mut self) -> Option<&mut [u8]> {
+        // SAFETY: host-accessible memory of `len` bytes that no other view can reach (checked), and
+        // `&mut self` keeps this one from being used meanwhile.
+        (self.is_host_accessible() && self.is_mutable())
+            .then(|| unsafe { std::slice::from_raw_parts_mut(self.address() as *mut u8, self.len) })
+    }
+
     /// Wraps host-accessible memory as an arrow [`Buffer`](arrow_buffer::Buffer) without a copy; the
     /// arrow buffer keeps the memory alive. Device memory is refused: no device pointer ever enters
     /// an arrow buffer through safe code.

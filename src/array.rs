@@ -1,0 +1,266 @@
+//! Arrays and record batches whose buffers live on a device.
+//!
+//! [`DeviceArrayData`] mirrors arrow-rs [`ArrayData`]: the same data type, length, offset, null
+//! bitmap, buffers and children (dictionary values are child 0, as in arrow-rs), with every buffer a
+//! [`DeviceBuffer`]. CPU code never reads the buffers of a CUDA array; it reaches the host only
+//! through an explicit copy (see [`crate::transfer`]).
+
+use std::sync::Arc;
+
+use arrow_data::ArrayData;
+use arrow_schema::{DataType, SchemaRef};
+
+use crate::device::{Device, Event};
+use crate::error::{Error, Result};
+use crate::memory::DeviceBuffer;
+
+/// The layout of one array on a device, as arrow-rs [`ArrayData`] lays it out on the host.
+#[derive(Clone, Debug)]
+pub struct DeviceArrayData {
+    pub(crate) data_type: DataType,
+    pub(crate) len: usize,
+    pub(crate) offset: usize,
+    pub(crate) null_count: Option<usize>,
+    pub(crate) nulls: Option<DeviceBuffer>,
+    pub(crate) buffers: Vec<DeviceBuffer>,
+    pub(crate) children: Vec<DeviceArrayData>,
+}
+
+impl DeviceArrayData {
+    /// Assembles an array from its parts, checking that every buffer is on `device` and that the
+    /// null count fits the length. Buffer sizes are checked against the type when the array is
+    /// copied to the host.
+    #[allow(clippy::too_many_arguments)]
+    pub fn try_new(
+        data_type: DataType,
+        len: usize,
+        offset: usize,
+        null_count: Option<usize>,
+        nulls: Option<DeviceBuffer>,
+        buffers: Vec<DeviceBuffer>,
+        children: Vec<DeviceArrayData>,
+    ) -> Result<Self> {
+        if let Some(n) = null_count
+            && (n > len || (n > 0 && nulls.is_none()))
+        {
+            return Err(Error::InvalidData(format!("null count {n} with length {len} and bitmap: {}", nulls.is_some())));
+        }
+        let data = DeviceArrayData { data_type, len, offset, null_count, nulls, buffers, children };
+        let mismatch = {
+            let mut devices = data.all_buffers().map(DeviceBuffer::device);
+            devices.next().and_then(|first| devices.find(|d| *d != first).map(|other| (first, other)))
+        };
+        match mismatch {
+            Some((first, other)) => Err(Error::InvalidData(format!("buffers on {first} and {other} in one array"))),
+            None => Ok(data),
+        }
+    }
+
+    /// The Arrow data type.
+    pub fn data_type(&self) -> &DataType {
+        &self.data_type
+    }
+
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the array has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The offset of the first element in the buffers, in elements (bits for bitmaps).
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// The number of nulls, when known (a slice of an array with nulls does not know it).
+    pub fn null_count(&self) -> Option<usize> {
+        self.null_count
+    }
+
+    /// The validity bitmap, if any element may be null.
+    pub fn nulls(&self) -> Option<&DeviceBuffer> {
+        self.nulls.as_ref()
+    }
+
+    /// The data buffers, without the validity bitmap, in arrow-rs order.
+    pub fn buffers(&self) -> &[DeviceBuffer] {
+        &self.buffers
+    }
+
+    /// The children (dictionary values are child 0).
+    pub fn children(&self) -> &[DeviceArrayData] {
+        &self.children
+    }
+
+    /// The device the buffers live on (the CPU for an array without buffers).
+    pub fn device(&self) -> Device {
+        self.all_buffers().next().map_or(Device::Cpu, DeviceBuffer::device)
+    }
+
+    /// Every buffer of the array and its descendants, validity bitmaps included.
+    pub fn all_buffers(&self) -> Box<dyn Iterator<Item = &DeviceBuffer> + '_> {
+        Box::new(
+            self.nulls
+                .iter()
+                .chain(self.buffers.iter())
+                .chain(self.children.iter().flat_map(|c| c.all_buffers())),
+        )
+    }
+
+    /// The total number of bytes of all buffers.
+    pub fn size_in_bytes(&self) -> usize {
+        self.all_buffers().map(DeviceBuffer::len).sum()
+    }
+
+    /// A zero-copy slice of `len` elements from `offset`. As in the C Data Interface, the offset of
+    /// a struct applies to its children too.
+    pub fn slice(&self, offset: usize, len: usize) -> Result<DeviceArrayData> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => {}
+            _ => return Err(Error::OutOfBounds { offset, len, size: self.len }),
+        }
+        let mut out = self.clone();
+        out.len = len;
+        out.offset = self.offset + offset;
+        // Counting the slice's nulls would read the bitmap; it is unknown unless there were none.
+        out.null_count = if self.null_count == Some(0) { Some(0) } else { None };
+        Ok(out)
+    }
+
+    /// Converts to an arrow-rs [`ArrayData`] whose buffers point at this array's memory, for APIs
+    /// that only move pointers (arrow-rs's C Data Interface export, say). The buffers keep the
+    /// memory alive. Fails when a device array's null count is unknown (after a slice): arrow-rs
+    /// would count it by reading the bitmap.
+    ///
+    /// # Safety
+    /// When the array is not host-accessible, nothing may read the returned data's buffers on the
+    /// CPU: no validation, no `make_array` accessors, no printing, no IPC writing. Only pointers may
+    /// be moved.
+    pub unsafe fn to_array_data_unchecked(&self) -> Result<ArrayData> {
+        let children = self
+            .children
+            .iter()
+            // SAFETY: the caller's contract covers the children.
+            .map(|c| unsafe { c.to_array_data_unchecked() })
+            .collect::<Result<Vec<_>>>()?;
+        // SAFETY: the caller keeps the CPU away from device memory.
+        let buffers = self.buffers.iter().map(|b| unsafe { b.arrow_buffer_unchecked() }).collect();
+        let mut builder =
+            ArrayData::builder(self.data_type.clone()).len(self.len).offset(self.offset).buffers(buffers).child_data(children);
+        if let Some(n) = &self.nulls {
+            if self.null_count.is_none() && !n.is_host_accessible() {
+                return Err(Error::Unsupported("the null count of a sliced device array is unknown".into()));
+            }
+            // SAFETY: as above.
+            builder = builder.null_bit_buffer(Some(unsafe { n.arrow_buffer_unchecked() }));
+            if let Some(count) = self.null_count {
+                builder = builder.null_count(count);
+            }
+        }
+        // SAFETY: not validated, so nothing reads the buffers; the caller's contract covers the rest.
+        Ok(unsafe { builder.build_unchecked() })
+    }
+}
+
+/// A record batch whose columns live on a device, with the event that marks them ready.
+#[derive(Clone, Debug)]
+pub struct DeviceRecordBatch {
+    schema: SchemaRef,
+    columns: Vec<DeviceArrayData>,
+    num_rows: usize,
+    ready: Event,
+}
+
+impl DeviceRecordBatch {
+    /// Assembles a batch, checking column count, types and lengths against the schema.
+    pub fn try_new(schema: SchemaRef, columns: Vec<DeviceArrayData>, num_rows: usize, ready: Event) -> Result<Self> {
+        if schema.fields().len() != columns.len() {
+            return Err(Error::InvalidData(format!(
+                "schema has {} fields but {} columns were given",
+                schema.fields().len(),
+                columns.len()
+            )));
+        }
+        for (field, column) in schema.fields().iter().zip(&columns) {
+            if field.data_type() != column.data_type() {
+                return Err(Error::InvalidData(format!(
+                    "column {} has type {} but the schema says {}",
+                    field.name(),
+                    column.data_type(),
+                    field.data_type()
+                )));
+            }
+            if column.len() != num_rows {
+                return Err(Error::InvalidData(format!(
+                    "column {} has {} rows, the batch {num_rows}",
+                    field.name(),
+                    column.len()
+                )));
+            }
+        }
+        Ok(DeviceRecordBatch { schema, columns, num_rows, ready })
+    }
+
+    /// The schema, with its metadata.
+    pub fn schema(&self) -> &SchemaRef {
+        &self.schema
+    }
+
+    /// The columns.
+    pub fn columns(&self) -> &[DeviceArrayData] {
+        &self.columns
+    }
+
+    /// The column at `i`.
+    pub fn column(&self, i: usize) -> &DeviceArrayData {
+        &self.columns[i]
+    }
+
+    /// The number of rows.
+    pub fn num_rows(&self) -> usize {
+        self.num_rows
+    }
+
+    /// The number of columns.
+    pub fn num_columns(&self) -> usize {
+        self.columns.len()
+    }
+
+    /// The event that completes when the columns' contents are in place. Work on another stream
+    /// must wait on it ([`crate::Stream::wait`]) before using them.
+    pub fn ready(&self) -> &Event {
+        &self.ready
+    }
+
+    /// The device of the columns (the CPU for a batch without buffers).
+    pub fn device(&self) -> Device {
+        self.columns.iter().find(|c| c.all_buffers().next().is_some()).map_or(Device::Cpu, DeviceArrayData::device)
+    }
+
+    /// The total bytes of all buffers.
+    pub fn size_in_bytes(&self) -> usize {
+        self.columns.iter().map(DeviceArrayData::size_in_bytes).sum()
+    }
+
+    /// Keeps only the columns at `indices`, in that order, sharing their memory.
+    pub fn project(&self, indices: &[usize]) -> Result<DeviceRecordBatch> {
+        let schema = Arc::new(self.schema.project(indices)?);
+        let columns = indices.iter().map(|&i| self.columns[i].clone()).collect();
+        Ok(DeviceRecordBatch { schema, columns, num_rows: self.num_rows, ready: self.ready.clone() })
+    }
+
+    /// A zero-copy slice of `len` rows from `offset`.
+    pub fn slice(&self, offset: usize, len: usize) -> Result<DeviceRecordBatch> {
+        let columns = self.columns.iter().map(|c| c.slice(offset, len)).collect::<Result<_>>()?;
+        Ok(DeviceRecordBatch { schema: self.schema.clone(), columns, num_rows: len, ready: self.ready.clone() })
+    }
+
+    pub(crate) fn into_parts(self) -> (SchemaRef, Vec<DeviceArrayData>, usize, Event) {
+        (self.schema, self.columns, self.num_rows, self.ready)
+    }
+}
+

@@ -1,0 +1,264 @@
+//! Copies of whole record batches between the host and a device.
+//!
+//! Host to device: [`plan`] every buffer (64-byte aligned, only the bytes a slice views), pack the
+//! batch into pinned staging on every core in chunks while the previous chunk's DMA runs, and issue
+//! one DMA per chunk into one device allocation; the device arrays are views of it.
+//!
+//! Device to host: the buffers of each allocation are copied in one DMA per contiguous span into one
+//! pinned block, whose ranges become the arrow buffers without another copy. The block goes back
+//! to the pinned pool when the last arrow buffer drops.
+//!
+//! On the CPU device the same plans run with `memcpy`.
+
+mod plan;
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+
+use arrow_array::{ArrayRef, RecordBatch, RecordBatchOptions, make_array};
+use arrow_data::ArrayData;
+use arrow_schema::SchemaRef;
+use rayon::prelude::*;
+
+use crate::array::{DeviceArrayData, DeviceRecordBatch};
+use crate::device::{Device, Event, Stream};
+use crate::error::{Error, Result};
+use crate::memory::pinned::PinnedPool;
+use crate::memory::{ALIGNMENT, DeviceBuffer, MemoryResource, copy, stream_for};
+
+use plan::{Layout, Plan};
+
+/// Bytes packed and sent per DMA on large uploads.
+const CHUNK: usize = 32 << 20;
+/// Chunks whose DMA may be in flight while the next is packed.
+const IN_FLIGHT: usize = 4;
+
+/// Copies `batch` to `device` and returns when the copy has finished.
+pub fn htod(batch: &RecordBatch, device: Device, stream: &Stream) -> Result<DeviceRecordBatch> {
+    let out = htod_async(batch, MemoryResource::default_for(device), stream)?;
+    out.ready().synchronize()?;
+    Ok(out)
+}
+
+/// Copies `batch` into memory of `resource`. Returns once `batch` has been read (it may be dropped
+/// then); the result's [`DeviceRecordBatch::ready`] event completes when the data is in place.
+pub fn htod_async(batch: &RecordBatch, resource: MemoryResource, stream: &Stream) -> Result<DeviceRecordBatch> {
+    let data: Vec<ArrayData> = batch.columns().iter().map(|c| c.to_data()).collect();
+    let mut plan = Plan::default();
+    let layouts = data.iter().map(|d| plan.array(d)).collect::<Result<Vec<_>>>()?;
+    let (memory, ready) = pack(&plan, resource, stream)?;
+    let columns = layouts.iter().map(|l| l.to_device(&memory)).collect::<Result<_>>()?;
+    DeviceRecordBatch::try_new(batch.schema(), columns, batch.num_rows(), ready)
+}
+
+/// Copies one array to `device` and returns when the copy has finished.
+pub fn htod_array(array: &dyn arrow_array::Array, device: Device, stream: &Stream) -> Result<DeviceArrayData> {
+    let data = array.to_data();
+    let mut plan = Plan::default();
+    let layout = plan.array(&data)?;
+    let (memory, ready) = pack(&plan, MemoryResource::default_for(device), stream)?;
+    ready.synchronize()?;
+    layout.to_device(&memory)
+}
+
+/// Allocates the plan's memory and fills it; returns the memory and the event of the last copy.
+fn pack(plan: &Plan<'_>, resource: MemoryResource, stream: &Stream) -> Result<(DeviceBuffer, Event)> {
+    let device = resource.device();
+    let stream = stream_for(stream, device, Device::Cpu)?;
+    let mut memory = DeviceBuffer::alloc(resource, plan.size(), &stream)?;
+    if let Some(out) = memory.host_slice_mut() {
+        plan.fill_parallel(0, out);
+        return Ok((memory, Event::completed()));
+    }
+    let ordinal = device.ordinal().ok_or_else(|| Error::Unsupported(format!("{device} is not host-accessible")))?;
+    let pool = PinnedPool::shared(MemoryResource::PinnedHost(ordinal))?;
+    release_finished();
+    let mut in_flight: VecDeque<(DeviceBuffer, Event)> = VecDeque::new();
+    let result = (|| {
+        for start in (0..plan.size()).step_by(CHUNK) {
+            let len = CHUNK.min(plan.size() - start);
+            if in_flight.len() >= IN_FLIGHT
+                && let Some((_, done)) = in_flight.pop_front()
+            {
+                done.synchronize()?;
+            }
+            let mut stage = pool.take(len)?;
+            let out = stage.host_slice_mut().ok_or_else(|| Error::Unsupported("staging is not host memory".into()))?;
+            plan.fill_parallel(start, out);
+            // SAFETY: both ranges are valid; the staging block is kept (in `in_flight`, then the
+            // deferred list) until the event recorded after the copy completes.
+            unsafe { copy(memory.address() + start as u64, device, stage.address(), stage.device(), len, &stream)? };
+            in_flight.push_back((stage, stream.record()?));
+        }
+        stream.record()
+    })();
+    defer_release(in_flight);
+    Ok((memory, result?))
+}
+
+/// Staging blocks whose DMA may still be running, kept until their events complete.
+static DEFERRED: Mutex<Vec<(DeviceBuffer, Event)>> = Mutex::new(Vec::new());
+
+fn defer_release(items: VecDeque<(DeviceBuffer, Event)>) {
+    let mut deferred = DEFERRED.lock().unwrap_or_else(|p| p.into_inner());
+    deferred.extend(items);
+}
+
+/// Returns staging blocks whose copies have finished to the pool.
+fn release_finished() {
+    let mut deferred = DEFERRED.lock().unwrap_or_else(|p| p.into_inner());
+    // An event that cannot be queried is kept: freeing memory a DMA may still read is worse.
+    deferred.retain(|(_, e)| !e.is_complete().unwrap_or(false));
+}
+
+/// Copies `batch` to the host and returns it once the copy has finished and been validated.
+pub fn dtoh(batch: &DeviceRecordBatch, stream: &Stream) -> Result<RecordBatch> {
+    dtoh_async(batch, stream)?.wait()
+}
+
+/// Starts copying `batch` to the host; [`PendingBatch::wait`] finishes the job. The copy waits on
+/// the batch's ready event on the device, without blocking the host.
+pub fn dtoh_async(batch: &DeviceRecordBatch, stream: &Stream) -> Result<PendingBatch> {
+    let (memory, layouts, event) = gather(batch.columns(), batch.device(), Some(batch.ready()), stream)?;
+    Ok(PendingBatch { schema: batch.schema().clone(), num_rows: batch.num_rows(), memory, layouts, event })
+}
+
+/// Copies one array to the host and returns it once the copy has finished and been validated.
+pub fn dtoh_array(array: &DeviceArrayData, stream: &Stream) -> Result<ArrayRef> {
+    let (memory, layouts, event) = gather(std::slice::from_ref(array), array.device(), None, stream)?;
+    event.synchronize()?;
+    Ok(make_array(layouts[0].to_host(&memory)?))
+}
+
+/// A device-to-host copy in flight.
+#[derive(Debug)]
+pub struct PendingBatch {
+    schema: SchemaRef,
+    num_rows: usize,
+    memory: DeviceBuffer,
+    layouts: Vec<Layout>,
+    event: Event,
+}
+
+impl PendingBatch {
+    /// The event that completes when the bytes have arrived.
+    pub fn event(&self) -> &Event {
+        &self.event
+    }
+
+    /// Waits for the copy and builds the record batch, validating every array.
+    pub fn wait(self) -> Result<RecordBatch> {
+        self.event.synchronize()?;
+        let columns = self.layouts.iter().map(|l| Ok(make_array(l.to_host(&self.memory)?))).collect::<Result<Vec<_>>>()?;
+        let options = RecordBatchOptions::new().with_row_count(Some(self.num_rows));
+        Ok(RecordBatch::try_new_with_options(self.schema, columns, &options)?)
+    }
+}
+
+/// One run of bytes in one allocation, copied in one piece.
+struct Span {
+    src: u64,
+    len: usize,
+    dst: usize,
+}
+
+/// Copies every buffer of `arrays` into one host block: returns the block, the arrays' layouts in
+/// it and the event of the last copy.
+fn gather(
+    arrays: &[DeviceArrayData],
+    device: Device,
+    ready: Option<&Event>,
+    stream: &Stream,
+) -> Result<(DeviceBuffer, Vec<Layout>, Event)> {
+    let stream = stream_for(stream, device, Device::Cpu)?;
+    if let Some(ready) = ready {
+        stream.wait(ready)?;
+    }
+    // Group buffers by allocation, in address order; nearby buffers of one allocation share a span.
+    let mut buffers: Vec<&DeviceBuffer> = arrays.iter().flat_map(|a| a.all_buffers()).collect();
+    buffers.sort_by_key(|b| b.address());
+    let mut spans: Vec<Span> = Vec::new();
+    let mut span_of = Vec::with_capacity(buffers.len());
+    let mut size = 0usize;
+    for (i, b) in buffers.iter().enumerate() {
+        let joins = i > 0 && b.shares_allocation(buffers[i - 1]) && spans.last().is_some_and(|s| {
+            let end = s.src + s.len as u64;
+            b.address() <= end + 4096
+        });
+        if joins {
+            let s = spans.last_mut().expect("joined span");
+            s.len = s.len.max((b.address() + b.len() as u64 - s.src) as usize);
+        } else {
+            // Keep each span's address modulo the alignment, so aligned buffers stay aligned.
+            let dst = size.next_multiple_of(ALIGNMENT) + (b.address() % ALIGNMENT as u64) as usize;
+            spans.push(Span { src: b.address(), len: b.len(), dst });
+        }
+        let s = spans.last().expect("span");
+        size = size.max(s.dst + s.len);
+        span_of.push(spans.len() - 1);
+    }
+    let mut memory = match device {
+        Device::Cpu => DeviceBuffer::alloc(MemoryResource::Host, size, &stream)?,
+        _ => {
+            let ordinal = device.ordinal().unwrap_or(0);
+            PinnedPool::shared(MemoryResource::PinnedHost(ordinal))?.take(size)?
+        }
+    };
+    match stream.cuda() {
+        None => {
+            let out = memory.host_slice_mut().ok_or_else(|| Error::Unsupported("host block is not host memory".into()))?;
+            copy_spans_on_host(&spans, out);
+        }
+        Some(_) => {
+            for s in &spans {
+                // SAFETY: each span lies inside one live allocation (its buffers are views of it) and
+                // inside `memory`; `memory` is not read until the event recorded below completes.
+                unsafe { copy(memory.address() + s.dst as u64, memory.device(), s.src, device, s.len, &stream)? };
+            }
+        }
+    }
+    let event = stream.record()?;
+    // Where each buffer landed, by address.
+    let mut place = std::collections::HashMap::with_capacity(buffers.len());
+    for (b, &si) in buffers.iter().zip(&span_of) {
+        let s = &spans[si];
+        let start = s.dst + (b.address() - s.src) as usize;
+        place.insert((b.address(), b.len()), start..start + b.len());
+    }
+    let layouts = arrays.iter().map(|a| host_layout(a, &place)).collect();
+    Ok((memory, layouts, event))
+}
+
+fn copy_spans_on_host(spans: &[Span], out: &mut [u8]) {
+    let base = out.as_mut_ptr() as usize;
+    spans.par_iter().for_each(|s| {
+        // SAFETY: spans are disjoint ranges of `out` (each starts past the previous end) and each
+        // source is a live host-accessible buffer of at least `len` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(s.src as *const u8, (base + s.dst) as *mut u8, s.len) };
+    });
+}
+
+fn host_layout(a: &DeviceArrayData, place: &std::collections::HashMap<(u64, usize), std::ops::Range<usize>>) -> Layout {
+    let at = |b: &DeviceBuffer| place[&(b.address(), b.len())].clone();
+    Layout {
+        data_type: a.data_type.clone(),
+        len: a.len,
+        offset: a.offset,
+        null_count: a.null_count,
+        nulls: a.nulls.as_ref().map(at),
+        buffers: a.buffers.iter().map(at).collect(),
+        children: a.children.iter().map(|c| host_layout(c, place)).collect(),
+    }
+}
+
+impl DeviceRecordBatch {
+    /// Copies a host batch to `device` on the device's shared stream; returns when it is there.
+    pub fn from_record_batch(batch: &RecordBatch, device: Device) -> Result<Self> {
+        htod(batch, device, &Stream::shared(device)?)
+    }
+
+    /// Copies the batch to the host on its device's shared stream.
+    pub fn to_record_batch(&self) -> Result<RecordBatch> {
+        dtoh(self, &Stream::shared(self.device())?)
+    }
+}

@@ -1,0 +1,333 @@
+//! Planning a copy: where every buffer of a batch goes in one allocation, and how its bytes are
+//! produced from the source.
+//!
+//! A sliced array is copied in proportion to the slice: values, offsets and children are cut to
+//! the range the slice views, offsets are rebased to start at zero, and validity bitmaps that start
+//! inside a byte are shifted, so that (except for run-end encoded arrays) every planned array has
+//! offset 0. The bytes between buffers are zeroed.
+
+use std::ops::Range;
+
+use arrow_buffer::Buffer;
+use arrow_data::ArrayData;
+use arrow_schema::{DataType, UnionMode};
+use rayon::prelude::*;
+
+use crate::array::DeviceArrayData;
+use crate::error::{Error, Result};
+use crate::memory::{ALIGNMENT, DeviceBuffer};
+
+/// How an operation's destination bytes are made from its source.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Transform {
+    /// A plain copy.
+    Copy,
+    /// A bitmap whose first bit is bit `n` (1..=7) of the first source byte, moved to bit 0.
+    ShiftBits(u8),
+    /// Little-endian `i32` offsets minus a base.
+    Rebase32(i32),
+    /// Little-endian `i64` offsets minus a base.
+    Rebase64(i64),
+}
+
+/// Produces `dst..dst + len` of the destination from `src`.
+#[derive(Clone, Debug)]
+pub(crate) struct PackOp<'a> {
+    src: &'a [u8],
+    dst: usize,
+    len: usize,
+    transform: Transform,
+}
+
+impl PackOp<'_> {
+    /// Writes destination bytes `dst + at .. dst + at + out.len()` of this operation into `out`.
+    /// `at` is a multiple of the element size (so of 64, or 0).
+    fn write(&self, at: usize, out: &mut [u8]) {
+        let src = &self.src[at.min(self.src.len())..];
+        match self.transform {
+            Transform::Copy => out.copy_from_slice(&src[..out.len()]),
+            Transform::ShiftBits(s) => {
+                for (j, o) in out.iter_mut().enumerate() {
+                    let lo = src[j] >> s;
+                    let hi = src.get(j + 1).map_or(0, |h| h << (8 - s));
+                    *o = lo | hi;
+                }
+            }
+            Transform::Rebase32(base) => {
+                for (o, s) in out.chunks_exact_mut(4).zip(src.chunks_exact(4)) {
+                    let v = i32::from_le_bytes([s[0], s[1], s[2], s[3]]).wrapping_sub(base);
+                    o.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            Transform::Rebase64(base) => {
+                for (o, s) in out.chunks_exact_mut(8).zip(src.chunks_exact(8)) {
+                    let v = i64::from_le_bytes(s.try_into().unwrap_or_default()).wrapping_sub(base);
+                    o.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+    }
+}
+
+/// Where one array's buffers are, as byte ranges of one allocation.
+#[derive(Clone, Debug)]
+pub(crate) struct Layout {
+    pub data_type: DataType,
+    pub len: usize,
+    pub offset: usize,
+    pub null_count: Option<usize>,
+    pub nulls: Option<Range<usize>>,
+    pub buffers: Vec<Range<usize>>,
+    pub children: Vec<Layout>,
+}
+
+impl Layout {
+    /// The device array these ranges of `memory` hold.
+    pub fn to_device(&self, memory: &DeviceBuffer) -> Result<DeviceArrayData> {
+        let slice = |r: &Range<usize>| memory.slice(r.start, r.len());
+        Ok(DeviceArrayData {
+            data_type: self.data_type.clone(),
+            len: self.len,
+            offset: self.offset,
+            null_count: self.null_count,
+            nulls: self.nulls.as_ref().map(slice).transpose()?,
+            buffers: self.buffers.iter().map(slice).collect::<Result<_>>()?,
+            children: self.children.iter().map(|c| c.to_device(memory)).collect::<Result<_>>()?,
+        })
+    }
+
+    /// The arrow array these ranges of host-accessible `memory` hold, fully validated.
+    pub fn to_host(&self, memory: &DeviceBuffer) -> Result<ArrayData> {
+        let buffer = |r: &Range<usize>| memory.slice(r.start, r.len())?.to_arrow_buffer();
+        let mut builder = ArrayData::builder(self.data_type.clone())
+            .len(self.len)
+            .offset(self.offset)
+            .align_buffers(true)
+            .buffers(self.buffers.iter().map(buffer).collect::<Result<_>>()?)
+            .child_data(self.children.iter().map(|c| c.to_host(memory)).collect::<Result<_>>()?);
+        if let Some(r) = &self.nulls {
+            let bits = self.offset.checked_add(self.len).ok_or_else(|| Error::InvalidData("length overflows".into()))?;
+            if r.len() < bits.div_ceil(8) {
+                return Err(Error::InvalidData(format!(
+                    "validity bitmap of {} bytes is too short for {bits} bits",
+                    r.len()
+                )));
+            }
+            builder = builder.null_bit_buffer(Some(buffer(r)?));
+        }
+        Ok(builder.build()?)
+    }
+}
+
+/// Every operation that fills one allocation, and the arrays it will hold.
+#[derive(Debug, Default)]
+pub(crate) struct Plan<'a> {
+    ops: Vec<PackOp<'a>>,
+    size: usize,
+}
+
+/// Eight zero bytes: the offsets of an empty array whose source has no offsets buffer.
+static ZERO_OFFSETS: [u8; 8] = [0; 8];
+
+impl<'a> Plan<'a> {
+    /// The size of the allocation.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Plans a whole array.
+    pub fn array(&mut self, data: &'a ArrayData) -> Result<Layout> {
+        self.window(data, 0, data.len())
+    }
+
+    /// Reserves `len` bytes produced from `src` and returns their range.
+    fn push(&mut self, src: &'a [u8], len: usize, transform: Transform) -> Range<usize> {
+        let dst = self.size.next_multiple_of(ALIGNMENT);
+        self.size = dst + len;
+        if len > 0 {
+            self.ops.push(PackOp { src, dst, len, transform });
+        }
+        dst..dst + len
+    }
+
+    /// `len` bytes of `buffer` from `start`, copied.
+    fn bytes(&mut self, buffer: &'a Buffer, start: usize, len: usize) -> Result<Range<usize>> {
+        let src = source(buffer, start, len)?;
+        Ok(self.push(src, len, Transform::Copy))
+    }
+
+    /// `bits` bits of a bitmap from bit `start`, moved to bit 0.
+    fn bitmap(&mut self, buffer: &'a Buffer, start: usize, bits: usize) -> Result<Range<usize>> {
+        let len = bits.div_ceil(8);
+        let first = start / 8;
+        let needed = (start + bits).div_ceil(8) - first;
+        match (start % 8) as u8 {
+            0 => self.bytes(buffer, first, len),
+            shift => {
+                let src = source(buffer, first, needed)?;
+                Ok(self.push(src, len, Transform::ShiftBits(shift)))
+            }
+        }
+    }
+
+    /// `count + 1` offsets of `width` bytes from element `start`, rebased to 0; returns their range
+    /// and the first and last source offsets.
+    fn offsets(&mut self, buffer: &'a Buffer, start: usize, count: usize, width: usize) -> Result<(Range<usize>, usize, usize)> {
+        let len = (count + 1) * width;
+        if buffer.is_empty() && count == 0 {
+            return Ok((self.push(&ZERO_OFFSETS[..width], len, Transform::Copy), 0, 0));
+        }
+        let src = source(buffer, start * width, len)?;
+        let read = |i: usize| -> i64 {
+            let b = &src[i * width..(i + 1) * width];
+            if width == 4 { i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64 } else { i64::from_le_bytes(b.try_into().unwrap_or_default()) }
+        };
+        let (first, last) = (read(0), read(count));
+        if first < 0 || last < first {
+            return Err(Error::InvalidData(format!("offsets run from {first} to {last}")));
+        }
+        let transform = if width == 4 { Transform::Rebase32(first as i32) } else { Transform::Rebase64(first) };
+        Ok((self.push(src, len, transform), first as usize, last as usize))
+    }
+
+    /// Plans elements `start..start + len` of `data` (logical indices, before `data.offset()`).
+    fn window(&mut self, data: &'a ArrayData, start: usize, len: usize) -> Result<Layout> {
+        let p = data.offset() + start;
+        let (nulls, null_count) = match data.nulls() {
+            None => (None, 0),
+            Some(n) => {
+                let bits = n.inner();
+                let count = if start == 0 && len == data.len() { n.null_count() } else { n.slice(start, len).null_count() };
+                (Some(self.bitmap(bits.inner(), bits.offset() + start, len)?), count)
+            }
+        };
+        let mut layout = Layout {
+            data_type: data.data_type().clone(),
+            len,
+            offset: 0,
+            null_count: Some(null_count),
+            nulls,
+            buffers: vec![],
+            children: vec![],
+        };
+        let buffers = data.buffers();
+        let child = |i: usize| {
+            data.child_data().get(i).ok_or_else(|| Error::InvalidData(format!("{} array without child {i}", data.data_type())))
+        };
+        let buffer = |i: usize| {
+            buffers.get(i).ok_or_else(|| Error::InvalidData(format!("{} array without buffer {i}", data.data_type())))
+        };
+        match data.data_type() {
+            DataType::Null => {}
+            DataType::Boolean => layout.buffers.push(self.bitmap(buffer(0)?, p, len)?),
+            DataType::FixedSizeBinary(w) => {
+                let w = *w as usize;
+                layout.buffers.push(self.bytes(buffer(0)?, p * w, len * w)?);
+            }
+            DataType::Utf8 | DataType::Binary | DataType::LargeUtf8 | DataType::LargeBinary => {
+                let width = if matches!(data.data_type(), DataType::Utf8 | DataType::Binary) { 4 } else { 8 };
+                let (offsets, first, last) = self.offsets(buffer(0)?, p, len, width)?;
+                layout.buffers.push(offsets);
+                layout.buffers.push(self.bytes(buffer(1)?, first, last - first)?);
+            }
+            DataType::Utf8View | DataType::BinaryView => {
+                // Views address their data buffers by index and offset: the data buffers travel whole.
+                layout.buffers.push(self.bytes(buffer(0)?, p * 16, len * 16)?);
+                for b in &buffers[1..] {
+                    layout.buffers.push(self.bytes(b, 0, b.len())?);
+                }
+            }
+            DataType::List(_) | DataType::Map(..) | DataType::LargeList(_) => {
+                let width = if matches!(data.data_type(), DataType::LargeList(_)) { 8 } else { 4 };
+                let (offsets, first, last) = self.offsets(buffer(0)?, p, len, width)?;
+                layout.buffers.push(offsets);
+                layout.children.push(self.window(child(0)?, first, last - first)?);
+            }
+            DataType::ListView(_) | DataType::LargeListView(_) => {
+                // Views may point anywhere in the child: it travels whole.
+                let width = if matches!(data.data_type(), DataType::ListView(_)) { 4 } else { 8 };
+                layout.buffers.push(self.bytes(buffer(0)?, p * width, len * width)?);
+                layout.buffers.push(self.bytes(buffer(1)?, p * width, len * width)?);
+                let c = child(0)?;
+                layout.children.push(self.window(c, 0, c.len())?);
+            }
+            DataType::FixedSizeList(_, size) => {
+                let size = *size as usize;
+                layout.children.push(self.window(child(0)?, p * size, len * size)?);
+            }
+            DataType::Struct(_) => {
+                for c in data.child_data() {
+                    layout.children.push(self.window(c, p, len)?);
+                }
+            }
+            DataType::Union(_, mode) => {
+                layout.buffers.push(self.bytes(buffer(0)?, p, len)?);
+                match mode {
+                    UnionMode::Sparse => {
+                        for c in data.child_data() {
+                            layout.children.push(self.window(c, p, len)?);
+                        }
+                    }
+                    UnionMode::Dense => {
+                        layout.buffers.push(self.bytes(buffer(1)?, p * 4, len * 4)?);
+                        for c in data.child_data() {
+                            layout.children.push(self.window(c, 0, c.len())?);
+                        }
+                    }
+                }
+            }
+            DataType::Dictionary(key, _) => {
+                let w = key.primitive_width().ok_or_else(|| Error::InvalidData(format!("dictionary key {key}")))?;
+                layout.buffers.push(self.bytes(buffer(0)?, p * w, len * w)?);
+                let values = child(0)?;
+                layout.children.push(self.window(values, 0, values.len())?);
+            }
+            DataType::RunEndEncoded(..) => {
+                // Run ends are logical positions: the children travel whole and the offset stays.
+                layout.offset = p;
+                for c in data.child_data() {
+                    layout.children.push(self.window(c, 0, c.len())?);
+                }
+            }
+            dt => {
+                let w = dt.primitive_width().ok_or_else(|| Error::Unsupported(format!("data type {dt}")))?;
+                layout.buffers.push(self.bytes(buffer(0)?, p * w, len * w)?);
+            }
+        }
+        Ok(layout)
+    }
+
+    /// Writes destination bytes `start..start + out.len()` into `out`, zeroing the gaps between
+    /// buffers. `start` must be a multiple of [`ALIGNMENT`].
+    pub fn fill(&self, start: usize, out: &mut [u8]) {
+        let end = start + out.len();
+        let first = self.ops.partition_point(|op| op.dst + op.len <= start);
+        let mut cursor = start;
+        for op in self.ops[first..].iter().take_while(|op| op.dst < end) {
+            let from = op.dst.max(start);
+            let to = (op.dst + op.len).min(end);
+            out[cursor - start..from - start].fill(0);
+            op.write(from - op.dst, &mut out[from - start..to - start]);
+            cursor = to;
+        }
+        out[cursor - start..].fill(0);
+    }
+
+    /// [`Plan::fill`] on every thread of the pool, in pieces of at least 1 MiB.
+    pub fn fill_parallel(&self, start: usize, out: &mut [u8]) {
+        const PIECE: usize = 1 << 20;
+        if out.len() <= PIECE {
+            return self.fill(start, out);
+        }
+        let piece = (out.len() / rayon::current_num_threads()).next_multiple_of(PIECE);
+        out.par_chunks_mut(piece).enumerate().for_each(|(i, part)| self.fill(start + i * piece, part));
+    }
+}
+
+/// `len` bytes of `buffer` from `start`, or an error naming the overrun.
+fn source(buffer: &Buffer, start: usize, len: usize) -> Result<&[u8]> {
+    start
+        .checked_add(len)
+        .and_then(|end| buffer.as_slice().get(start..end))
+        .ok_or(Error::OutOfBounds { offset: start, len, size: buffer.len() })
+}
