@@ -258,9 +258,4 @@ impl DeviceRecordBatch {
         let columns = self.columns.iter().map(|c| c.slice(offset, len)).collect::<Result<_>>()?;
         Ok(DeviceRecordBatch { schema: self.schema.clone(), columns, num_rows: len, ready: self.ready.clone() })
     }
-
-    pub(crate) fn into_parts(self) -> (SchemaRef, Vec<DeviceArrayData>, usize, Event) {
-        (self.schema, self.columns, self.num_rows, self.ready)
-    }
 }
-

@@ -3,6 +3,7 @@
 pub mod abi;
 pub mod array;
 pub mod device;
+pub mod ffi;
 mod error;
 pub mod memory;
 pub mod transfer;

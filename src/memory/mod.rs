@@ -2,9 +2,13 @@
 
 mod buffer;
 pub mod pinned;
+pub mod register;
 mod resource;
+pub mod view;
 
 pub use buffer::DeviceBuffer;
 pub(crate) use buffer::{check_range, copy, stream_for};
+pub use register::{Registered, RegisteredMut, register, register_mut};
 pub use resource::{ALIGNMENT, MemoryResource};
+pub use view::{Element, StridedView};
 pub(crate) use resource::Allocation;

@@ -1,0 +1,367 @@
+//! Zero-copy import of arrays and batches from the C Device Data Interface.
+//!
+//! The producer's struct is moved into an owner that every imported buffer shares; its release
+//! callback runs exactly once, when the last buffer drops. The structure (counts, lengths, offsets,
+//! pointers) is checked before anything is built; the sizes of string and binary data come from the
+//! last offset of each array, read after the producer's event, all of them with one synchronisation.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use arrow_schema::{DataType, Schema, UnionMode};
+use cudarc::driver::sys::CUevent;
+use cudarc::driver::result;
+
+use crate::abi::{FFI_ArrowArray, FFI_ArrowDeviceArray, FFI_ArrowSchema};
+use crate::array::{DeviceArrayData, DeviceRecordBatch};
+use crate::device::{Device, Event, Stream};
+use crate::error::{Error, Result};
+use crate::memory::pinned::PinnedPool;
+use crate::memory::{Allocation, DeviceBuffer, MemoryResource, copy, stream_for};
+
+/// Nesting deeper than this is refused rather than risking the stack.
+const MAX_DEPTH: usize = 64;
+
+/// The producer's struct, released when dropped.
+struct Imported(#[allow(dead_code)] FFI_ArrowDeviceArray);
+
+/// The size of one buffer: known from the lengths, or read from the device.
+#[derive(Clone, Copy)]
+enum Size {
+    Bytes(usize),
+    /// The value of offset read number `n`.
+    LastOffset(usize),
+}
+
+struct Buf {
+    ptr: u64,
+    size: Size,
+}
+
+struct Node {
+    data_type: DataType,
+    len: usize,
+    offset: usize,
+    null_count: Option<usize>,
+    nulls: Option<Buf>,
+    buffers: Vec<Buf>,
+    children: Vec<Node>,
+}
+
+/// Walks a producer's struct, checking it and noting which offsets must be read.
+struct Walker {
+    /// (address, width) of each offset to read.
+    reads: Vec<(u64, usize)>,
+}
+
+fn invalid(msg: impl Into<String>) -> Error {
+    Error::InvalidData(msg.into())
+}
+
+fn count(value: i64, what: &str) -> Result<usize> {
+    usize::try_from(value).map_err(|_| invalid(format!("negative {what}: {value}")))
+}
+
+impl Walker {
+    /// # Safety
+    /// `a` must be a valid, unreleased `ArrowArray` whose pointers are valid per the spec.
+    unsafe fn node(&mut self, a: &FFI_ArrowArray, dt: &DataType, depth: usize) -> Result<Node> {
+        if depth > MAX_DEPTH {
+            return Err(invalid(format!("nesting deeper than {MAX_DEPTH}")));
+        }
+        if a.release.is_none() {
+            return Err(invalid("a released child array"));
+        }
+        let len = count(a.length, "length")?;
+        let offset = count(a.offset, "offset")?;
+        let end = len.checked_add(offset).filter(|e| *e <= i64::MAX as usize / 16).ok_or_else(|| invalid("length + offset overflows"))?;
+        let null_count = match a.null_count {
+            -1 => None,
+            n if n >= 0 && n as usize <= len => Some(n as usize),
+            n => return Err(invalid(format!("null count {n} for length {len}"))),
+        };
+        let n_buffers = count(a.n_buffers, "buffer count")?;
+        let n_children = count(a.n_children, "child count")?;
+        if (n_buffers > 0 && a.buffers.is_null()) || (n_children > 0 && a.children.is_null()) {
+            return Err(invalid("null buffers or children array"));
+        }
+        if n_buffers > 4096 || n_children > 65536 {
+            return Err(invalid(format!("{n_buffers} buffers and {n_children} children")));
+        }
+        // SAFETY: non-null (checked) arrays of the stated lengths, valid per the caller.
+        let ptrs: &[*const c_void] =
+            if n_buffers == 0 { &[] } else { unsafe { std::slice::from_raw_parts(a.buffers as *const *const c_void, n_buffers) } };
+        // SAFETY: as above.
+        let kids: &[*mut FFI_ArrowArray] = if n_children == 0 { &[] } else { unsafe { std::slice::from_raw_parts(a.children, n_children) } };
+        let expect = |buffers: usize, children: usize| -> Result<()> {
+            if n_buffers != buffers || n_children != children {
+                return Err(invalid(format!(
+                    "{dt} array with {n_buffers} buffers and {n_children} children; expected {buffers} and {children}"
+                )));
+            }
+            Ok(())
+        };
+        let bytes = |i: usize, size: usize| Buf { ptr: ptrs[i] as u64, size: Size::Bytes(size) };
+        let mut node = Node {
+            data_type: dt.clone(),
+            len,
+            offset,
+            null_count,
+            nulls: None,
+            buffers: vec![],
+            children: vec![],
+        };
+        let has_validity = !matches!(dt, DataType::Null | DataType::Union(..) | DataType::RunEndEncoded(..));
+        if has_validity {
+            if n_buffers == 0 {
+                return Err(invalid(format!("{dt} array without a validity buffer slot")));
+            }
+            if ptrs[0].is_null() {
+                if null_count.is_some_and(|n| n > 0) {
+                    return Err(invalid(format!("{} nulls but no validity bitmap", a.null_count)));
+                }
+                node.null_count = Some(0);
+            } else {
+                node.nulls = Some(bytes(0, end.div_ceil(8)));
+            }
+        }
+        let child = |walker: &mut Walker, i: usize, dt: &DataType| -> Result<Node> {
+            let c = kids[i];
+            if c.is_null() {
+                return Err(invalid(format!("child {i} is null")));
+            }
+            // SAFETY: a non-null child of a valid array is valid per the caller.
+            unsafe { walker.node(&*c, dt, depth + 1) }
+        };
+        match dt {
+            DataType::Null => {
+                expect(0, 0)?;
+                node.null_count = Some(len);
+            }
+            DataType::Boolean => {
+                expect(2, 0)?;
+                node.buffers.push(bytes(1, end.div_ceil(8)));
+            }
+            DataType::FixedSizeBinary(w) => {
+                expect(2, 0)?;
+                node.buffers.push(bytes(1, end * (*w).max(0) as usize));
+            }
+            DataType::Utf8 | DataType::Binary | DataType::LargeUtf8 | DataType::LargeBinary => {
+                expect(3, 0)?;
+                let w = if matches!(dt, DataType::Utf8 | DataType::Binary) { 4 } else { 8 };
+                node.buffers.push(self.offsets(ptrs[1], end, w)?);
+                let data = if end == 0 && ptrs[1].is_null() { Size::Bytes(0) } else { Size::LastOffset(self.reads.len() - 1) };
+                node.buffers.push(Buf { ptr: ptrs[2] as u64, size: data });
+            }
+            DataType::Utf8View | DataType::BinaryView => {
+                if n_buffers < 3 || n_children != 0 {
+                    return Err(invalid(format!("{dt} array with {n_buffers} buffers and {n_children} children")));
+                }
+                let sizes_ptr = ptrs[n_buffers - 1] as *const i64;
+                let data_buffers = n_buffers - 3;
+                if sizes_ptr.is_null() && data_buffers > 0 {
+                    return Err(invalid("view array without its buffer sizes"));
+                }
+                node.buffers.push(bytes(1, end * 16));
+                for i in 0..data_buffers {
+                    // SAFETY: the last buffer holds one host int64 per data buffer (spec).
+                    let size = unsafe { sizes_ptr.add(i).read_unaligned() };
+                    node.buffers.push(bytes(2 + i, count(size, "view buffer size")?));
+                }
+            }
+            DataType::List(f) | DataType::LargeList(f) | DataType::Map(f, _) => {
+                expect(2, 1)?;
+                let w = if matches!(dt, DataType::LargeList(_)) { 8 } else { 4 };
+                node.buffers.push(Buf { ptr: ptrs[1] as u64, size: Size::Bytes(if end == 0 && ptrs[1].is_null() { 0 } else { (end + 1) * w }) });
+                node.children.push(child(self, 0, f.data_type())?);
+            }
+            DataType::ListView(f) | DataType::LargeListView(f) => {
+                expect(3, 1)?;
+                let w = if matches!(dt, DataType::ListView(_)) { 4 } else { 8 };
+                node.buffers.push(bytes(1, end * w));
+                node.buffers.push(bytes(2, end * w));
+                node.children.push(child(self, 0, f.data_type())?);
+            }
+            DataType::FixedSizeList(f, size) => {
+                expect(1, 1)?;
+                let c = child(self, 0, f.data_type())?;
+                let needed = end.checked_mul((*size).max(0) as usize).ok_or_else(|| invalid("fixed-size list too long"))?;
+                if c.len + c.offset < needed {
+                    return Err(invalid(format!("fixed-size list child has {} elements, {needed} needed", c.len)));
+                }
+                node.children.push(c);
+            }
+            DataType::Struct(fields) => {
+                expect(1, fields.len())?;
+                for (i, f) in fields.iter().enumerate() {
+                    let c = child(self, i, f.data_type())?;
+                    if c.len < end {
+                        return Err(invalid(format!("struct child {} has {} elements, {end} needed", f.name(), c.len)));
+                    }
+                    node.children.push(c);
+                }
+            }
+            DataType::Union(fields, mode) => {
+                let dense = matches!(mode, UnionMode::Dense);
+                expect(if dense { 2 } else { 1 }, fields.len())?;
+                node.buffers.push(bytes(0, end));
+                if dense {
+                    node.buffers.push(bytes(1, end * 4));
+                }
+                for (i, (_, f)) in fields.iter().enumerate() {
+                    let c = child(self, i, f.data_type())?;
+                    if !dense && c.len < end {
+                        return Err(invalid(format!("sparse union child {i} has {} elements, {end} needed", c.len)));
+                    }
+                    node.children.push(c);
+                }
+            }
+            DataType::Dictionary(key, values) => {
+                expect(2, 0)?;
+                let w = key.primitive_width().filter(|_| key.is_dictionary_key_type()).ok_or_else(|| invalid(format!("dictionary key {key}")))?;
+                node.buffers.push(bytes(1, end * w));
+                if a.dictionary.is_null() {
+                    return Err(invalid("dictionary array without a dictionary"));
+                }
+                // SAFETY: a non-null dictionary of a valid array is valid per the caller.
+                node.children.push(unsafe { self.node(&*a.dictionary, values, depth + 1)? });
+            }
+            DataType::RunEndEncoded(run_ends, values) => {
+                expect(0, 2)?;
+                node.children.push(child(self, 0, run_ends.data_type())?);
+                node.children.push(child(self, 1, values.data_type())?);
+            }
+            dt => {
+                let w = dt.primitive_width().ok_or_else(|| Error::Unsupported(format!("import of {dt}")))?;
+                expect(2, 0)?;
+                node.buffers.push(bytes(1, end * w));
+            }
+        }
+        Ok(node)
+    }
+
+    /// An offsets buffer of `end + 1` elements of `w` bytes; notes the last one for reading.
+    fn offsets(&mut self, ptr: *const c_void, end: usize, w: usize) -> Result<Buf> {
+        if ptr.is_null() {
+            return if end == 0 { Ok(Buf { ptr: 0, size: Size::Bytes(0) }) } else { Err(invalid("null offsets buffer")) };
+        }
+        self.reads.push((ptr as u64 + (end * w) as u64, w));
+        Ok(Buf { ptr: ptr as u64, size: Size::Bytes((end + 1) * w) })
+    }
+}
+
+/// Reads the noted offsets: directly for host memory, else one small copy each into pinned memory
+/// and one synchronisation of `stream`.
+fn read_offsets(reads: &[(u64, usize)], device: Device, stream: &Stream) -> Result<Vec<i64>> {
+    let decode = |b: &[u8], w: usize| {
+        if w == 4 { i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64 } else { i64::from_le_bytes(b[..8].try_into().unwrap_or_default()) }
+    };
+    if reads.is_empty() {
+        return Ok(vec![]);
+    }
+    if device.is_host_accessible() {
+        // SAFETY: each address is an element of an offsets buffer that is valid per the caller.
+        return Ok(reads.iter().map(|&(p, w)| decode(unsafe { std::slice::from_raw_parts(p as *const u8, w) }, w)).collect());
+    }
+    let ordinal = device.ordinal().unwrap_or(0);
+    let mut out = PinnedPool::shared(MemoryResource::PinnedHost(ordinal))?.take(reads.len() * 8)?;
+    for (i, &(p, w)) in reads.iter().enumerate() {
+        // SAFETY: the source is an offsets element on the device (valid per the caller) and the
+        // destination a slot of `out`, which is read only after the synchronisation below.
+        unsafe { copy(out.address() + (i * 8) as u64, out.device(), p, device, w, stream)? };
+    }
+    stream.synchronize()?;
+    let bytes = out.host_slice_mut().ok_or_else(|| invalid("pinned block is shared"))?;
+    Ok(reads.iter().enumerate().map(|(i, &(_, w))| decode(&bytes[i * 8..], w)).collect())
+}
+
+fn build(node: Node, device: Device, owner: &Arc<Imported>, offsets: &[i64]) -> Result<DeviceArrayData> {
+    let buffer = |b: Buf| -> Result<DeviceBuffer> {
+        let size = match b.size {
+            Size::Bytes(n) => n,
+            Size::LastOffset(i) => count(offsets[i], "last offset")?,
+        };
+        if b.ptr == 0 && size > 0 {
+            return Err(invalid(format!("null buffer where {size} bytes are needed")));
+        }
+        let owner: Box<dyn std::any::Any + Send + Sync> = Box::new(owner.clone());
+        let address = if b.ptr == 0 { crate::memory::ALIGNMENT as u64 } else { b.ptr };
+        // SAFETY: the producer guarantees `size` bytes at `ptr` on `device` until release, which
+        // `owner` defers until the last buffer drops.
+        Ok(DeviceBuffer::from_allocation(unsafe { Allocation::foreign(address, size, device, owner) }))
+    };
+    Ok(DeviceArrayData {
+        data_type: node.data_type,
+        len: node.len,
+        offset: node.offset,
+        null_count: node.null_count,
+        nulls: node.nulls.map(buffer).transpose()?,
+        buffers: node.buffers.into_iter().map(buffer).collect::<Result<_>>()?,
+        children: node.children.into_iter().map(|c| build(c, device, owner, offsets)).collect::<Result<_>>()?,
+    })
+}
+
+/// Imports an array of `data_type` without copying. Work issued later on `stream` waits for the
+/// producer's `sync_event`; the returned event marks that point. On error the struct is released.
+///
+/// # Safety
+/// `array` must follow the C Device Data Interface: its pointers valid, its buffers of the sizes its
+/// type and lengths imply, on the device it names.
+pub unsafe fn import_array(array: FFI_ArrowDeviceArray, data_type: &DataType, stream: &Stream) -> Result<(DeviceArrayData, Event)> {
+    if array.is_released() {
+        return Err(invalid("the array has been released"));
+    }
+    let device = Device::from_c(array.device_type, array.device_id)?;
+    let stream = stream_for(stream, device, Device::Cpu)?;
+    let ready = wait_for_producer(&array, device, &stream)?;
+    let mut walker = Walker { reads: vec![] };
+    // SAFETY: valid per the caller.
+    let node = unsafe { walker.node(&array.array, data_type, 0)? };
+    let offsets = read_offsets(&walker.reads, device, &stream)?;
+    let owner = Arc::new(Imported(array));
+    Ok((build(node, device, &owner, &offsets)?, ready))
+}
+
+/// Imports a batch exported as a struct array with its schema.
+///
+/// # Safety
+/// As for [`import_array`]; `schema` must be a valid `ArrowSchema`.
+pub unsafe fn import_batch(array: FFI_ArrowDeviceArray, schema: &FFI_ArrowSchema, stream: &Stream) -> Result<DeviceRecordBatch> {
+    let schema = match Schema::try_from(schema) {
+        Ok(s) => Arc::new(s),
+        Err(e) => return Err(e.into()),
+    };
+    let data_type = DataType::Struct(schema.fields().clone());
+    // SAFETY: forwarded from the caller.
+    let (data, ready) = unsafe { import_array(array, &data_type, stream)? };
+    if data.null_count.is_some_and(|n| n > 0) || (data.null_count.is_none() && data.nulls.is_some()) {
+        return Err(invalid("a record batch's struct array has nulls"));
+    }
+    let columns = data.children.iter().map(|c| c.slice(data.offset, data.len)).collect::<Result<_>>()?;
+    DeviceRecordBatch::try_new(schema, columns, data.len, ready)
+}
+
+/// Makes `stream` wait for the producer's event (the host, for host-accessible memory or the CPU
+/// stream), and returns the event that marks that point.
+fn wait_for_producer(array: &FFI_ArrowDeviceArray, device: Device, stream: &Stream) -> Result<Event> {
+    if array.sync_event.is_null() || device == Device::Cpu {
+        return Ok(Event::completed());
+    }
+    let ctx = device.context()?.ok_or_else(|| invalid("no context"))?;
+    ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
+    // SAFETY: for CUDA devices `sync_event` points to a CUevent (spec), valid until release.
+    let event = unsafe { *(array.sync_event as *const CUevent) };
+    match stream.cuda() {
+        Some(s) if !device.is_host_accessible() => {
+            // SAFETY: a valid event and stream.
+            unsafe { result::stream::wait_event(s.cu_stream(), event, cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+                .map_err(Error::driver("cuStreamWaitEvent"))?;
+            stream.record()
+        }
+        _ => {
+            // SAFETY: a valid event.
+            unsafe { result::event::synchronize(event) }.map_err(Error::driver("cuEventSynchronize"))?;
+            Ok(Event::completed())
+        }
+    }
+}
