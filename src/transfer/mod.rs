@@ -18,6 +18,7 @@ use std::sync::Mutex;
 use arrow_array::{ArrayRef, RecordBatch, RecordBatchOptions, make_array};
 use arrow_data::ArrayData;
 use arrow_schema::SchemaRef;
+use cudarc::driver::sys;
 use rayon::prelude::*;
 
 use crate::array::{DeviceArrayData, DeviceRecordBatch};
@@ -62,6 +63,10 @@ pub fn htod_array(array: &dyn arrow_array::Array, device: Device, stream: &Strea
 }
 
 /// Allocates the plan's memory and fills it; returns the memory and the event of the last copy.
+///
+/// For a GPU: plain copies of at least [`DIRECT_MIN`] bytes from pinned memory go straight to the
+/// device by DMA; everything else is packed into pinned staging chunks on every core, each chunk
+/// sent by one DMA while the next is packed.
 fn pack(plan: &Plan<'_>, resource: MemoryResource, stream: &Stream) -> Result<(DeviceBuffer, Event)> {
     let device = resource.device();
     let stream = stream_for(stream, device, Device::Cpu)?;
@@ -73,22 +78,44 @@ fn pack(plan: &Plan<'_>, resource: MemoryResource, stream: &Stream) -> Result<(D
     let ordinal = device.ordinal().ok_or_else(|| Error::Unsupported(format!("{device} is not host-accessible")))?;
     let pool = PinnedPool::shared(MemoryResource::PinnedHost(ordinal))?;
     release_finished();
-    let mut in_flight: VecDeque<(DeviceBuffer, Event)> = VecDeque::new();
+    stream.bind()?;
+    let direct = plan.direct_copies(DIRECT_MIN, is_pinned);
+    // The ranges between direct copies go through staging.
+    let mut packed = Vec::with_capacity(direct.len() + 1);
+    let mut at = 0;
+    for d in &direct {
+        if d.dst > at {
+            packed.push(at..d.dst);
+        }
+        at = (d.dst + d.src.len()).next_multiple_of(ALIGNMENT);
+    }
+    if at < plan.size() {
+        packed.push(at..plan.size());
+    }
+    let mut in_flight: VecDeque<(Keep, Event)> = VecDeque::new();
     let result = (|| {
-        for start in (0..plan.size()).step_by(CHUNK) {
-            let len = CHUNK.min(plan.size() - start);
-            if in_flight.len() >= IN_FLIGHT
-                && let Some((_, done)) = in_flight.pop_front()
-            {
-                done.synchronize()?;
+        for d in &direct {
+            // SAFETY: the source is pinned host memory of an arrow buffer kept alive (below) until
+            // the copy's event completes; the destination lies inside `memory`.
+            unsafe { copy(memory.address() + d.dst as u64, device, d.src.as_ptr() as u64, Device::CudaHost(ordinal), d.src.len(), &stream)? };
+            in_flight.push_back((Box::new(d.owner.clone()), stream.record()?));
+        }
+        for range in &packed {
+            for start in range.clone().step_by(CHUNK) {
+                let len = CHUNK.min(range.end - start);
+                if in_flight.len() >= IN_FLIGHT
+                    && let Some((_, done)) = in_flight.pop_front()
+                {
+                    done.synchronize()?;
+                }
+                let mut stage = pool.take(len)?;
+                let out = stage.host_slice_mut().ok_or_else(|| Error::Unsupported("staging is not host memory".into()))?;
+                plan.fill_parallel(start, out);
+                // SAFETY: both ranges are valid; the staging block is kept (in `in_flight`, then the
+                // deferred list) until the event recorded after the copy completes.
+                unsafe { copy(memory.address() + start as u64, device, stage.address(), stage.device(), len, &stream)? };
+                in_flight.push_back((Box::new(stage), stream.record()?));
             }
-            let mut stage = pool.take(len)?;
-            let out = stage.host_slice_mut().ok_or_else(|| Error::Unsupported("staging is not host memory".into()))?;
-            plan.fill_parallel(start, out);
-            // SAFETY: both ranges are valid; the staging block is kept (in `in_flight`, then the
-            // deferred list) until the event recorded after the copy completes.
-            unsafe { copy(memory.address() + start as u64, device, stage.address(), stage.device(), len, &stream)? };
-            in_flight.push_back((stage, stream.record()?));
         }
         stream.record()
     })();
@@ -96,15 +123,36 @@ fn pack(plan: &Plan<'_>, resource: MemoryResource, stream: &Stream) -> Result<(D
     Ok((memory, result?))
 }
 
-/// Staging blocks whose DMA may still be running, kept until their events complete.
-static DEFERRED: Mutex<Vec<(DeviceBuffer, Event)>> = Mutex::new(Vec::new());
+/// Plain copies at least this large from pinned memory skip the staging.
+const DIRECT_MIN: usize = 1 << 20;
 
-fn defer_release(items: VecDeque<(DeviceBuffer, Event)>) {
+/// Whether host memory is page-locked (and so can be the source of an asynchronous DMA).
+fn is_pinned(src: &[u8]) -> bool {
+    let mut kind = 0u32;
+    // SAFETY: a query about an address; the out-parameter is a 4-byte `CUmemorytype`. Pageable memory
+    // makes the call fail with CUDA_ERROR_INVALID_VALUE, which is not sticky.
+    let status = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut kind as *mut u32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            src.as_ptr() as u64,
+        )
+    };
+    status == sys::CUresult::CUDA_SUCCESS && kind == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32
+}
+
+/// Something that must outlive an in-flight copy.
+type Keep = Box<dyn std::any::Any + Send + Sync>;
+
+/// Memory that a DMA may still be reading, kept until its event completes.
+static DEFERRED: Mutex<Vec<(Keep, Event)>> = Mutex::new(Vec::new());
+
+fn defer_release(items: VecDeque<(Keep, Event)>) {
     let mut deferred = DEFERRED.lock().unwrap_or_else(|p| p.into_inner());
     deferred.extend(items);
 }
 
-/// Returns staging blocks whose copies have finished to the pool.
+/// Drops what finished copies no longer need (staging goes back to its pool).
 fn release_finished() {
     let mut deferred = DEFERRED.lock().unwrap_or_else(|p| p.into_inner());
     // An event that cannot be queried is kept: freeing memory a DMA may still read is worse.

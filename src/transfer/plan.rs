@@ -8,7 +8,7 @@
 
 use std::ops::Range;
 
-use arrow_buffer::Buffer;
+use arrow_buffer::{BooleanBuffer, Buffer, NullBuffer};
 use arrow_data::ArrayData;
 use arrow_schema::{DataType, UnionMode};
 use rayon::prelude::*;
@@ -37,6 +37,8 @@ pub(crate) struct PackOp<'a> {
     dst: usize,
     len: usize,
     transform: Transform,
+    /// The arrow buffer `src` lies in, for plain copies: kept alive while a DMA reads it directly.
+    owner: Option<&'a Buffer>,
 }
 
 impl PackOp<'_> {
@@ -69,6 +71,14 @@ impl PackOp<'_> {
     }
 }
 
+/// A plain copy straight from a source buffer, with the buffer that keeps the source alive.
+#[derive(Clone, Debug)]
+pub(crate) struct DirectCopy<'a> {
+    pub src: &'a [u8],
+    pub dst: usize,
+    pub owner: Buffer,
+}
+
 /// Where one array's buffers are, as byte ranges of one allocation.
 #[derive(Clone, Debug)]
 pub(crate) struct Layout {
@@ -98,23 +108,84 @@ impl Layout {
 
     /// The arrow array these ranges of host-accessible `memory` hold, fully validated.
     pub fn to_host(&self, memory: &DeviceBuffer) -> Result<ArrayData> {
-        let buffer = |r: &Range<usize>| memory.slice(r.start, r.len())?.to_arrow_buffer();
-        let mut builder = ArrayData::builder(self.data_type.clone())
-            .len(self.len)
-            .offset(self.offset)
-            .align_buffers(true)
-            .buffers(self.buffers.iter().map(buffer).collect::<Result<_>>()?)
-            .child_data(self.children.iter().map(|c| c.to_host(memory)).collect::<Result<_>>()?);
-        if let Some(r) = &self.nulls {
-            let bits = self.offset.checked_add(self.len).ok_or_else(|| Error::InvalidData("length overflows".into()))?;
-            if r.len() < bits.div_ceil(8) {
-                return Err(Error::InvalidData(format!(
-                    "validity bitmap of {} bytes is too short for {bits} bits",
-                    r.len()
-                )));
-            }
-            builder = builder.null_bit_buffer(Some(buffer(r)?));
+        self.host_window(memory, 0, self.len)
+    }
+
+    /// Elements `start..start + len` of this layout as an arrow array, fully validated.
+    ///
+    /// A struct's offset applies to its children here (as in the C Data Interface), but arrow-rs
+    /// cannot take a struct `ArrayData` with an offset: `ArrayData::slice` slices a struct's
+    /// children and sets its offset, and `StructArray::from` then slices them again, so
+    /// `make_array(struct_data.slice(k, n))` panics for `k > 0` (arrow-rs 59), and fixed-size
+    /// lists and sparse unions reach that path by slicing their children. So structs,
+    /// fixed-size lists and unions are built with offset 0: their offset moves into their
+    /// children's windows and their own buffers are cut.
+    fn host_window(&self, memory: &DeviceBuffer, start: usize, len: usize) -> Result<ArrayData> {
+        if start.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(Error::InvalidData(format!(
+                "{} window {start}..+{len} of an array of {} elements",
+                self.data_type, self.len
+            )));
         }
+        let offset = self.offset + start;
+        let bits = offset.checked_add(len).ok_or_else(|| Error::InvalidData("length overflows".into()))?;
+        let buffer = |r: &Range<usize>| memory.slice(r.start, r.len())?.to_arrow_buffer();
+        // `n` bytes from byte `from` of the buffer at `r`.
+        let cut = |r: &Range<usize>, from: usize, n: usize| {
+            if from.checked_add(n).is_none_or(|end| end > r.len()) {
+                return Err(Error::InvalidData(format!("buffer of {} bytes is too short for {}", r.len(), self.data_type)));
+            }
+            memory.slice(r.start + from, n)?.to_arrow_buffer()
+        };
+        let nulls = match &self.nulls {
+            None => None,
+            Some(r) => {
+                if r.len() < bits.div_ceil(8) {
+                    return Err(Error::InvalidData(format!(
+                        "validity bitmap of {} bytes is too short for {bits} bits",
+                        r.len()
+                    )));
+                }
+                Some(NullBuffer::new(BooleanBuffer::new(buffer(r)?, offset, len)))
+            }
+        };
+        let whole = |c: &Layout| c.host_window(memory, 0, c.len);
+        let buffer_at = |i: usize| {
+            self.buffers.get(i).ok_or_else(|| Error::InvalidData(format!("{} array without buffer {i}", self.data_type)))
+        };
+        let (offset, buffers, children) = match &self.data_type {
+            DataType::Struct(_) => {
+                (0, vec![], self.children.iter().map(|c| c.host_window(memory, offset, len)).collect::<Result<_>>()?)
+            }
+            DataType::FixedSizeList(_, size) => {
+                let size = *size as usize;
+                let children = self.children.iter().map(|c| c.host_window(memory, offset * size, len * size));
+                (0, vec![], children.collect::<Result<_>>()?)
+            }
+            DataType::Union(_, mode) => {
+                let mut buffers = vec![cut(buffer_at(0)?, offset, len)?];
+                let children: Result<Vec<_>> = match mode {
+                    UnionMode::Sparse => self.children.iter().map(|c| c.host_window(memory, offset, len)).collect(),
+                    UnionMode::Dense => {
+                        buffers.push(cut(buffer_at(1)?, offset * 4, len * 4)?);
+                        self.children.iter().map(whole).collect()
+                    }
+                };
+                (0, buffers, children?)
+            }
+            _ => (
+                offset,
+                self.buffers.iter().map(buffer).collect::<Result<_>>()?,
+                self.children.iter().map(whole).collect::<Result<_>>()?,
+            ),
+        };
+        let builder = ArrayData::builder(self.data_type.clone())
+            .len(len)
+            .offset(offset)
+            .align_buffers(true)
+            .buffers(buffers)
+            .child_data(children)
+            .nulls(nulls);
         Ok(builder.build()?)
     }
 }
@@ -142,18 +213,34 @@ impl<'a> Plan<'a> {
 
     /// Reserves `len` bytes produced from `src` and returns their range.
     fn push(&mut self, src: &'a [u8], len: usize, transform: Transform) -> Range<usize> {
-        let dst = self.size.next_multiple_of(ALIGNMENT);
-        self.size = dst + len;
-        if len > 0 {
-            self.ops.push(PackOp { src, dst, len, transform });
+        self.push_op(PackOp { src, dst: 0, len, transform, owner: None })
+    }
+
+    fn push_op(&mut self, mut op: PackOp<'a>) -> Range<usize> {
+        op.dst = self.size.next_multiple_of(ALIGNMENT);
+        self.size = op.dst + op.len;
+        let range = op.dst..op.dst + op.len;
+        if op.len > 0 {
+            self.ops.push(op);
         }
-        dst..dst + len
+        range
     }
 
     /// `len` bytes of `buffer` from `start`, copied.
     fn bytes(&mut self, buffer: &'a Buffer, start: usize, len: usize) -> Result<Range<usize>> {
         let src = source(buffer, start, len)?;
-        Ok(self.push(src, len, Transform::Copy))
+        Ok(self.push_op(PackOp { src, dst: 0, len, transform: Transform::Copy, owner: Some(buffer) }))
+    }
+
+    /// Plain copies of at least `min_len` bytes whose source passes `pinned`, in destination
+    /// order: these can be copied by DMA straight from the source.
+    pub fn direct_copies(&self, min_len: usize, mut pinned: impl FnMut(&[u8]) -> bool) -> Vec<DirectCopy<'a>> {
+        self.ops
+            .iter()
+            .filter(|op| op.len >= min_len && op.transform == Transform::Copy)
+            .filter_map(|op| Some(DirectCopy { src: op.src, dst: op.dst, owner: op.owner?.clone() }))
+            .filter(|d| pinned(d.src))
+            .collect()
     }
 
     /// `bits` bits of a bitmap from bit `start`, moved to bit 0.

@@ -1,0 +1,127 @@
+#![allow(missing_docs)] // criterion_group! generates undocumented functions
+//! Record batches to the GPU and back, beside the naive path (one cudarc copy per buffer).
+//!
+//! `cargo bench --bench transfer`. Prints `skipped: no CUDA device` without a GPU.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arrow_array::{ArrayRef, Float64Array, Int64Array, RecordBatch, StringArray};
+use arrow_buffer::ScalarBuffer;
+use arrow_cuda::memory::pinned::PinnedPool;
+use arrow_cuda::transfer::{dtoh, htod};
+use arrow_cuda::{Device, MemoryResource, Stream};
+use arrow_data::ArrayData;
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use cudarc::driver::{CudaSlice, CudaStream};
+
+const GIB_ROWS: usize = (1 << 30) / 16 / 8;
+
+/// 16 Int64 columns, 1 GiB in all, in ordinary (pageable) memory.
+fn gib_batch() -> RecordBatch {
+    let columns: Vec<ArrayRef> =
+        (0..16).map(|c| Arc::new(Int64Array::from_iter_values((0..GIB_ROWS as i64).map(|i| i * 16 + c))) as ArrayRef).collect();
+    RecordBatch::try_from_iter(columns.into_iter().enumerate().map(|(i, c)| (format!("c{i}"), c))).unwrap()
+}
+
+/// The same batch with every buffer in pinned memory.
+fn pinned_gib_batch(ordinal: usize) -> RecordBatch {
+    let pool = PinnedPool::shared(MemoryResource::PinnedHost(ordinal)).unwrap();
+    let columns = (0..16).map(|c| {
+        let mut block = pool.take(GIB_ROWS * 8).unwrap();
+        let out = block.host_slice_mut().unwrap();
+        for (i, v) in out.chunks_exact_mut(8).enumerate() {
+            v.copy_from_slice(&((i as i64) * 16 + c).to_le_bytes());
+        }
+        let values = ScalarBuffer::<i64>::new(block.to_arrow_buffer().unwrap(), 0, GIB_ROWS);
+        (format!("c{c}"), Arc::new(Int64Array::new(values, None)) as ArrayRef)
+    });
+    RecordBatch::try_from_iter(columns).unwrap()
+}
+
+/// 100 columns x 1,000 rows with nulls and strings: about 300 small buffers.
+fn small_batch() -> RecordBatch {
+    let rows = 1000;
+    let columns = (0..100).map(|c| {
+        let array: ArrayRef = match c % 3 {
+            0 => Arc::new(Int64Array::from_iter((0..rows).map(|i| (i % 7 != 0).then_some(i as i64 * c)))),
+            1 => Arc::new(Float64Array::from_iter((0..rows).map(|i| (i % 5 != 0).then_some(i as f64 / 3.0)))),
+            _ => Arc::new(StringArray::from_iter((0..rows).map(|i| (i % 11 != 0).then(|| format!("value {i} of column {c}"))))),
+        };
+        (format!("c{c}"), array)
+    });
+    RecordBatch::try_from_iter(columns).unwrap()
+}
+
+/// TPC-H lineitem, 1M rows (strings, decimals, dates).
+fn lineitem() -> RecordBatch {
+    let generator = tpchgen::generators::LineItemGenerator::new(1.0, 1, 1);
+    tpchgen_arrow::LineItemArrow::new(generator).with_batch_size(1_000_000).next().unwrap().unwrap()
+}
+
+fn buffers(batch: &RecordBatch) -> Vec<arrow_buffer::Buffer> {
+    fn walk(d: &ArrayData, out: &mut Vec<arrow_buffer::Buffer>) {
+        out.extend(d.nulls().map(|n| n.buffer().clone()));
+        out.extend(d.buffers().iter().cloned());
+        d.child_data().iter().for_each(|c| walk(c, out));
+    }
+    let mut out = vec![];
+    batch.columns().iter().for_each(|c| walk(&c.to_data(), &mut out));
+    out
+}
+
+fn bytes(batch: &RecordBatch) -> u64 {
+    buffers(batch).iter().map(|b| b.len() as u64).sum()
+}
+
+/// The naive upload: one cudarc copy per arrow buffer into preallocated device memory.
+fn naive_htod(stream: &Arc<CudaStream>, src: &[arrow_buffer::Buffer], dst: &mut [CudaSlice<u8>]) {
+    for (s, d) in src.iter().zip(dst.iter_mut()) {
+        stream.memcpy_htod(s.as_slice(), d).unwrap();
+    }
+    stream.synchronize().unwrap();
+}
+
+/// The naive download: one cudarc copy per buffer into a new host vector.
+fn naive_dtoh(stream: &Arc<CudaStream>, src: &[CudaSlice<u8>]) -> Vec<Vec<u8>> {
+    let out = src.iter().map(|s| stream.clone_dtoh(s).unwrap()).collect();
+    stream.synchronize().unwrap();
+    out
+}
+
+fn transfer(c: &mut Criterion) {
+    if arrow_cuda::device::cuda_device_count().is_err() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let device = Device::Cuda(0);
+    let stream = Stream::new(device).unwrap();
+    let cuda = stream.cuda().unwrap().clone();
+    let cases: Vec<(&str, RecordBatch)> = vec![
+        ("gib_16xint64_pageable", gib_batch()),
+        ("gib_16xint64_pinned", pinned_gib_batch(0)),
+        ("small_100x1000", small_batch()),
+        ("tpch_lineitem_1m", lineitem()),
+    ];
+    for (name, batch) in &cases {
+        let mut group = c.benchmark_group(*name);
+        group.sample_size(10).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(3));
+        group.throughput(Throughput::Bytes(bytes(batch)));
+        let host_buffers = buffers(batch);
+        let mut device_buffers: Vec<CudaSlice<u8>> =
+            // SAFETY: the device memory is written by the first upload before anything reads it.
+            host_buffers.iter().map(|b| unsafe { cuda.alloc::<u8>(b.len().max(1)) }.unwrap()).collect();
+        group.bench_function(BenchmarkId::new("htod", "arrow-cuda"), |b| b.iter(|| htod(batch, device, &stream).unwrap()));
+        group.bench_function(BenchmarkId::new("htod", "naive-cudarc-per-buffer"), |b| {
+            b.iter(|| naive_htod(&cuda, &host_buffers, &mut device_buffers))
+        });
+        let on_device = htod(batch, device, &stream).unwrap();
+        assert_eq!(&dtoh(&on_device, &stream).unwrap(), batch);
+        group.bench_function(BenchmarkId::new("dtoh", "arrow-cuda"), |b| b.iter(|| dtoh(&on_device, &stream).unwrap()));
+        group.bench_function(BenchmarkId::new("dtoh", "naive-cudarc-per-buffer"), |b| b.iter(|| naive_dtoh(&cuda, &device_buffers)));
+        group.finish();
+    }
+}
+
+criterion_group!(benches, transfer);
+criterion_main!(benches);
