@@ -1,6 +1,8 @@
 //! Shared by the integration tests: the devices each case runs on.
 #![allow(dead_code)]
 
+pub mod corpus;
+
 use arrow_cuda::{Device, Stream};
 
 /// Whether this machine has an NVIDIA GPU, whatever the driver says: on such a machine CUDA cases
