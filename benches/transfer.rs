@@ -19,8 +19,9 @@ const GIB_ROWS: usize = (1 << 30) / 16 / 8;
 
 /// 16 Int64 columns, 1 GiB in all, in ordinary (pageable) memory.
 fn gib_batch() -> RecordBatch {
-    let columns: Vec<ArrayRef> =
-        (0..16).map(|c| Arc::new(Int64Array::from_iter_values((0..GIB_ROWS as i64).map(|i| i * 16 + c))) as ArrayRef).collect();
+    let columns: Vec<ArrayRef> = (0..16)
+        .map(|c| Arc::new(Int64Array::from_iter_values((0..GIB_ROWS as i64).map(|i| i * 16 + c))) as ArrayRef)
+        .collect();
     RecordBatch::try_from_iter(columns.into_iter().enumerate().map(|(i, c)| (format!("c{i}"), c))).unwrap()
 }
 
@@ -44,9 +45,15 @@ fn small_batch() -> RecordBatch {
     let rows = 1000;
     let columns = (0..100).map(|c| {
         let array: ArrayRef = match c % 3 {
-            0 => Arc::new(Int64Array::from_iter((0..rows).map(|i| (i % 7 != 0).then_some(i as i64 * c)))),
-            1 => Arc::new(Float64Array::from_iter((0..rows).map(|i| (i % 5 != 0).then_some(i as f64 / 3.0)))),
-            _ => Arc::new(StringArray::from_iter((0..rows).map(|i| (i % 11 != 0).then(|| format!("value {i} of column {c}"))))),
+            0 => Arc::new(Int64Array::from_iter(
+                (0..rows).map(|i| (i % 7 != 0).then_some(i as i64 * c)),
+            )),
+            1 => Arc::new(Float64Array::from_iter(
+                (0..rows).map(|i| (i % 5 != 0).then_some(i as f64 / 3.0)),
+            )),
+            _ => Arc::new(StringArray::from_iter(
+                (0..rows).map(|i| (i % 11 != 0).then(|| format!("value {i} of column {c}"))),
+            )),
         };
         (format!("c{c}"), array)
     });
@@ -56,7 +63,11 @@ fn small_batch() -> RecordBatch {
 /// TPC-H lineitem, 1M rows (strings, decimals, dates).
 fn lineitem() -> RecordBatch {
     let generator = tpchgen::generators::LineItemGenerator::new(1.0, 1, 1);
-    tpchgen_arrow::LineItemArrow::new(generator).with_batch_size(1_000_000).next().unwrap().unwrap()
+    tpchgen_arrow::LineItemArrow::new(generator)
+        .with_batch_size(1_000_000)
+        .next()
+        .unwrap()
+        .unwrap()
 }
 
 fn buffers(batch: &RecordBatch) -> Vec<arrow_buffer::Buffer> {
@@ -105,20 +116,29 @@ fn transfer(c: &mut Criterion) {
     ];
     for (name, batch) in &cases {
         let mut group = c.benchmark_group(*name);
-        group.sample_size(10).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(3));
+        group
+            .sample_size(10)
+            .warm_up_time(Duration::from_millis(500))
+            .measurement_time(Duration::from_secs(3));
         group.throughput(Throughput::Bytes(bytes(batch)));
         let host_buffers = buffers(batch);
         let mut device_buffers: Vec<CudaSlice<u8>> =
             // SAFETY: the device memory is written by the first upload before anything reads it.
             host_buffers.iter().map(|b| unsafe { cuda.alloc::<u8>(b.len().max(1)) }.unwrap()).collect();
-        group.bench_function(BenchmarkId::new("htod", "arrow-cuda"), |b| b.iter(|| htod(batch, device, &stream).unwrap()));
+        group.bench_function(BenchmarkId::new("htod", "arrow-cuda"), |b| {
+            b.iter(|| htod(batch, device, &stream).unwrap())
+        });
         group.bench_function(BenchmarkId::new("htod", "naive-cudarc-per-buffer"), |b| {
             b.iter(|| naive_htod(&cuda, &host_buffers, &mut device_buffers))
         });
         let on_device = htod(batch, device, &stream).unwrap();
         assert_eq!(&dtoh(&on_device, &stream).unwrap(), batch);
-        group.bench_function(BenchmarkId::new("dtoh", "arrow-cuda"), |b| b.iter(|| dtoh(&on_device, &stream).unwrap()));
-        group.bench_function(BenchmarkId::new("dtoh", "naive-cudarc-per-buffer"), |b| b.iter(|| naive_dtoh(&cuda, &device_buffers)));
+        group.bench_function(BenchmarkId::new("dtoh", "arrow-cuda"), |b| {
+            b.iter(|| dtoh(&on_device, &stream).unwrap())
+        });
+        group.bench_function(BenchmarkId::new("dtoh", "naive-cudarc-per-buffer"), |b| {
+            b.iter(|| naive_dtoh(&cuda, &device_buffers))
+        });
         group.finish();
     }
 }

@@ -43,15 +43,30 @@ impl DeviceArrayData {
         if let Some(n) = null_count
             && (n > len || (n > 0 && nulls.is_none()))
         {
-            return Err(Error::InvalidData(format!("null count {n} with length {len} and bitmap: {}", nulls.is_some())));
+            return Err(Error::InvalidData(format!(
+                "null count {n} with length {len} and bitmap: {}",
+                nulls.is_some()
+            )));
         }
-        let data = DeviceArrayData { data_type, len, offset, null_count, nulls, buffers, children };
+        let data = DeviceArrayData {
+            data_type,
+            len,
+            offset,
+            null_count,
+            nulls,
+            buffers,
+            children,
+        };
         let mismatch = {
             let mut devices = data.all_buffers().map(DeviceBuffer::device);
-            devices.next().and_then(|first| devices.find(|d| *d != first).map(|other| (first, other)))
+            devices
+                .next()
+                .and_then(|first| devices.find(|d| *d != first).map(|other| (first, other)))
         };
         match mismatch {
-            Some((first, other)) => Err(Error::InvalidData(format!("buffers on {first} and {other} in one array"))),
+            Some((first, other)) => Err(Error::InvalidData(format!(
+                "buffers on {first} and {other} in one array"
+            ))),
             None => Ok(data),
         }
     }
@@ -121,7 +136,13 @@ impl DeviceArrayData {
     pub fn slice(&self, offset: usize, len: usize) -> Result<DeviceArrayData> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len => {}
-            _ => return Err(Error::OutOfBounds { offset, len, size: self.len }),
+            _ => {
+                return Err(Error::OutOfBounds {
+                    offset,
+                    len,
+                    size: self.len,
+                });
+            }
         }
         let mut out = self.clone();
         out.len = len;
@@ -148,12 +169,21 @@ impl DeviceArrayData {
             .map(|c| unsafe { c.to_array_data_unchecked() })
             .collect::<Result<Vec<_>>>()?;
         // SAFETY: the caller keeps the CPU away from device memory.
-        let buffers = self.buffers.iter().map(|b| unsafe { b.arrow_buffer_unchecked() }).collect();
-        let mut builder =
-            ArrayData::builder(self.data_type.clone()).len(self.len).offset(self.offset).buffers(buffers).child_data(children);
+        let buffers = self
+            .buffers
+            .iter()
+            .map(|b| unsafe { b.arrow_buffer_unchecked() })
+            .collect();
+        let mut builder = ArrayData::builder(self.data_type.clone())
+            .len(self.len)
+            .offset(self.offset)
+            .buffers(buffers)
+            .child_data(children);
         if let Some(n) = &self.nulls {
             if self.null_count.is_none() && !n.is_host_accessible() {
-                return Err(Error::Unsupported("the null count of a sliced device array is unknown".into()));
+                return Err(Error::Unsupported(
+                    "the null count of a sliced device array is unknown".into(),
+                ));
             }
             // SAFETY: as above.
             builder = builder.null_bit_buffer(Some(unsafe { n.arrow_buffer_unchecked() }));
@@ -202,7 +232,12 @@ impl DeviceRecordBatch {
                 )));
             }
         }
-        Ok(DeviceRecordBatch { schema, columns, num_rows, ready })
+        Ok(DeviceRecordBatch {
+            schema,
+            columns,
+            num_rows,
+            ready,
+        })
     }
 
     /// The schema, with its metadata.
@@ -238,7 +273,10 @@ impl DeviceRecordBatch {
 
     /// The device of the columns (the CPU for a batch without buffers).
     pub fn device(&self) -> Device {
-        self.columns.iter().find(|c| c.all_buffers().next().is_some()).map_or(Device::Cpu, DeviceArrayData::device)
+        self.columns
+            .iter()
+            .find(|c| c.all_buffers().next().is_some())
+            .map_or(Device::Cpu, DeviceArrayData::device)
     }
 
     /// The total bytes of all buffers.
@@ -250,12 +288,26 @@ impl DeviceRecordBatch {
     pub fn project(&self, indices: &[usize]) -> Result<DeviceRecordBatch> {
         let schema = Arc::new(self.schema.project(indices)?);
         let columns = indices.iter().map(|&i| self.columns[i].clone()).collect();
-        Ok(DeviceRecordBatch { schema, columns, num_rows: self.num_rows, ready: self.ready.clone() })
+        Ok(DeviceRecordBatch {
+            schema,
+            columns,
+            num_rows: self.num_rows,
+            ready: self.ready.clone(),
+        })
     }
 
     /// A zero-copy slice of `len` rows from `offset`.
     pub fn slice(&self, offset: usize, len: usize) -> Result<DeviceRecordBatch> {
-        let columns = self.columns.iter().map(|c| c.slice(offset, len)).collect::<Result<_>>()?;
-        Ok(DeviceRecordBatch { schema: self.schema.clone(), columns, num_rows: len, ready: self.ready.clone() })
+        let columns = self
+            .columns
+            .iter()
+            .map(|c| c.slice(offset, len))
+            .collect::<Result<_>>()?;
+        Ok(DeviceRecordBatch {
+            schema: self.schema.clone(),
+            columns,
+            num_rows: len,
+            ready: self.ready.clone(),
+        })
     }
 }

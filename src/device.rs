@@ -52,7 +52,9 @@ impl Device {
         };
         match device_type {
             DeviceType::CPU if device_id == -1 || device_id == 0 => Ok(Device::Cpu),
-            DeviceType::CPU => Err(Error::InvalidData(format!("CPU device id must be -1 or 0, got {device_id}"))),
+            DeviceType::CPU => Err(Error::InvalidData(format!(
+                "CPU device id must be -1 or 0, got {device_id}"
+            ))),
             DeviceType::CUDA => Ok(Device::Cuda(ordinal()?)),
             DeviceType::CUDA_HOST => Ok(Device::CudaHost(ordinal()?)),
             DeviceType::CUDA_MANAGED => Ok(Device::CudaManaged(ordinal()?)),
@@ -155,8 +157,12 @@ pub(crate) fn driver() -> Result<()> {
     PROBE.get_or_init(probe).clone().map_err(|u| match u {
         Unavailable::NoLibrary(looked_for) => Error::NoDriver { looked_for },
         Unavailable::MissingSymbol(symbol) => Error::DriverTooOld { symbol },
-        Unavailable::Init(e) => Error::NoDevice { reason: format!("cuInit failed: {e}") },
-        Unavailable::NoDevice => Error::NoDevice { reason: "the driver reports 0 devices".into() },
+        Unavailable::Init(e) => Error::NoDevice {
+            reason: format!("cuInit failed: {e}"),
+        },
+        Unavailable::NoDevice => Error::NoDevice {
+            reason: "the driver reports 0 devices".into(),
+        },
     })
 }
 
@@ -177,9 +183,14 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
     static CONTEXTS: OnceLock<Mutex<HashMap<usize, Arc<CudaContext>>>> = OnceLock::new();
     let count = cuda_device_count()?;
     if ordinal >= count {
-        return Err(Error::InvalidArgument(format!("CUDA device {ordinal} does not exist ({count} visible)")));
+        return Err(Error::InvalidArgument(format!(
+            "CUDA device {ordinal} does not exist ({count} visible)"
+        )));
     }
-    let mut map = CONTEXTS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    let mut map = CONTEXTS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
     if let Some(ctx) = map.get(&ordinal) {
         ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
         return Ok(ctx.clone());
@@ -220,7 +231,9 @@ fn cuda_device_info(ordinal: usize) -> Result<CudaDeviceInfo> {
     Ok(CudaDeviceInfo {
         ordinal,
         name: ctx.name().map_err(Error::driver("cuDeviceGetName"))?,
-        compute_capability: ctx.compute_capability().map_err(Error::driver("cuDeviceGetAttribute"))?,
+        compute_capability: ctx
+            .compute_capability()
+            .map_err(Error::driver("cuDeviceGetAttribute"))?,
         total_memory,
         free_memory,
         memory_pools: ctx.has_async_alloc(),
@@ -257,7 +270,9 @@ enum StreamInner {
 impl Stream {
     /// The CPU's stream: work completes before the call that issues it returns.
     pub fn cpu() -> Stream {
-        Stream { inner: StreamInner::Cpu }
+        Stream {
+            inner: StreamInner::Cpu,
+        }
     }
 
     /// A new non-blocking stream on `device`'s GPU (the CPU stream for [`Device::Cpu`]).
@@ -266,7 +281,9 @@ impl Stream {
             None => Ok(Stream::cpu()),
             Some(ctx) => {
                 let s = ctx.new_stream().map_err(Error::driver("cuStreamCreate"))?;
-                Ok(Stream { inner: StreamInner::Cuda(s) })
+                Ok(Stream {
+                    inner: StreamInner::Cuda(s),
+                })
             }
         }
     }
@@ -274,8 +291,13 @@ impl Stream {
     /// The crate's shared stream for `device`, created on first use and kept for the process.
     pub fn shared(device: Device) -> Result<Stream> {
         static STREAMS: OnceLock<Mutex<HashMap<usize, Stream>>> = OnceLock::new();
-        let Some(ordinal) = device.ordinal() else { return Ok(Stream::cpu()) };
-        let mut map = STREAMS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+        let Some(ordinal) = device.ordinal() else {
+            return Ok(Stream::cpu());
+        };
+        let mut map = STREAMS
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         if let Some(s) = map.get(&ordinal) {
             return Ok(s.clone());
         }
@@ -286,7 +308,9 @@ impl Stream {
 
     /// Wraps a cudarc stream.
     pub fn from_cuda(stream: Arc<CudaStream>) -> Stream {
-        Stream { inner: StreamInner::Cuda(stream) }
+        Stream {
+            inner: StreamInner::Cuda(stream),
+        }
     }
 
     /// The cudarc stream, or `None` for the CPU.
@@ -330,7 +354,9 @@ impl Stream {
             StreamInner::Cpu => Ok(Event::completed()),
             StreamInner::Cuda(s) => {
                 let e = s.record_event(None).map_err(Error::driver("cuEventRecord"))?;
-                Ok(Event { inner: EventInner::Cuda(Arc::new(e)) })
+                Ok(Event {
+                    inner: EventInner::Cuda(Arc::new(e)),
+                })
             }
         }
     }
@@ -344,8 +370,14 @@ impl Stream {
             (StreamInner::Cuda(s), EventInner::Cuda(e)) => {
                 self.bind()?;
                 // SAFETY: both handles are alive for the call; a wait across contexts is allowed.
-                unsafe { result::stream::wait_event(s.cu_stream(), e.cu_event(), sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-                    .map_err(Error::driver("cuStreamWaitEvent"))
+                unsafe {
+                    result::stream::wait_event(
+                        s.cu_stream(),
+                        e.cu_event(),
+                        sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                    )
+                }
+                .map_err(Error::driver("cuStreamWaitEvent"))
             }
         }
     }
@@ -366,12 +398,16 @@ enum EventInner {
 impl Event {
     /// An event with nothing to wait for.
     pub fn completed() -> Event {
-        Event { inner: EventInner::Completed }
+        Event {
+            inner: EventInner::Completed,
+        }
     }
 
     /// Wraps a cudarc event.
     pub fn from_cuda(event: Arc<CudaEvent>) -> Event {
-        Event { inner: EventInner::Cuda(event) }
+        Event {
+            inner: EventInner::Cuda(event),
+        }
     }
 
     /// The cudarc event, or `None` when there is nothing to wait for.

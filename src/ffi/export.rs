@@ -68,7 +68,9 @@ fn export_node(data: &DeviceArrayData, event: Option<(Event, Box<CUevent>)>) -> 
         ptrs.push(address(b));
         owned.push(b.clone());
     }
-    let variadic_sizes = spec.variadic.then(|| data.buffers[1..].iter().map(|b| b.len() as i64).collect::<Box<[i64]>>());
+    let variadic_sizes = spec
+        .variadic
+        .then(|| data.buffers[1..].iter().map(|b| b.len() as i64).collect::<Box<[i64]>>());
     if let Some(sizes) = &variadic_sizes {
         ptrs.push(sizes.as_ptr() as *const c_void);
     }
@@ -76,8 +78,10 @@ fn export_node(data: &DeviceArrayData, event: Option<(Event, Box<CUevent>)>) -> 
         DataType::Dictionary(..) => (&[][..], Box::into_raw(Box::new(export_node(&data.children[0], None)))),
         _ => (&data.children[..], ptr::null_mut()),
     };
-    let children: Box<[*mut FFI_ArrowArray]> =
-        children.iter().map(|c| Box::into_raw(Box::new(export_node(c, None)))).collect();
+    let children: Box<[*mut FFI_ArrowArray]> = children
+        .iter()
+        .map(|c| Box::into_raw(Box::new(export_node(c, None))))
+        .collect();
     let null_count = match (&data.data_type, data.null_count) {
         (DataType::Null, _) => data.len as i64,
         (_, Some(n)) => n as i64,
@@ -114,15 +118,20 @@ pub fn export_array(array: &DeviceArrayData, ready: &Event, stream: &Stream) -> 
         None => None,
         Some(_) => {
             let stream = crate::memory::stream_for(stream, device, device)?;
-            let stream = if stream.cuda().is_some() { stream } else { Stream::shared(device)? };
+            let stream = if stream.cuda().is_some() {
+                stream
+            } else {
+                Stream::shared(device)?
+            };
             stream.wait(ready)?;
             let event = stream.record()?;
             let handle = Box::new(event.cuda().map_or(ptr::null_mut(), |e| e.cu_event()));
             Some((event, handle))
         }
     };
-    let sync_event =
-        event.as_ref().map_or(ptr::null_mut(), |(_, handle)| &**handle as *const CUevent as *mut c_void);
+    let sync_event = event.as_ref().map_or(ptr::null_mut(), |(_, handle)| {
+        &**handle as *const CUevent as *mut c_void
+    });
     Ok(FFI_ArrowDeviceArray {
         array: export_node(array, event),
         device_id: device.device_id(),

@@ -9,8 +9,8 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use arrow_schema::{DataType, Schema, UnionMode};
-use cudarc::driver::sys::CUevent;
 use cudarc::driver::result;
+use cudarc::driver::sys::CUevent;
 
 use crate::abi::{FFI_ArrowArray, FFI_ArrowDeviceArray, FFI_ArrowSchema};
 use crate::array::{DeviceArrayData, DeviceRecordBatch};
@@ -74,7 +74,10 @@ impl Walker {
         }
         let len = count(a.length, "length")?;
         let offset = count(a.offset, "offset")?;
-        let end = len.checked_add(offset).filter(|e| *e <= i64::MAX as usize / 16).ok_or_else(|| invalid("length + offset overflows"))?;
+        let end = len
+            .checked_add(offset)
+            .filter(|e| *e <= i64::MAX as usize / 16)
+            .ok_or_else(|| invalid("length + offset overflows"))?;
         let null_count = match a.null_count {
             -1 => None,
             n if n >= 0 && n as usize <= len => Some(n as usize),
@@ -88,11 +91,16 @@ impl Walker {
         if n_buffers > 4096 || n_children > 65536 {
             return Err(invalid(format!("{n_buffers} buffers and {n_children} children")));
         }
-        // SAFETY: non-null (checked) arrays of the stated lengths, valid per the caller.
-        let ptrs: &[*const c_void] =
-            if n_buffers == 0 { &[] } else { unsafe { std::slice::from_raw_parts(a.buffers as *const *const c_void, n_buffers) } };
-        // SAFETY: as above.
-        let kids: &[*mut FFI_ArrowArray] = if n_children == 0 { &[] } else { unsafe { std::slice::from_raw_parts(a.children, n_children) } };
+        let ptrs: &[*const c_void] = match n_buffers {
+            0 => &[],
+            // SAFETY: a non-null (checked) array of the stated length, valid per the caller.
+            n => unsafe { std::slice::from_raw_parts(a.buffers as *const *const c_void, n) },
+        };
+        let kids: &[*mut FFI_ArrowArray] = match n_children {
+            0 => &[],
+            // SAFETY: as above.
+            n => unsafe { std::slice::from_raw_parts(a.children, n) },
+        };
         let expect = |buffers: usize, children: usize| -> Result<()> {
             if n_buffers != buffers || n_children != children {
                 return Err(invalid(format!(
@@ -101,7 +109,10 @@ impl Walker {
             }
             Ok(())
         };
-        let bytes = |i: usize, size: usize| Buf { ptr: ptrs[i] as u64, size: Size::Bytes(size) };
+        let bytes = |i: usize, size: usize| Buf {
+            ptr: ptrs[i] as u64,
+            size: Size::Bytes(size),
+        };
         let mut node = Node {
             data_type: dt.clone(),
             len,
@@ -148,14 +159,27 @@ impl Walker {
             }
             DataType::Utf8 | DataType::Binary | DataType::LargeUtf8 | DataType::LargeBinary => {
                 expect(3, 0)?;
-                let w = if matches!(dt, DataType::Utf8 | DataType::Binary) { 4 } else { 8 };
+                let w = if matches!(dt, DataType::Utf8 | DataType::Binary) {
+                    4
+                } else {
+                    8
+                };
                 node.buffers.push(self.offsets(ptrs[1], end, w)?);
-                let data = if end == 0 && ptrs[1].is_null() { Size::Bytes(0) } else { Size::LastOffset(self.reads.len() - 1) };
-                node.buffers.push(Buf { ptr: ptrs[2] as u64, size: data });
+                let data = if end == 0 && ptrs[1].is_null() {
+                    Size::Bytes(0)
+                } else {
+                    Size::LastOffset(self.reads.len() - 1)
+                };
+                node.buffers.push(Buf {
+                    ptr: ptrs[2] as u64,
+                    size: data,
+                });
             }
             DataType::Utf8View | DataType::BinaryView => {
                 if n_buffers < 3 || n_children != 0 {
-                    return Err(invalid(format!("{dt} array with {n_buffers} buffers and {n_children} children")));
+                    return Err(invalid(format!(
+                        "{dt} array with {n_buffers} buffers and {n_children} children"
+                    )));
                 }
                 let sizes_ptr = ptrs[n_buffers - 1] as *const i64;
                 let data_buffers = n_buffers - 3;
@@ -172,7 +196,14 @@ impl Walker {
             DataType::List(f) | DataType::LargeList(f) | DataType::Map(f, _) => {
                 expect(2, 1)?;
                 let w = if matches!(dt, DataType::LargeList(_)) { 8 } else { 4 };
-                node.buffers.push(Buf { ptr: ptrs[1] as u64, size: Size::Bytes(if end == 0 && ptrs[1].is_null() { 0 } else { (end + 1) * w }) });
+                node.buffers.push(Buf {
+                    ptr: ptrs[1] as u64,
+                    size: Size::Bytes(if end == 0 && ptrs[1].is_null() {
+                        0
+                    } else {
+                        (end + 1) * w
+                    }),
+                });
                 node.children.push(child(self, 0, f.data_type())?);
             }
             DataType::ListView(f) | DataType::LargeListView(f) => {
@@ -185,9 +216,14 @@ impl Walker {
             DataType::FixedSizeList(f, size) => {
                 expect(1, 1)?;
                 let c = child(self, 0, f.data_type())?;
-                let needed = end.checked_mul((*size).max(0) as usize).ok_or_else(|| invalid("fixed-size list too long"))?;
+                let needed = end
+                    .checked_mul((*size).max(0) as usize)
+                    .ok_or_else(|| invalid("fixed-size list too long"))?;
                 if c.len + c.offset < needed {
-                    return Err(invalid(format!("fixed-size list child has {} elements, {needed} needed", c.len)));
+                    return Err(invalid(format!(
+                        "fixed-size list child has {} elements, {needed} needed",
+                        c.len
+                    )));
                 }
                 node.children.push(c);
             }
@@ -196,7 +232,11 @@ impl Walker {
                 for (i, f) in fields.iter().enumerate() {
                     let c = child(self, i, f.data_type())?;
                     if c.len < end {
-                        return Err(invalid(format!("struct child {} has {} elements, {end} needed", f.name(), c.len)));
+                        return Err(invalid(format!(
+                            "struct child {} has {} elements, {end} needed",
+                            f.name(),
+                            c.len
+                        )));
                     }
                     node.children.push(c);
                 }
@@ -211,20 +251,27 @@ impl Walker {
                 for (i, (_, f)) in fields.iter().enumerate() {
                     let c = child(self, i, f.data_type())?;
                     if !dense && c.len < end {
-                        return Err(invalid(format!("sparse union child {i} has {} elements, {end} needed", c.len)));
+                        return Err(invalid(format!(
+                            "sparse union child {i} has {} elements, {end} needed",
+                            c.len
+                        )));
                     }
                     node.children.push(c);
                 }
             }
             DataType::Dictionary(key, values) => {
                 expect(2, 0)?;
-                let w = key.primitive_width().filter(|_| key.is_dictionary_key_type()).ok_or_else(|| invalid(format!("dictionary key {key}")))?;
+                let w = key
+                    .primitive_width()
+                    .filter(|_| key.is_dictionary_key_type())
+                    .ok_or_else(|| invalid(format!("dictionary key {key}")))?;
                 node.buffers.push(bytes(1, end * w));
                 if a.dictionary.is_null() {
                     return Err(invalid("dictionary array without a dictionary"));
                 }
                 // SAFETY: a non-null dictionary of a valid array is valid per the caller.
-                node.children.push(unsafe { self.node(&*a.dictionary, values, depth + 1)? });
+                node.children
+                    .push(unsafe { self.node(&*a.dictionary, values, depth + 1)? });
             }
             DataType::RunEndEncoded(run_ends, values) => {
                 expect(0, 2)?;
@@ -232,7 +279,9 @@ impl Walker {
                 node.children.push(child(self, 1, values.data_type())?);
             }
             dt => {
-                let w = dt.primitive_width().ok_or_else(|| Error::Unsupported(format!("import of {dt}")))?;
+                let w = dt
+                    .primitive_width()
+                    .ok_or_else(|| Error::Unsupported(format!("import of {dt}")))?;
                 expect(2, 0)?;
                 node.buffers.push(bytes(1, end * w));
             }
@@ -243,10 +292,20 @@ impl Walker {
     /// An offsets buffer of `end + 1` elements of `w` bytes; notes the last one for reading.
     fn offsets(&mut self, ptr: *const c_void, end: usize, w: usize) -> Result<Buf> {
         if ptr.is_null() {
-            return if end == 0 { Ok(Buf { ptr: 0, size: Size::Bytes(0) }) } else { Err(invalid("null offsets buffer")) };
+            return if end == 0 {
+                Ok(Buf {
+                    ptr: 0,
+                    size: Size::Bytes(0),
+                })
+            } else {
+                Err(invalid("null offsets buffer"))
+            };
         }
         self.reads.push((ptr as u64 + (end * w) as u64, w));
-        Ok(Buf { ptr: ptr as u64, size: Size::Bytes((end + 1) * w) })
+        Ok(Buf {
+            ptr: ptr as u64,
+            size: Size::Bytes((end + 1) * w),
+        })
     }
 }
 
@@ -254,14 +313,21 @@ impl Walker {
 /// and one synchronisation of `stream`.
 fn read_offsets(reads: &[(u64, usize)], device: Device, stream: &Stream) -> Result<Vec<i64>> {
     let decode = |b: &[u8], w: usize| {
-        if w == 4 { i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64 } else { i64::from_le_bytes(b[..8].try_into().unwrap_or_default()) }
+        if w == 4 {
+            i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64
+        } else {
+            i64::from_le_bytes(b[..8].try_into().unwrap_or_default())
+        }
     };
     if reads.is_empty() {
         return Ok(vec![]);
     }
     if device.is_host_accessible() {
         // SAFETY: each address is an element of an offsets buffer that is valid per the caller.
-        return Ok(reads.iter().map(|&(p, w)| decode(unsafe { std::slice::from_raw_parts(p as *const u8, w) }, w)).collect());
+        return Ok(reads
+            .iter()
+            .map(|&(p, w)| decode(unsafe { std::slice::from_raw_parts(p as *const u8, w) }, w))
+            .collect());
     }
     let ordinal = device.ordinal().unwrap_or(0);
     let mut out = PinnedPool::shared(MemoryResource::PinnedHost(ordinal))?.take(reads.len() * 8)?;
@@ -272,7 +338,11 @@ fn read_offsets(reads: &[(u64, usize)], device: Device, stream: &Stream) -> Resu
     }
     stream.synchronize()?;
     let bytes = out.host_slice_mut().ok_or_else(|| invalid("pinned block is shared"))?;
-    Ok(reads.iter().enumerate().map(|(i, &(_, w))| decode(&bytes[i * 8..], w)).collect())
+    Ok(reads
+        .iter()
+        .enumerate()
+        .map(|(i, &(_, w))| decode(&bytes[i * 8..], w))
+        .collect())
 }
 
 fn build(node: Node, device: Device, owner: &Arc<Imported>, offsets: &[i64]) -> Result<DeviceArrayData> {
@@ -285,10 +355,16 @@ fn build(node: Node, device: Device, owner: &Arc<Imported>, offsets: &[i64]) -> 
             return Err(invalid(format!("null buffer where {size} bytes are needed")));
         }
         let owner: Box<dyn std::any::Any + Send + Sync> = Box::new(owner.clone());
-        let address = if b.ptr == 0 { crate::memory::ALIGNMENT as u64 } else { b.ptr };
+        let address = if b.ptr == 0 {
+            crate::memory::ALIGNMENT as u64
+        } else {
+            b.ptr
+        };
         // SAFETY: the producer guarantees `size` bytes at `ptr` on `device` until release, which
         // `owner` defers until the last buffer drops.
-        Ok(DeviceBuffer::from_allocation(unsafe { Allocation::foreign(address, size, device, owner) }))
+        Ok(DeviceBuffer::from_allocation(unsafe {
+            Allocation::foreign(address, size, device, owner)
+        }))
     };
     Ok(DeviceArrayData {
         data_type: node.data_type,
@@ -297,7 +373,11 @@ fn build(node: Node, device: Device, owner: &Arc<Imported>, offsets: &[i64]) -> 
         null_count: node.null_count,
         nulls: node.nulls.map(buffer).transpose()?,
         buffers: node.buffers.into_iter().map(buffer).collect::<Result<_>>()?,
-        children: node.children.into_iter().map(|c| build(c, device, owner, offsets)).collect::<Result<_>>()?,
+        children: node
+            .children
+            .into_iter()
+            .map(|c| build(c, device, owner, offsets))
+            .collect::<Result<_>>()?,
     })
 }
 
@@ -307,11 +387,17 @@ fn build(node: Node, device: Device, owner: &Arc<Imported>, offsets: &[i64]) -> 
 /// # Safety
 /// `array` must follow the C Device Data Interface: its pointers valid, its buffers of the sizes its
 /// type and lengths imply, on the device it names.
-pub unsafe fn import_array(array: FFI_ArrowDeviceArray, data_type: &DataType, stream: &Stream) -> Result<(DeviceArrayData, Event)> {
+pub unsafe fn import_array(
+    array: FFI_ArrowDeviceArray,
+    data_type: &DataType,
+    stream: &Stream,
+) -> Result<(DeviceArrayData, Event)> {
     if array.is_released() {
         return Err(invalid("the array has been released"));
     }
     let device = Device::from_c(array.device_type, array.device_id)?;
+    // The device must exist: with a CUDA stream passed in, nothing else would look it up.
+    device.context()?;
     let stream = stream_for(stream, device, Device::Cpu)?;
     let ready = wait_for_producer(&array, device, &stream)?;
     let mut walker = Walker { reads: vec![] };
@@ -326,7 +412,11 @@ pub unsafe fn import_array(array: FFI_ArrowDeviceArray, data_type: &DataType, st
 ///
 /// # Safety
 /// As for [`import_array`]; `schema` must be a valid `ArrowSchema`.
-pub unsafe fn import_batch(array: FFI_ArrowDeviceArray, schema: &FFI_ArrowSchema, stream: &Stream) -> Result<DeviceRecordBatch> {
+pub unsafe fn import_batch(
+    array: FFI_ArrowDeviceArray,
+    schema: &FFI_ArrowSchema,
+    stream: &Stream,
+) -> Result<DeviceRecordBatch> {
     let schema = match Schema::try_from(schema) {
         Ok(s) => Arc::new(s),
         Err(e) => return Err(e.into()),
@@ -337,7 +427,11 @@ pub unsafe fn import_batch(array: FFI_ArrowDeviceArray, schema: &FFI_ArrowSchema
     if data.null_count.is_some_and(|n| n > 0) || (data.null_count.is_none() && data.nulls.is_some()) {
         return Err(invalid("a record batch's struct array has nulls"));
     }
-    let columns = data.children.iter().map(|c| c.slice(data.offset, data.len)).collect::<Result<_>>()?;
+    let columns = data
+        .children
+        .iter()
+        .map(|c| c.slice(data.offset, data.len))
+        .collect::<Result<_>>()?;
     DeviceRecordBatch::try_new(schema, columns, data.len, ready)
 }
 
@@ -354,8 +448,14 @@ fn wait_for_producer(array: &FFI_ArrowDeviceArray, device: Device, stream: &Stre
     match stream.cuda() {
         Some(s) if !device.is_host_accessible() => {
             // SAFETY: a valid event and stream.
-            unsafe { result::stream::wait_event(s.cu_stream(), event, cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-                .map_err(Error::driver("cuStreamWaitEvent"))?;
+            unsafe {
+                result::stream::wait_event(
+                    s.cu_stream(),
+                    event,
+                    cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(Error::driver("cuStreamWaitEvent"))?;
             stream.record()
         }
         _ => {

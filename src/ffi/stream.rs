@@ -34,7 +34,13 @@ pub fn export_stream(
     device_type: DeviceType,
     stream: Stream,
 ) -> FFI_ArrowDeviceArrayStream {
-    let private = Box::new(StreamPrivate { schema, batches: Box::new(batches), device_type, stream, last_error: None });
+    let private = Box::new(StreamPrivate {
+        schema,
+        batches: Box::new(batches),
+        device_type,
+        stream,
+        last_error: None,
+    });
     FFI_ArrowDeviceArrayStream {
         device_type,
         get_schema: Some(get_schema),
@@ -69,7 +75,9 @@ fn guarded(p: &mut StreamPrivate, f: impl FnOnce(&mut StreamPrivate) -> Result<(
 
 unsafe extern "C" fn get_schema(s: *mut FFI_ArrowDeviceArrayStream, out: *mut FFI_ArrowSchema) -> i32 {
     // SAFETY: the consumer calls this on our live stream.
-    let Some(p) = (unsafe { private(s) }) else { return EINVAL };
+    let Some(p) = (unsafe { private(s) }) else {
+        return EINVAL;
+    };
     if out.is_null() {
         return EINVAL;
     }
@@ -83,7 +91,9 @@ unsafe extern "C" fn get_schema(s: *mut FFI_ArrowDeviceArrayStream, out: *mut FF
 
 unsafe extern "C" fn get_next(s: *mut FFI_ArrowDeviceArrayStream, out: *mut FFI_ArrowDeviceArray) -> i32 {
     // SAFETY: the consumer calls this on our live stream.
-    let Some(p) = (unsafe { private(s) }) else { return EINVAL };
+    let Some(p) = (unsafe { private(s) }) else {
+        return EINVAL;
+    };
     if out.is_null() {
         return EINVAL;
     }
@@ -111,7 +121,9 @@ unsafe extern "C" fn get_next(s: *mut FFI_ArrowDeviceArrayStream, out: *mut FFI_
 unsafe extern "C" fn get_last_error(s: *mut FFI_ArrowDeviceArrayStream) -> *const c_char {
     // SAFETY: the consumer calls this on our live stream.
     match unsafe { private(s) } {
-        Some(StreamPrivate { last_error: Some(e), .. }) => e.as_ptr(),
+        Some(StreamPrivate {
+            last_error: Some(e), ..
+        }) => e.as_ptr(),
         _ => std::ptr::null(),
     }
 }
@@ -123,7 +135,9 @@ unsafe extern "C" fn release_stream(s: *mut FFI_ArrowDeviceArrayStream) {
         // SAFETY: made by `Box::into_raw` in `export_stream`, freed only here.
         drop(unsafe { Box::from_raw(stream.private_data as *mut StreamPrivate) });
     }
-    *stream = FFI_ArrowDeviceArrayStream { release: None, ..FFI_ArrowDeviceArrayStream::empty() };
+    // Overwritten without dropping the old value: its `Drop` would call this release again.
+    // SAFETY: `s` is valid (non-null, checked above) and the old value needs no other drop.
+    unsafe { std::ptr::write(s, FFI_ArrowDeviceArrayStream::empty()) };
 }
 
 /// Imports an `ArrowDeviceArrayStream` as an iterator of device batches.
@@ -154,10 +168,18 @@ impl DeviceArrayStreamReader {
         // SAFETY: calling the producer's callback as the spec says.
         let code = unsafe { get_schema(&mut raw, &mut schema) };
         if code != 0 {
-            return Err(Error::InvalidData(format!("get_schema failed ({code}): {}", last_error(&mut raw))));
+            return Err(Error::InvalidData(format!(
+                "get_schema failed ({code}): {}",
+                last_error(&mut raw)
+            )));
         }
         let schema = Arc::new(Schema::try_from(&schema)?);
-        Ok(DeviceArrayStreamReader { raw, schema, stream, done: false })
+        Ok(DeviceArrayStreamReader {
+            raw,
+            schema,
+            stream,
+            done: false,
+        })
     }
 
     /// The schema of every batch.
@@ -172,7 +194,9 @@ impl DeviceArrayStreamReader {
 }
 
 fn last_error(raw: &mut FFI_ArrowDeviceArrayStream) -> String {
-    let Some(f) = raw.get_last_error else { return "no message".into() };
+    let Some(f) = raw.get_last_error else {
+        return "no message".into();
+    };
     // SAFETY: the producer's callback, on its live stream.
     let p = unsafe { f(raw) };
     if p.is_null() {
@@ -195,7 +219,10 @@ impl Iterator for DeviceArrayStreamReader {
         let code = unsafe { get_next(&mut self.raw, &mut array) };
         if code != 0 {
             self.done = true;
-            return Some(Err(Error::InvalidData(format!("get_next failed ({code}): {}", last_error(&mut self.raw)))));
+            return Some(Err(Error::InvalidData(format!(
+                "get_next failed ({code}): {}",
+                last_error(&mut self.raw)
+            ))));
         }
         if array.is_released() {
             self.done = true;

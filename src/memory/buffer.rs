@@ -48,7 +48,11 @@ impl DeviceBuffer {
 
     pub(crate) fn from_allocation(alloc: Allocation) -> Self {
         let len = alloc.size();
-        DeviceBuffer { alloc: Arc::new(alloc), offset: 0, len }
+        DeviceBuffer {
+            alloc: Arc::new(alloc),
+            offset: 0,
+            len,
+        }
     }
 
     /// Wraps memory allocated elsewhere (another library's device memory, say). `owner` is dropped,
@@ -110,8 +114,11 @@ impl DeviceBuffer {
 
     /// The whole allocation this buffer views, when it views only part of it.
     pub fn parent(&self) -> Option<DeviceBuffer> {
-        (self.offset != 0 || self.len != self.alloc.size())
-            .then(|| DeviceBuffer { alloc: self.alloc.clone(), offset: 0, len: self.alloc.size() })
+        (self.offset != 0 || self.len != self.alloc.size()).then(|| DeviceBuffer {
+            alloc: self.alloc.clone(),
+            offset: 0,
+            len: self.alloc.size(),
+        })
     }
 
     /// Whether two buffers view the same allocation.
@@ -122,14 +129,19 @@ impl DeviceBuffer {
     /// A zero-copy view of `len` bytes from `offset`, sharing ownership of the memory.
     pub fn slice(&self, offset: usize, len: usize) -> Result<DeviceBuffer> {
         check_range(offset, len, self.len)?;
-        Ok(DeviceBuffer { alloc: self.alloc.clone(), offset: self.offset + offset, len })
+        Ok(DeviceBuffer {
+            alloc: self.alloc.clone(),
+            offset: self.offset + offset,
+            len,
+        })
     }
 
     /// The bytes, when the memory is host-accessible.
     pub fn host_slice(&self) -> Option<&[u8]> {
         // SAFETY: host-accessible memory of at least `len` bytes, alive as long as `self`; safe writes
         // need a unique view and `&mut`, and async writes are unsafe with a contract not to read.
-        self.is_host_accessible().then(|| unsafe { std::slice::from_raw_parts(self.address() as *const u8, self.len) })
+        self.is_host_accessible()
+            .then(|| unsafe { std::slice::from_raw_parts(self.address() as *const u8, self.len) })
     }
 
     /// The bytes for writing, when the memory is host-accessible and this is its only view.
@@ -145,7 +157,10 @@ impl DeviceBuffer {
     /// an arrow buffer through safe code.
     pub fn to_arrow_buffer(&self) -> Result<arrow_buffer::Buffer> {
         if !self.is_host_accessible() {
-            return Err(Error::Unsupported(format!("{} memory is not host-accessible; copy it to the host first", self.device())));
+            return Err(Error::Unsupported(format!(
+                "{} memory is not host-accessible; copy it to the host first",
+                self.device()
+            )));
         }
         // SAFETY: the pointer is valid host memory for `len` bytes and the owner keeps it alive.
         Ok(unsafe { self.arrow_buffer_unchecked() })
@@ -175,7 +190,16 @@ impl DeviceBuffer {
         let stream = stream_for(stream, self.device(), Device::Cpu)?;
         // SAFETY: both ranges are valid (checked above) and the stream is synchronised before `dst`
         // is released back to the caller.
-        unsafe { copy(dst.as_mut_ptr() as u64, Device::Cpu, self.address() + position as u64, self.device(), dst.len(), &stream)? };
+        unsafe {
+            copy(
+                dst.as_mut_ptr() as u64,
+                Device::Cpu,
+                self.address() + position as u64,
+                self.device(),
+                dst.len(),
+                &stream,
+            )?
+        };
         stream.synchronize()
     }
 
@@ -186,7 +210,16 @@ impl DeviceBuffer {
         let stream = stream_for(stream, self.device(), Device::Cpu)?;
         // SAFETY: both ranges are valid, this view is the only one of its allocation (checked), and
         // the stream is synchronised before `src` is released.
-        unsafe { copy(self.address() + position as u64, self.device(), src.as_ptr() as u64, Device::Cpu, src.len(), &stream)? };
+        unsafe {
+            copy(
+                self.address() + position as u64,
+                self.device(),
+                src.as_ptr() as u64,
+                Device::Cpu,
+                src.len(),
+                &stream,
+            )?
+        };
         stream.synchronize()
     }
 
@@ -197,7 +230,16 @@ impl DeviceBuffer {
         let stream = stream_for(stream, self.device(), src.device())?;
         // SAFETY: both ranges are valid and `self` is the only view of its allocation, so they do
         // not overlap; the stream is synchronised before returning.
-        unsafe { copy(self.address() + position as u64, self.device(), src.address(), src.device(), src.len, &stream)? };
+        unsafe {
+            copy(
+                self.address() + position as u64,
+                self.device(),
+                src.address(),
+                src.device(),
+                src.len,
+                &stream,
+            )?
+        };
         stream.synchronize()
     }
 
@@ -238,7 +280,16 @@ impl DeviceBuffer {
         check_range(position, dst.len(), self.len)?;
         let stream = stream_for(stream, self.device(), Device::Cpu)?;
         // SAFETY: the ranges are valid; the caller keeps `dst` alive and untouched until the event.
-        unsafe { copy(dst.as_mut_ptr() as u64, Device::Cpu, self.address() + position as u64, self.device(), dst.len(), &stream)? };
+        unsafe {
+            copy(
+                dst.as_mut_ptr() as u64,
+                Device::Cpu,
+                self.address() + position as u64,
+                self.device(),
+                dst.len(),
+                &stream,
+            )?
+        };
         stream.record()
     }
 
@@ -252,7 +303,16 @@ impl DeviceBuffer {
         check_range(position, src.len(), self.len)?;
         let stream = stream_for(stream, self.device(), Device::Cpu)?;
         // SAFETY: the ranges are valid; the caller keeps `src` alive and unchanged until the event.
-        unsafe { copy(self.address() + position as u64, self.device(), src.as_ptr() as u64, Device::Cpu, src.len(), &stream)? };
+        unsafe {
+            copy(
+                self.address() + position as u64,
+                self.device(),
+                src.as_ptr() as u64,
+                Device::Cpu,
+                src.len(),
+                &stream,
+            )?
+        };
         stream.record()
     }
 
@@ -267,7 +327,16 @@ impl DeviceBuffer {
         check_range(position, src.len, self.len)?;
         let stream = stream_for(stream, self.device(), src.device())?;
         // SAFETY: valid, non-overlapping ranges (self is a unique view); the caller keeps both alive.
-        unsafe { copy(self.address() + position as u64, self.device(), src.address(), src.device(), src.len, &stream)? };
+        unsafe {
+            copy(
+                self.address() + position as u64,
+                self.device(),
+                src.address(),
+                src.device(),
+                src.len,
+                &stream,
+            )?
+        };
         stream.record()
     }
 
@@ -308,7 +377,11 @@ impl DeviceBuffer {
             Err(Error::Unsupported(format!(
                 "buffer is not mutable: {} views share its allocation{}",
                 Arc::strong_count(&self.alloc),
-                if matches!(self.resource(), MemoryResource::Foreign(_)) { " (foreign memory)" } else { "" }
+                if matches!(self.resource(), MemoryResource::Foreign(_)) {
+                    " (foreign memory)"
+                } else {
+                    ""
+                }
             )))
         }
     }
@@ -316,7 +389,13 @@ impl DeviceBuffer {
 
 impl fmt::Debug for DeviceBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "DeviceBuffer({} bytes at {:#x} on {})", self.len, self.address(), self.device())
+        write!(
+            f,
+            "DeviceBuffer({} bytes at {:#x} on {})",
+            self.len,
+            self.address(),
+            self.device()
+        )
     }
 }
 
@@ -344,7 +423,14 @@ pub(crate) fn stream_for(stream: &Stream, a: Device, b: Device) -> Result<Stream
 /// # Safety
 /// Both ranges must be valid memory of their devices; host memory in them must not be accessed by
 /// anything else until the stream's work completes.
-pub(crate) unsafe fn copy(dst: u64, dst_device: Device, src: u64, src_device: Device, len: usize, stream: &Stream) -> Result<()> {
+pub(crate) unsafe fn copy(
+    dst: u64,
+    dst_device: Device,
+    src: u64,
+    src_device: Device,
+    len: usize,
+    stream: &Stream,
+) -> Result<()> {
     if len == 0 {
         return Ok(());
     }
@@ -359,7 +445,9 @@ pub(crate) unsafe fn copy(dst: u64, dst_device: Device, src: u64, src_device: De
             let raw = stream.bind()?;
             // SAFETY: with unified addressing the driver infers each side's kind from the address;
             // the ranges are valid (caller).
-            unsafe { sys::cuMemcpyAsync(dst, src, len, raw) }.result().map_err(Error::driver("cuMemcpyAsync"))
+            unsafe { sys::cuMemcpyAsync(dst, src, len, raw) }
+                .result()
+                .map_err(Error::driver("cuMemcpyAsync"))
         }
     }
 }

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::device::Stream;
 use crate::error::Result;
-use crate::memory::resource::{Allocation, MemoryResource};
 use crate::memory::DeviceBuffer;
+use crate::memory::resource::{Allocation, MemoryResource};
 
 /// Free blocks larger than this are not kept by default.
 const DEFAULT_CACHE_LIMIT: usize = 8 << 30;
@@ -48,16 +48,33 @@ impl PinnedPool {
     /// [`MemoryResource::WriteCombinedHost`]).
     pub fn shared(resource: MemoryResource) -> Result<Arc<PinnedPool>> {
         static POOLS: OnceLock<Mutex<HashMap<MemoryResource, Arc<PinnedPool>>>> = OnceLock::new();
-        if !matches!(resource, MemoryResource::PinnedHost(_) | MemoryResource::WriteCombinedHost(_)) {
-            return Err(crate::Error::InvalidArgument(format!("{resource:?} is not pinned host memory")));
+        if !matches!(
+            resource,
+            MemoryResource::PinnedHost(_) | MemoryResource::WriteCombinedHost(_)
+        ) {
+            return Err(crate::Error::InvalidArgument(format!(
+                "{resource:?} is not pinned host memory"
+            )));
         }
-        let mut pools = POOLS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
-        Ok(pools.entry(resource).or_insert_with(|| Arc::new(PinnedPool::new(resource))).clone())
+        let mut pools = POOLS
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        Ok(pools
+            .entry(resource)
+            .or_insert_with(|| Arc::new(PinnedPool::new(resource)))
+            .clone())
     }
 
     /// A new, empty pool of `resource`.
     pub fn new(resource: MemoryResource) -> PinnedPool {
-        PinnedPool { resource, state: Mutex::new(PoolState { limit: DEFAULT_CACHE_LIMIT, ..Default::default() }) }
+        PinnedPool {
+            resource,
+            state: Mutex::new(PoolState {
+                limit: DEFAULT_CACHE_LIMIT,
+                ..Default::default()
+            }),
+        }
     }
 
     /// Sets how many bytes of free blocks the pool keeps; blocks beyond it are freed.
@@ -96,7 +113,10 @@ impl PinnedPool {
             None => self.resource.allocate(class, &Stream::cpu())?,
         };
         let (ptr, resource) = (block.ptr(), block.resource());
-        let owner = PooledBlock { block: Some(block), pool: Arc::downgrade(self) };
+        let owner = PooledBlock {
+            block: Some(block),
+            pool: Arc::downgrade(self),
+        };
         // SAFETY: the block is `class >= len` bytes of pinned memory of `resource`, kept alive by `owner`.
         let alloc = unsafe { Allocation::owned_by(ptr, class, resource, Box::new(owner)) };
         DeviceBuffer::from_allocation(alloc).slice(0, len)

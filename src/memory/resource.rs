@@ -32,6 +32,10 @@ pub enum MemoryResource {
     WriteCombinedHost(usize),
     /// CUDA managed (unified) memory (`cuMemAllocManaged`), reachable from host and device.
     Managed(usize),
+    /// Host memory that other processes can map (the CPU device): a sealed `memfd` mapped shared,
+    /// zero-initialised. It stands in for CUDA IPC on the CPU: the IPC layer sends the file
+    /// descriptor to a peer process (see [`crate::ipc`]). Linux only.
+    SharedHost,
     /// Memory allocated elsewhere and wrapped, on the given device.
     Foreign(Device),
 }
@@ -50,7 +54,7 @@ impl MemoryResource {
     /// The device that this resource's memory belongs to.
     pub fn device(self) -> Device {
         match self {
-            MemoryResource::Host => Device::Cpu,
+            MemoryResource::Host | MemoryResource::SharedHost => Device::Cpu,
             MemoryResource::DevicePool(o) | MemoryResource::Device(o) => Device::Cuda(o),
             MemoryResource::PinnedHost(o) | MemoryResource::WriteCombinedHost(o) => Device::CudaHost(o),
             MemoryResource::Managed(o) => Device::CudaManaged(o),
@@ -58,9 +62,11 @@ impl MemoryResource {
         }
     }
 
-    /// Whether `cuIpcGetMemHandle` accepts memory of this resource.
+    /// Whether memory of this resource can be handed to another process without a copy:
+    /// [`MemoryResource::Device`] through a CUDA IPC handle (`cuIpcGetMemHandle` rejects pool memory),
+    /// [`MemoryResource::SharedHost`] through its file descriptor.
     pub fn ipc_exportable(self) -> bool {
-        matches!(self, MemoryResource::Device(_))
+        matches!(self, MemoryResource::Device(_) | MemoryResource::SharedHost)
     }
 
     /// Allocates `size` bytes. Pool memory is allocated in the order of `stream` (the device's shared
@@ -68,20 +74,35 @@ impl MemoryResource {
     pub(crate) fn allocate(self, size: usize, stream: &Stream) -> Result<Allocation> {
         let device = self.device();
         if size == 0 {
-            return Ok(Allocation { ptr: ALIGNMENT as u64, size, resource: self, release: Release::Nothing });
+            return Ok(Allocation {
+                ptr: ALIGNMENT as u64,
+                size,
+                resource: self,
+                release: Release::Nothing,
+            });
         }
         let ctx = device.context()?;
         let alloc_err = |call| Error::alloc(call, device, size);
         let (ptr, release) = match (self, ctx) {
             (MemoryResource::Host, _) => {
-                let layout = Layout::from_size_align(size, ALIGNMENT)
-                    .map_err(|_| Error::OutOfMemory { device, requested: size })?;
+                let layout = Layout::from_size_align(size, ALIGNMENT).map_err(|_| Error::OutOfMemory {
+                    device,
+                    requested: size,
+                })?;
                 // SAFETY: the layout has a non-zero size (checked above).
                 let p = unsafe { std::alloc::alloc_zeroed(layout) };
                 if p.is_null() {
-                    return Err(Error::OutOfMemory { device, requested: size });
+                    return Err(Error::OutOfMemory {
+                        device,
+                        requested: size,
+                    });
                 }
                 (p as u64, Release::Host(layout))
+            }
+            (MemoryResource::SharedHost, _) => {
+                // The region (fd and mapping) is owned by the allocation and unmapped when it drops.
+                let region = crate::ipc::shm::SharedRegion::create(size)?;
+                (region.address(), Release::Owner(Box::new(region)))
             }
             (MemoryResource::DevicePool(o), Some(ctx)) if ctx.has_async_alloc() => {
                 let stream = match stream.cuda() {
@@ -121,7 +142,12 @@ impl MemoryResource {
             }
             (_, None) => unreachable!("every CUDA resource's device has a context"),
         };
-        Ok(Allocation { ptr, size, resource: self, release })
+        Ok(Allocation {
+            ptr,
+            size,
+            resource: self,
+            release,
+        })
     }
 }
 
@@ -149,15 +175,30 @@ impl Allocation {
     /// # Safety
     /// `ptr..ptr + size` must be memory of `device` that stays valid until `owner` is dropped.
     pub(crate) unsafe fn foreign(ptr: u64, size: usize, device: Device, owner: Box<dyn Any + Send + Sync>) -> Self {
-        Allocation { ptr, size, resource: MemoryResource::Foreign(device), release: Release::Owner(owner) }
+        Allocation {
+            ptr,
+            size,
+            resource: MemoryResource::Foreign(device),
+            release: Release::Owner(owner),
+        }
     }
 
     /// Like [`Allocation::foreign`], but keeping the resource the memory came from.
     ///
     /// # Safety
     /// As for [`Allocation::foreign`], and the memory must be of `resource`'s kind.
-    pub(crate) unsafe fn owned_by(ptr: u64, size: usize, resource: MemoryResource, owner: Box<dyn Any + Send + Sync>) -> Self {
-        Allocation { ptr, size, resource, release: Release::Owner(owner) }
+    pub(crate) unsafe fn owned_by(
+        ptr: u64,
+        size: usize,
+        resource: MemoryResource,
+        owner: Box<dyn Any + Send + Sync>,
+    ) -> Self {
+        Allocation {
+            ptr,
+            size,
+            resource,
+            release: Release::Owner(owner),
+        }
     }
 
     pub(crate) fn ptr(&self) -> u64 {
@@ -176,7 +217,9 @@ impl Allocation {
     /// (other kinds of memory are freed at once).
     pub(crate) fn free_on(mut self, stream: &Stream) {
         if let Release::Pool(s) = &mut self.release
-            && stream.cuda().is_some_and(|c| Some(c.context().ordinal()) == self.resource.device().ordinal())
+            && stream
+                .cuda()
+                .is_some_and(|c| Some(c.context().ordinal()) == self.resource.device().ordinal())
         {
             *s = stream.clone();
         }
@@ -185,7 +228,11 @@ impl Allocation {
 
 impl fmt::Debug for Allocation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Allocation({:#x}, {} bytes, {:?})", self.ptr, self.size, self.resource)
+        write!(
+            f,
+            "Allocation({:#x}, {} bytes, {:?})",
+            self.ptr, self.size, self.resource
+        )
     }
 }
 
@@ -220,4 +267,3 @@ impl Drop for Allocation {
         }
     }
 }
-

@@ -75,7 +75,9 @@ fn pack(plan: &Plan<'_>, resource: MemoryResource, stream: &Stream) -> Result<(D
         plan.fill_parallel(0, out);
         return Ok((memory, Event::completed()));
     }
-    let ordinal = device.ordinal().ok_or_else(|| Error::Unsupported(format!("{device} is not host-accessible")))?;
+    let ordinal = device
+        .ordinal()
+        .ok_or_else(|| Error::Unsupported(format!("{device} is not host-accessible")))?;
     let pool = PinnedPool::shared(MemoryResource::PinnedHost(ordinal))?;
     release_finished();
     stream.bind()?;
@@ -97,7 +99,16 @@ fn pack(plan: &Plan<'_>, resource: MemoryResource, stream: &Stream) -> Result<(D
         for d in &direct {
             // SAFETY: the source is pinned host memory of an arrow buffer kept alive (below) until
             // the copy's event completes; the destination lies inside `memory`.
-            unsafe { copy(memory.address() + d.dst as u64, device, d.src.as_ptr() as u64, Device::CudaHost(ordinal), d.src.len(), &stream)? };
+            unsafe {
+                copy(
+                    memory.address() + d.dst as u64,
+                    device,
+                    d.src.as_ptr() as u64,
+                    Device::CudaHost(ordinal),
+                    d.src.len(),
+                    &stream,
+                )?
+            };
             in_flight.push_back((Box::new(d.owner.clone()), stream.record()?));
         }
         for range in &packed {
@@ -109,11 +120,22 @@ fn pack(plan: &Plan<'_>, resource: MemoryResource, stream: &Stream) -> Result<(D
                     done.synchronize()?;
                 }
                 let mut stage = pool.take(len)?;
-                let out = stage.host_slice_mut().ok_or_else(|| Error::Unsupported("staging is not host memory".into()))?;
+                let out = stage
+                    .host_slice_mut()
+                    .ok_or_else(|| Error::Unsupported("staging is not host memory".into()))?;
                 plan.fill_parallel(start, out);
                 // SAFETY: both ranges are valid; the staging block is kept (in `in_flight`, then the
                 // deferred list) until the event recorded after the copy completes.
-                unsafe { copy(memory.address() + start as u64, device, stage.address(), stage.device(), len, &stream)? };
+                unsafe {
+                    copy(
+                        memory.address() + start as u64,
+                        device,
+                        stage.address(),
+                        stage.device(),
+                        len,
+                        &stream,
+                    )?
+                };
                 in_flight.push_back((Box::new(stage), stream.record()?));
             }
         }
@@ -168,7 +190,13 @@ pub fn dtoh(batch: &DeviceRecordBatch, stream: &Stream) -> Result<RecordBatch> {
 /// the batch's ready event on the device, without blocking the host.
 pub fn dtoh_async(batch: &DeviceRecordBatch, stream: &Stream) -> Result<PendingBatch> {
     let (memory, layouts, event) = gather(batch.columns(), batch.device(), Some(batch.ready()), stream)?;
-    Ok(PendingBatch { schema: batch.schema().clone(), num_rows: batch.num_rows(), memory, layouts, event })
+    Ok(PendingBatch {
+        schema: batch.schema().clone(),
+        num_rows: batch.num_rows(),
+        memory,
+        layouts,
+        event,
+    })
 }
 
 /// Copies one array to the host and returns it once the copy has finished and been validated.
@@ -197,7 +225,11 @@ impl PendingBatch {
     /// Waits for the copy and builds the record batch, validating every array.
     pub fn wait(self) -> Result<RecordBatch> {
         self.event.synchronize()?;
-        let columns = self.layouts.iter().map(|l| Ok(make_array(l.to_host(&self.memory)?))).collect::<Result<Vec<_>>>()?;
+        let columns = self
+            .layouts
+            .iter()
+            .map(|l| Ok(make_array(l.to_host(&self.memory)?)))
+            .collect::<Result<Vec<_>>>()?;
         let options = RecordBatchOptions::new().with_row_count(Some(self.num_rows));
         Ok(RecordBatch::try_new_with_options(self.schema, columns, &options)?)
     }
@@ -229,17 +261,23 @@ fn gather(
     let mut span_of = Vec::with_capacity(buffers.len());
     let mut size = 0usize;
     for (i, b) in buffers.iter().enumerate() {
-        let joins = i > 0 && b.shares_allocation(buffers[i - 1]) && spans.last().is_some_and(|s| {
-            let end = s.src + s.len as u64;
-            b.address() <= end + 4096
-        });
+        let joins = i > 0
+            && b.shares_allocation(buffers[i - 1])
+            && spans.last().is_some_and(|s| {
+                let end = s.src + s.len as u64;
+                b.address() <= end + 4096
+            });
         if joins {
             let s = spans.last_mut().expect("joined span");
             s.len = s.len.max((b.address() + b.len() as u64 - s.src) as usize);
         } else {
             // Keep each span's address modulo the alignment, so aligned buffers stay aligned.
             let dst = size.next_multiple_of(ALIGNMENT) + (b.address() % ALIGNMENT as u64) as usize;
-            spans.push(Span { src: b.address(), len: b.len(), dst });
+            spans.push(Span {
+                src: b.address(),
+                len: b.len(),
+                dst,
+            });
         }
         let s = spans.last().expect("span");
         size = size.max(s.dst + s.len);
@@ -254,14 +292,25 @@ fn gather(
     };
     match stream.cuda() {
         None => {
-            let out = memory.host_slice_mut().ok_or_else(|| Error::Unsupported("host block is not host memory".into()))?;
+            let out = memory
+                .host_slice_mut()
+                .ok_or_else(|| Error::Unsupported("host block is not host memory".into()))?;
             copy_spans_on_host(&spans, out);
         }
         Some(_) => {
             for s in &spans {
                 // SAFETY: each span lies inside one live allocation (its buffers are views of it) and
                 // inside `memory`; `memory` is not read until the event recorded below completes.
-                unsafe { copy(memory.address() + s.dst as u64, memory.device(), s.src, device, s.len, &stream)? };
+                unsafe {
+                    copy(
+                        memory.address() + s.dst as u64,
+                        memory.device(),
+                        s.src,
+                        device,
+                        s.len,
+                        &stream,
+                    )?
+                };
             }
         }
     }

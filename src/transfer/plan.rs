@@ -102,7 +102,11 @@ impl Layout {
             null_count: self.null_count,
             nulls: self.nulls.as_ref().map(slice).transpose()?,
             buffers: self.buffers.iter().map(slice).collect::<Result<_>>()?,
-            children: self.children.iter().map(|c| c.to_device(memory)).collect::<Result<_>>()?,
+            children: self
+                .children
+                .iter()
+                .map(|c| c.to_device(memory))
+                .collect::<Result<_>>()?,
         })
     }
 
@@ -128,12 +132,18 @@ impl Layout {
             )));
         }
         let offset = self.offset + start;
-        let bits = offset.checked_add(len).ok_or_else(|| Error::InvalidData("length overflows".into()))?;
+        let bits = offset
+            .checked_add(len)
+            .ok_or_else(|| Error::InvalidData("length overflows".into()))?;
         let buffer = |r: &Range<usize>| memory.slice(r.start, r.len())?.to_arrow_buffer();
         // `n` bytes from byte `from` of the buffer at `r`.
         let cut = |r: &Range<usize>, from: usize, n: usize| {
             if from.checked_add(n).is_none_or(|end| end > r.len()) {
-                return Err(Error::InvalidData(format!("buffer of {} bytes is too short for {}", r.len(), self.data_type)));
+                return Err(Error::InvalidData(format!(
+                    "buffer of {} bytes is too short for {}",
+                    r.len(),
+                    self.data_type
+                )));
             }
             memory.slice(r.start + from, n)?.to_arrow_buffer()
         };
@@ -151,21 +161,35 @@ impl Layout {
         };
         let whole = |c: &Layout| c.host_window(memory, 0, c.len);
         let buffer_at = |i: usize| {
-            self.buffers.get(i).ok_or_else(|| Error::InvalidData(format!("{} array without buffer {i}", self.data_type)))
+            self.buffers
+                .get(i)
+                .ok_or_else(|| Error::InvalidData(format!("{} array without buffer {i}", self.data_type)))
         };
         let (offset, buffers, children) = match &self.data_type {
-            DataType::Struct(_) => {
-                (0, vec![], self.children.iter().map(|c| c.host_window(memory, offset, len)).collect::<Result<_>>()?)
-            }
+            DataType::Struct(_) => (
+                0,
+                vec![],
+                self.children
+                    .iter()
+                    .map(|c| c.host_window(memory, offset, len))
+                    .collect::<Result<_>>()?,
+            ),
             DataType::FixedSizeList(_, size) => {
                 let size = *size as usize;
-                let children = self.children.iter().map(|c| c.host_window(memory, offset * size, len * size));
+                let children = self
+                    .children
+                    .iter()
+                    .map(|c| c.host_window(memory, offset * size, len * size));
                 (0, vec![], children.collect::<Result<_>>()?)
             }
             DataType::Union(_, mode) => {
                 let mut buffers = vec![cut(buffer_at(0)?, offset, len)?];
                 let children: Result<Vec<_>> = match mode {
-                    UnionMode::Sparse => self.children.iter().map(|c| c.host_window(memory, offset, len)).collect(),
+                    UnionMode::Sparse => self
+                        .children
+                        .iter()
+                        .map(|c| c.host_window(memory, offset, len))
+                        .collect(),
                     UnionMode::Dense => {
                         buffers.push(cut(buffer_at(1)?, offset * 4, len * 4)?);
                         self.children.iter().map(whole).collect()
@@ -213,7 +237,13 @@ impl<'a> Plan<'a> {
 
     /// Reserves `len` bytes produced from `src` and returns their range.
     fn push(&mut self, src: &'a [u8], len: usize, transform: Transform) -> Range<usize> {
-        self.push_op(PackOp { src, dst: 0, len, transform, owner: None })
+        self.push_op(PackOp {
+            src,
+            dst: 0,
+            len,
+            transform,
+            owner: None,
+        })
     }
 
     fn push_op(&mut self, mut op: PackOp<'a>) -> Range<usize> {
@@ -229,7 +259,13 @@ impl<'a> Plan<'a> {
     /// `len` bytes of `buffer` from `start`, copied.
     fn bytes(&mut self, buffer: &'a Buffer, start: usize, len: usize) -> Result<Range<usize>> {
         let src = source(buffer, start, len)?;
-        Ok(self.push_op(PackOp { src, dst: 0, len, transform: Transform::Copy, owner: Some(buffer) }))
+        Ok(self.push_op(PackOp {
+            src,
+            dst: 0,
+            len,
+            transform: Transform::Copy,
+            owner: Some(buffer),
+        }))
     }
 
     /// Plain copies of at least `min_len` bytes whose source passes `pinned`, in destination
@@ -238,7 +274,13 @@ impl<'a> Plan<'a> {
         self.ops
             .iter()
             .filter(|op| op.len >= min_len && op.transform == Transform::Copy)
-            .filter_map(|op| Some(DirectCopy { src: op.src, dst: op.dst, owner: op.owner?.clone() }))
+            .filter_map(|op| {
+                Some(DirectCopy {
+                    src: op.src,
+                    dst: op.dst,
+                    owner: op.owner?.clone(),
+                })
+            })
             .filter(|d| pinned(d.src))
             .collect()
     }
@@ -259,7 +301,13 @@ impl<'a> Plan<'a> {
 
     /// `count + 1` offsets of `width` bytes from element `start`, rebased to 0; returns their range
     /// and the first and last source offsets.
-    fn offsets(&mut self, buffer: &'a Buffer, start: usize, count: usize, width: usize) -> Result<(Range<usize>, usize, usize)> {
+    fn offsets(
+        &mut self,
+        buffer: &'a Buffer,
+        start: usize,
+        count: usize,
+        width: usize,
+    ) -> Result<(Range<usize>, usize, usize)> {
         let len = (count + 1) * width;
         if buffer.is_empty() && count == 0 {
             return Ok((self.push(&ZERO_OFFSETS[..width], len, Transform::Copy), 0, 0));
@@ -267,13 +315,21 @@ impl<'a> Plan<'a> {
         let src = source(buffer, start * width, len)?;
         let read = |i: usize| -> i64 {
             let b = &src[i * width..(i + 1) * width];
-            if width == 4 { i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64 } else { i64::from_le_bytes(b.try_into().unwrap_or_default()) }
+            if width == 4 {
+                i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64
+            } else {
+                i64::from_le_bytes(b.try_into().unwrap_or_default())
+            }
         };
         let (first, last) = (read(0), read(count));
         if first < 0 || last < first {
             return Err(Error::InvalidData(format!("offsets run from {first} to {last}")));
         }
-        let transform = if width == 4 { Transform::Rebase32(first as i32) } else { Transform::Rebase64(first) };
+        let transform = if width == 4 {
+            Transform::Rebase32(first as i32)
+        } else {
+            Transform::Rebase64(first)
+        };
         Ok((self.push(src, len, transform), first as usize, last as usize))
     }
 
@@ -284,7 +340,11 @@ impl<'a> Plan<'a> {
             None => (None, 0),
             Some(n) => {
                 let bits = n.inner();
-                let count = if start == 0 && len == data.len() { n.null_count() } else { n.slice(start, len).null_count() };
+                let count = if start == 0 && len == data.len() {
+                    n.null_count()
+                } else {
+                    n.slice(start, len).null_count()
+                };
                 (Some(self.bitmap(bits.inner(), bits.offset() + start, len)?), count)
             }
         };
@@ -299,10 +359,14 @@ impl<'a> Plan<'a> {
         };
         let buffers = data.buffers();
         let child = |i: usize| {
-            data.child_data().get(i).ok_or_else(|| Error::InvalidData(format!("{} array without child {i}", data.data_type())))
+            data.child_data()
+                .get(i)
+                .ok_or_else(|| Error::InvalidData(format!("{} array without child {i}", data.data_type())))
         };
         let buffer = |i: usize| {
-            buffers.get(i).ok_or_else(|| Error::InvalidData(format!("{} array without buffer {i}", data.data_type())))
+            buffers
+                .get(i)
+                .ok_or_else(|| Error::InvalidData(format!("{} array without buffer {i}", data.data_type())))
         };
         match data.data_type() {
             DataType::Null => {}
@@ -312,7 +376,11 @@ impl<'a> Plan<'a> {
                 layout.buffers.push(self.bytes(buffer(0)?, p * w, len * w)?);
             }
             DataType::Utf8 | DataType::Binary | DataType::LargeUtf8 | DataType::LargeBinary => {
-                let width = if matches!(data.data_type(), DataType::Utf8 | DataType::Binary) { 4 } else { 8 };
+                let width = if matches!(data.data_type(), DataType::Utf8 | DataType::Binary) {
+                    4
+                } else {
+                    8
+                };
                 let (offsets, first, last) = self.offsets(buffer(0)?, p, len, width)?;
                 layout.buffers.push(offsets);
                 layout.buffers.push(self.bytes(buffer(1)?, first, last - first)?);
@@ -325,14 +393,22 @@ impl<'a> Plan<'a> {
                 }
             }
             DataType::List(_) | DataType::Map(..) | DataType::LargeList(_) => {
-                let width = if matches!(data.data_type(), DataType::LargeList(_)) { 8 } else { 4 };
+                let width = if matches!(data.data_type(), DataType::LargeList(_)) {
+                    8
+                } else {
+                    4
+                };
                 let (offsets, first, last) = self.offsets(buffer(0)?, p, len, width)?;
                 layout.buffers.push(offsets);
                 layout.children.push(self.window(child(0)?, first, last - first)?);
             }
             DataType::ListView(_) | DataType::LargeListView(_) => {
                 // Views may point anywhere in the child: it travels whole.
-                let width = if matches!(data.data_type(), DataType::ListView(_)) { 4 } else { 8 };
+                let width = if matches!(data.data_type(), DataType::ListView(_)) {
+                    4
+                } else {
+                    8
+                };
                 layout.buffers.push(self.bytes(buffer(0)?, p * width, len * width)?);
                 layout.buffers.push(self.bytes(buffer(1)?, p * width, len * width)?);
                 let c = child(0)?;
@@ -364,7 +440,9 @@ impl<'a> Plan<'a> {
                 }
             }
             DataType::Dictionary(key, _) => {
-                let w = key.primitive_width().ok_or_else(|| Error::InvalidData(format!("dictionary key {key}")))?;
+                let w = key
+                    .primitive_width()
+                    .ok_or_else(|| Error::InvalidData(format!("dictionary key {key}")))?;
                 layout.buffers.push(self.bytes(buffer(0)?, p * w, len * w)?);
                 let values = child(0)?;
                 layout.children.push(self.window(values, 0, values.len())?);
@@ -377,7 +455,9 @@ impl<'a> Plan<'a> {
                 }
             }
             dt => {
-                let w = dt.primitive_width().ok_or_else(|| Error::Unsupported(format!("data type {dt}")))?;
+                let w = dt
+                    .primitive_width()
+                    .ok_or_else(|| Error::Unsupported(format!("data type {dt}")))?;
                 layout.buffers.push(self.bytes(buffer(0)?, p * w, len * w)?);
             }
         }
@@ -407,7 +487,9 @@ impl<'a> Plan<'a> {
             return self.fill(start, out);
         }
         let piece = (out.len() / rayon::current_num_threads()).next_multiple_of(PIECE);
-        out.par_chunks_mut(piece).enumerate().for_each(|(i, part)| self.fill(start + i * piece, part));
+        out.par_chunks_mut(piece)
+            .enumerate()
+            .for_each(|(i, part)| self.fill(start + i * piece, part));
     }
 }
 
@@ -416,5 +498,9 @@ fn source(buffer: &Buffer, start: usize, len: usize) -> Result<&[u8]> {
     start
         .checked_add(len)
         .and_then(|end| buffer.as_slice().get(start..end))
-        .ok_or(Error::OutOfBounds { offset: start, len, size: buffer.len() })
+        .ok_or(Error::OutOfBounds {
+            offset: start,
+            len,
+            size: buffer.len(),
+        })
 }
