@@ -96,6 +96,7 @@ impl fmt::Display for Device {
 /// an [`Error::DriverTooOld`] rather than a panic inside cudarc.
 const REQUIRED_SYMBOLS: &[&str] = &[
     "cuInit",
+    "cuDriverGetVersion",
     "cuDeviceGetCount",
     "cuMemAllocAsync",
     "cuMemFreeAsync",
@@ -132,7 +133,9 @@ enum Unavailable {
 fn probe() -> Result<(), Unavailable> {
     // SAFETY: loading the driver library runs its initialisers, which is what any CUDA program does.
     if !unsafe { sys::is_culib_present() } {
-        let names = cudarc::get_lib_name_candidates("cuda");
+        let mut names = cudarc::get_lib_name_candidates("cuda");
+        names.sort();
+        names.dedup();
         return Err(Unavailable::NoLibrary(names.join(", ")));
     }
     // SAFETY: the library is present (checked above), so `culib` returns it without panicking.
@@ -176,6 +179,15 @@ pub fn cuda_device_count() -> Result<usize> {
     driver()?;
     let n = result::device::get_count().map_err(Error::driver("cuDeviceGetCount"))?;
     Ok(n as usize)
+}
+
+/// The CUDA version the driver supports, as (major, minor): (13, 0) for a CUDA 13.0 driver.
+pub fn driver_version() -> Result<(i32, i32)> {
+    driver()?;
+    let mut v = 0;
+    // SAFETY: the driver is loaded (probed above); the out-parameter is a valid int.
+    unsafe { sys::cuDriverGetVersion(&mut v) }.result().map_err(Error::driver("cuDriverGetVersion"))?;
+    Ok((v / 1000, (v % 1000) / 10))
 }
 
 /// The primary context of a CUDA device, retained once per process.

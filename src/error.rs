@@ -14,7 +14,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[non_exhaustive]
 pub enum Error {
     /// The CUDA driver library could not be loaded.
-    #[error("no CUDA driver: none of {looked_for} could be loaded")]
+    #[error("no CUDA driver: the driver library could not be loaded (tried {looked_for})")]
     NoDriver {
         /// The library names that were tried.
         looked_for: String,

@@ -1,0 +1,53 @@
+//! `arrow-cuda`: devices, transfers, queries and IPC from the command line.
+
+mod bench;
+mod info;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Apache Arrow data on NVIDIA GPUs.
+#[derive(Parser)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Devices, memory, driver, and the link's bandwidth measured in about a second.
+    Info,
+    /// Transfer benchmarks beside the naive path, printed as one table.
+    Bench(bench::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let outcome = match cli.command {
+        Command::Info => info::run(),
+        Command::Bench(args) => bench::run(&args),
+    };
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("arrow-cuda: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Measures `f` over at least `min` seconds of repeats (and 3 runs); returns the best seconds per run.
+fn best_time(min: f64, mut f: impl FnMut() -> arrow_cuda::Result<()>) -> arrow_cuda::Result<f64> {
+    let start = std::time::Instant::now();
+    let mut best = f64::INFINITY;
+    let mut runs = 0;
+    while runs < 3 || start.elapsed().as_secs_f64() < min {
+        let t = std::time::Instant::now();
+        f()?;
+        best = best.min(t.elapsed().as_secs_f64());
+        runs += 1;
+    }
+    Ok(best)
+}
