@@ -35,7 +35,12 @@ impl Registration {
     fn new(address: usize, len: usize, ordinal: usize) -> Result<Registration> {
         let ctx = device::context(ordinal)?;
         if len == 0 {
-            return Ok(Registration { address, len, ordinal, ctx: None });
+            return Ok(Registration {
+                address,
+                len,
+                ordinal,
+                ctx: None,
+            });
         }
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: `address..address + len` is a live slice that the guard borrows for as long as the
@@ -44,7 +49,12 @@ impl Registration {
         unsafe { sys::cuMemHostRegister_v2(address as *mut c_void, len, flags) }
             .result()
             .map_err(Error::alloc("cuMemHostRegister", Device::CudaHost(ordinal), len))?;
-        Ok(Registration { address, len, ordinal, ctx: Some(ctx) })
+        Ok(Registration {
+            address,
+            len,
+            ordinal,
+            ctx: Some(ctx),
+        })
     }
 
     fn device_pointer(&self) -> Result<u64> {
@@ -200,7 +210,9 @@ impl DeviceBuffer {
     /// Without a driver, pinned memory gives the driver's error. An empty buffer gives its address.
     pub fn device_pointer(&self) -> Result<u64> {
         match self.resource() {
-            MemoryResource::DevicePool(_) | MemoryResource::Device(_) | MemoryResource::Managed(_) => Ok(self.address()),
+            MemoryResource::DevicePool(_) | MemoryResource::Device(_) | MemoryResource::Managed(_) => {
+                Ok(self.address())
+            }
             MemoryResource::Foreign(Device::Cuda(_) | Device::CudaManaged(_)) => Ok(self.address()),
             MemoryResource::PinnedHost(o)
             | MemoryResource::WriteCombinedHost(o)
@@ -214,9 +226,11 @@ impl DeviceBuffer {
                 let base = self.address() - self.offset() as u64;
                 Ok(host_get_device_pointer(base)? + self.offset() as u64)
             }
-            MemoryResource::Host | MemoryResource::Foreign(Device::Cpu) => Err(Error::Unsupported(
-                "ordinary host memory has no device address; register it (memory::register) or copy it".into(),
-            )),
+            MemoryResource::Host | MemoryResource::SharedHost | MemoryResource::Foreign(Device::Cpu) => {
+                Err(Error::Unsupported(
+                    "ordinary host memory has no device address; register it (memory::register) or copy it".into(),
+                ))
+            }
         }
     }
 }

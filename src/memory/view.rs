@@ -129,7 +129,11 @@ impl<T: Element> StridedView<T> {
             .checked_mul(size_of::<T>())
             .ok_or_else(|| Error::InvalidArgument(format!("shape {shape:?} has more bytes than fit in usize")))?;
         if buffer.len() < bytes {
-            return Err(Error::SizeMismatch { what: "StridedView::contiguous", expected: bytes, actual: buffer.len() });
+            return Err(Error::SizeMismatch {
+                what: "StridedView::contiguous",
+                expected: bytes,
+                actual: buffer.len(),
+            });
         }
         Self::with_layout(buffer, 0, shape, &c_strides(shape, size_of::<T>()))
     }
@@ -156,7 +160,9 @@ impl<T: Element> StridedView<T> {
             )));
         }
         if let Some(s) = strides.iter().find(|&&s| s < 0) {
-            return Err(Error::InvalidArgument(format!("negative stride {s} in {strides:?} is not supported")));
+            return Err(Error::InvalidArgument(format!(
+                "negative stride {s} in {strides:?} is not supported"
+            )));
         }
         if let Some(s) = strides.iter().find(|&&s| s as usize % align != 0) {
             return Err(Error::InvalidArgument(format!(
@@ -177,10 +183,14 @@ impl<T: Element> StridedView<T> {
             crate::memory::check_range(byte_offset, 0, buffer.len())?;
         } else {
             // The last byte reached: offset + sum(stride * (n - 1)) + size_of::<T>().
-            let end = shape.iter().zip(strides).try_fold(byte_offset.checked_add(size_of::<T>()), |acc, (&n, &s)| {
-                Some(acc.and_then(|a| (s as usize).checked_mul(n - 1).and_then(|x| a.checked_add(x))))
-            });
-            match end.flatten() {
+            let end = shape
+                .iter()
+                .zip(strides)
+                .try_fold(byte_offset, |acc, (&n, &s)| {
+                    (s as usize).checked_mul(n - 1).and_then(|x| acc.checked_add(x))
+                })
+                .and_then(|last| last.checked_add(size_of::<T>()));
+            match end {
                 Some(end) if end <= buffer.len() => {}
                 end => {
                     return Err(Error::OutOfBounds {
@@ -191,7 +201,13 @@ impl<T: Element> StridedView<T> {
                 }
             }
         }
-        Ok(StridedView { buffer, offset: byte_offset, shape: shape.to_vec(), strides: strides.to_vec(), _element: PhantomData })
+        Ok(StridedView {
+            buffer,
+            offset: byte_offset,
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+            _element: PhantomData,
+        })
     }
 
     /// A new C-order view holding a copy of `data` (in C order) in memory from `resource`; returns
@@ -288,7 +304,9 @@ impl<T: Element> StridedView<T> {
     /// range does not lie inside axis 0 (reported in bytes of the C-order array).
     pub fn slice(&self, start: usize, len: usize) -> Result<Self> {
         let Some(&rows) = self.shape.first() else {
-            return Err(Error::InvalidArgument("a 0-dimensional view has no axis to slice".into()));
+            return Err(Error::InvalidArgument(
+                "a 0-dimensional view has no axis to slice".into(),
+            ));
         };
         if start.checked_add(len).is_none_or(|end| end > rows) {
             let row = self.shape[1..].iter().product::<usize>().saturating_mul(size_of::<T>());
@@ -308,7 +326,10 @@ impl<T: Element> StridedView<T> {
     /// Errors: [`Error::InvalidArgument`] when `axis` is not an axis of the view or `sections` is 0.
     pub fn split(&self, axis: usize, sections: usize) -> Result<Vec<Self>> {
         let Some(&n) = self.shape.get(axis) else {
-            return Err(Error::InvalidArgument(format!("axis {axis} of a {}-dimensional view", self.ndim())));
+            return Err(Error::InvalidArgument(format!(
+                "axis {axis} of a {}-dimensional view",
+                self.ndim()
+            )));
         };
         if sections == 0 {
             return Err(Error::InvalidArgument("cannot split into 0 sections".into()));
@@ -330,8 +351,18 @@ impl<T: Element> StridedView<T> {
         let mut shape = self.shape.clone();
         shape[axis] = len;
         // An empty view keeps the offset; it reaches no memory.
-        let offset = if len == 0 { self.offset } else { self.offset + start * self.strides[axis] as usize };
-        StridedView { buffer: self.buffer.clone(), offset, shape, strides: self.strides.clone(), _element: PhantomData }
+        let offset = if len == 0 {
+            self.offset
+        } else {
+            self.offset + start * self.strides[axis] as usize
+        };
+        StridedView {
+            buffer: self.buffer.clone(),
+            offset,
+            shape,
+            strides: self.strides.clone(),
+            _element: PhantomData,
+        }
     }
 
     /// Copies the elements, in C order, into a new host vector; returns when the copy is done.
@@ -461,7 +492,11 @@ impl<T: Element> StridedView<T> {
         if len == self.len() {
             Ok(())
         } else {
-            Err(Error::SizeMismatch { what, expected: self.len() * size_of::<T>(), actual: len * size_of::<T>() })
+            Err(Error::SizeMismatch {
+                what,
+                expected: self.len() * size_of::<T>(),
+                actual: len * size_of::<T>(),
+            })
         }
     }
 
@@ -469,7 +504,10 @@ impl<T: Element> StridedView<T> {
         if self.shape == dst.shape {
             Ok(())
         } else {
-            Err(Error::InvalidArgument(format!("cannot copy a view of shape {:?} into one of shape {:?}", self.shape, dst.shape)))
+            Err(Error::InvalidArgument(format!(
+                "cannot copy a view of shape {:?} into one of shape {:?}",
+                self.shape, dst.shape
+            )))
         }
     }
 
@@ -496,14 +534,19 @@ fn is_non_overlapping(shape: &[usize], strides: &[usize], itemsize: usize) -> bo
     if shape.contains(&0) {
         return true;
     }
-    let mut dims: Vec<(usize, usize)> = shape.iter().copied().zip(strides.iter().copied()).filter(|&(n, _)| n > 1).collect();
+    let mut dims: Vec<(usize, usize)> = shape
+        .iter()
+        .copied()
+        .zip(strides.iter().copied())
+        .filter(|&(n, _)| n > 1)
+        .collect();
     dims.sort_by_key(|&(_, s)| s);
     let mut span = itemsize;
     for (n, s) in dims {
         if s < span {
             return false;
         }
-        span = s * (n - 1) + span;
+        span += s * (n - 1);
     }
     true
 }
@@ -520,7 +563,12 @@ impl Layout {
     /// A C-order host slice of `shape`.
     fn host(address: u64, shape: &[usize], itemsize: usize) -> Layout {
         let strides = c_strides(shape, itemsize).into_iter().map(|s| s as usize).collect();
-        Layout { address, device: Device::Cpu, strides, itemsize }
+        Layout {
+            address,
+            device: Device::Cpu,
+            strides,
+            itemsize,
+        }
     }
 }
 
@@ -543,8 +591,13 @@ fn plan(shape: &[usize], src: &[usize], dst: &[usize], itemsize: usize) -> Optio
     if shape.contains(&0) {
         return None;
     }
-    let mut dims: Vec<(usize, usize, usize)> =
-        shape.iter().zip(src).zip(dst).map(|((&n, &s), &d)| (n, s, d)).filter(|&(n, _, _)| n != 1).collect();
+    let mut dims: Vec<(usize, usize, usize)> = shape
+        .iter()
+        .zip(src)
+        .zip(dst)
+        .map(|((&n, &s), &d)| (n, s, d))
+        .filter(|&(n, _, _)| n != 1)
+        .collect();
     let mut width = itemsize;
     while let Some(&(n, s, d)) = dims.last() {
         if s != width || d != width {
@@ -565,9 +618,19 @@ fn plan(shape: &[usize], src: &[usize], dst: &[usize], itemsize: usize) -> Optio
         }
         merged.push((n, s, d));
     }
-    let (rows, src_pitch, dst_pitch) = if merged.is_empty() { (1, width, width) } else { merged.remove(0) };
+    let (rows, src_pitch, dst_pitch) = if merged.is_empty() {
+        (1, width, width)
+    } else {
+        merged.remove(0)
+    };
     merged.reverse();
-    Some(Plan { width, rows, src_pitch, dst_pitch, outer: merged })
+    Some(Plan {
+        width,
+        rows,
+        src_pitch,
+        dst_pitch,
+        outer: merged,
+    })
 }
 
 /// The largest pitch `cuMemcpy2D` accepts (`CU_DEVICE_ATTRIBUTE_MAX_PITCH` on current GPUs).
@@ -583,7 +646,9 @@ const MAX_PITCH: usize = i32::MAX as usize;
 unsafe fn issue(dst: Layout, src: Layout, shape: &[usize], stream: &Stream) -> Result<()> {
     debug_assert_eq!(dst.itemsize, src.itemsize);
     let itemsize = src.itemsize;
-    let Some(plan) = plan(shape, &src.strides, &dst.strides, itemsize) else { return Ok(()) };
+    let Some(plan) = plan(shape, &src.strides, &dst.strides, itemsize) else {
+        return Ok(());
+    };
     if plan.outer.is_empty() && plan.rows == 1 {
         // Contiguous on both sides: one copy.
         // SAFETY: `width` bytes from each base are in bounds (caller); the rest is the caller's contract.
@@ -664,12 +729,16 @@ unsafe fn copy_rows_cuda(dst: u64, src: u64, plan: &Plan, raw: sys::CUstream) ->
         };
         // SAFETY: with unified addressing the driver infers each side's kind from its address; the
         // rows are valid (caller) and `params` lives for the call.
-        return unsafe { sys::cuMemcpy2DAsync_v2(&params, raw) }.result().map_err(Error::driver("cuMemcpy2DAsync"));
+        return unsafe { sys::cuMemcpy2DAsync_v2(&params, raw) }
+            .result()
+            .map_err(Error::driver("cuMemcpy2DAsync"));
     }
     for r in 0..plan.rows {
         let (s, d) = (src + (r * plan.src_pitch) as u64, dst + (r * plan.dst_pitch) as u64);
         // SAFETY: each row is valid memory (caller), in the bound context's stream.
-        unsafe { sys::cuMemcpyAsync(d, s, plan.width, raw) }.result().map_err(Error::driver("cuMemcpyAsync"))?;
+        unsafe { sys::cuMemcpyAsync(d, s, plan.width, raw) }
+            .result()
+            .map_err(Error::driver("cuMemcpyAsync"))?;
     }
     Ok(())
 }
@@ -696,31 +765,76 @@ mod tests {
     #[test]
     fn contiguous_copies_plan_to_one_row() {
         let p = plan(&[4, 3], &[12, 4], &[12, 4], 4).unwrap();
-        assert_eq!(p, Plan { width: 48, rows: 1, src_pitch: 48, dst_pitch: 48, outer: vec![] });
+        assert_eq!(
+            p,
+            Plan {
+                width: 48,
+                rows: 1,
+                src_pitch: 48,
+                dst_pitch: 48,
+                outer: vec![]
+            }
+        );
     }
 
     #[test]
     fn a_column_plans_to_rows_of_one_element() {
         // Column 1 of a 4x3 f32 matrix into a contiguous vector.
         let p = plan(&[4], &[12], &[4], 4).unwrap();
-        assert_eq!(p, Plan { width: 4, rows: 4, src_pitch: 12, dst_pitch: 4, outer: vec![] });
+        assert_eq!(
+            p,
+            Plan {
+                width: 4,
+                rows: 4,
+                src_pitch: 12,
+                dst_pitch: 4,
+                outer: vec![]
+            }
+        );
     }
 
     #[test]
     fn padded_rows_plan_to_one_2d_copy() {
         // A 3x2 block of a 3x5 matrix of u16: rows of 4 bytes, 10 bytes apart.
         let p = plan(&[3, 2], &[10, 2], &[4, 2], 2).unwrap();
-        assert_eq!(p, Plan { width: 4, rows: 3, src_pitch: 10, dst_pitch: 4, outer: vec![] });
+        assert_eq!(
+            p,
+            Plan {
+                width: 4,
+                rows: 3,
+                src_pitch: 10,
+                dst_pitch: 4,
+                outer: vec![]
+            }
+        );
     }
 
     #[test]
     fn evenly_stepped_axes_merge_and_others_loop() {
         // Every other row of a 3-D array whose planes are padded.
         let p = plan(&[2, 3, 4], &[200, 32, 4], &[48, 16, 4], 4).unwrap();
-        assert_eq!(p, Plan { width: 16, rows: 3, src_pitch: 32, dst_pitch: 16, outer: vec![(2, 200, 48)] });
+        assert_eq!(
+            p,
+            Plan {
+                width: 16,
+                rows: 3,
+                src_pitch: 32,
+                dst_pitch: 16,
+                outer: vec![(2, 200, 48)]
+            }
+        );
         // Axes of length 1 vanish; two evenly stepped axes become one.
         let p = plan(&[2, 1, 3], &[24, 999, 8], &[12, 5, 4], 4).unwrap();
-        assert_eq!(p, Plan { width: 4, rows: 6, src_pitch: 8, dst_pitch: 4, outer: vec![] });
+        assert_eq!(
+            p,
+            Plan {
+                width: 4,
+                rows: 6,
+                src_pitch: 8,
+                dst_pitch: 4,
+                outer: vec![]
+            }
+        );
         assert_eq!(plan(&[3, 0], &[4, 4], &[4, 4], 4), None);
         assert_eq!(plan(&[], &[], &[], 8).unwrap().width, 8);
     }
