@@ -7,6 +7,8 @@ pub mod ffi;
 mod error;
 pub mod memory;
 pub mod transfer;
+#[cfg(feature = "polars")]
+pub mod polars;
 
 pub use array::{DeviceArrayData, DeviceRecordBatch};
 pub use device::{Device, Event, Stream};
