@@ -119,6 +119,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuStreamWaitEvent",
     "cuEventRecord",
     "cuPointerGetAttribute",
+    "cuPointerGetAttributes",
 ];
 
 /// Why the driver is unusable, kept so every later call reports the same thing.

@@ -256,19 +256,18 @@ impl DeviceBuffer {
         if self.is_empty() {
             return Ok(());
         }
-        let stream = stream_for(stream, self.device(), self.device())?;
-        match stream.cuda() {
-            None => {
-                // SAFETY: host-accessible memory of `len` bytes viewed only by `self`.
-                unsafe { std::ptr::write_bytes(self.address() as *mut u8, value, self.len) }
-            }
-            Some(_) => {
-                let raw = stream.bind()?;
-                // SAFETY: `len` bytes of memory the driver knows, in this stream's context.
-                unsafe { cudarc::driver::result::memset_d8_async(self.address(), value, self.len, raw) }
-                    .map_err(Error::driver("cuMemsetD8Async"))?;
-            }
+        if self.is_host_accessible() {
+            // Host memory (pageable or not) is written by the CPU, after earlier work on the stream.
+            stream.synchronize()?;
+            // SAFETY: host-accessible memory of `len` bytes viewed only by `self`.
+            unsafe { std::ptr::write_bytes(self.address() as *mut u8, value, self.len) };
+            return Ok(());
         }
+        let stream = stream_for(stream, self.device(), self.device())?;
+        let raw = stream.bind()?;
+        // SAFETY: `len` bytes of device memory, in this stream's context.
+        unsafe { cudarc::driver::result::memset_d8_async(self.address(), value, self.len, raw) }
+            .map_err(Error::driver("cuMemsetD8Async"))?;
         stream.synchronize()
     }
 

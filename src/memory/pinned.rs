@@ -154,7 +154,8 @@ impl PoolState {
 /// Rounds up to one of eight sizes per power of two (at least 64 KiB), wasting at most 12.5%.
 fn size_class(len: usize) -> usize {
     let len = len.max(64 << 10);
-    let step = len.next_power_of_two() / 8;
+    // Steps of an eighth of the power of two at or below `len`.
+    let step = (1usize << len.ilog2()) / 8;
     len.div_ceil(step) * step
 }
 
@@ -166,7 +167,7 @@ mod tests {
     fn size_classes_round_up_by_at_most_an_eighth() {
         assert_eq!(size_class(0), 64 << 10);
         assert_eq!(size_class(1 << 30), 1 << 30);
-        assert_eq!(size_class((1 << 30) + 1), (1 << 30) + (1 << 28));
+        assert_eq!(size_class((1 << 30) + 1), (1 << 30) + (1 << 27));
         for len in [65_537usize, 1_000_000, 3 << 20, 123_456_789] {
             let c = size_class(len);
             assert!(c >= len && c - len <= len / 8 + 1, "{len} -> {c}");

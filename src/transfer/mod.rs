@@ -1,6 +1,6 @@
 //! Copies of whole record batches between the host and a device.
 //!
-//! Host to device: [`plan`] every buffer (64-byte aligned, only the bytes a slice views), pack the
+//! Host to device: plan every buffer (64-byte aligned, only the bytes a slice views), pack the
 //! batch into pinned staging on every core in chunks while the previous chunk's DMA runs, and issue
 //! one DMA per chunk into one device allocation; the device arrays are views of it.
 //!
@@ -151,15 +151,12 @@ const DIRECT_MIN: usize = 1 << 20;
 /// Whether host memory is page-locked (and so can be the source of an asynchronous DMA).
 fn is_pinned(src: &[u8]) -> bool {
     let mut kind = 0u32;
-    // SAFETY: a query about an address; the out-parameter is a 4-byte `CUmemorytype`. Pageable memory
-    // makes the call fail with CUDA_ERROR_INVALID_VALUE, which is not sticky.
-    let status = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut kind as *mut u32).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-            src.as_ptr() as u64,
-        )
-    };
+    let mut attribute = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE;
+    let mut out = (&mut kind as *mut u32).cast::<std::ffi::c_void>();
+    // SAFETY: a query about an address with one 4-byte `CUmemorytype` out-parameter. Unlike
+    // cuPointerGetAttribute, the plural form succeeds for memory the driver does not know (pageable
+    // memory), leaving the type 0, so it raises no API error.
+    let status = unsafe { sys::cuPointerGetAttributes(1, &mut attribute, &mut out, src.as_ptr() as u64) };
     status == sys::CUresult::CUDA_SUCCESS && kind == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32
 }
 
