@@ -4,6 +4,7 @@ pub mod abi;
 pub mod array;
 pub mod device;
 pub mod ffi;
+pub mod ipc;
 mod error;
 pub mod memory;
 pub mod transfer;

@@ -1,0 +1,25 @@
+//! A channel of device record batches between processes on one machine, over a Unix socket.
+//!
+//! A [`Sender`] binds a socket path; [`Receiver`]s connect to it. Frames are length-prefixed
+//! ([`protocol`]): the schema first, then batches, each with an id, its device, its metadata, the
+//! handles of the memory regions its buffers lie in (CUDA IPC handles; memfds passed with
+//! `SCM_RIGHTS` for CPU batches, so the whole channel runs without a GPU) and, for CUDA batches, an
+//! IPC event to wait on; then the end of the stream, or an error.
+//!
+//! The receiver builds each batch as views of the mapped regions and acknowledges it when the
+//! last view drops; the sender keeps every batch it lent alive until each receiver it went to has
+//! acknowledged it, and bounds the bytes in flight (back-pressure). Faults:
+//!
+//! - a receiver that dies: its socket ends, the sender's reader thread for it notices at once and
+//!   reclaims everything it held ([`SenderEvent::Lost`], [`SenderStatus::lost`]);
+//! - a sender that dies: the receiver's next receive reads the end of the connection and fails
+//!   ([`std::io::ErrorKind::UnexpectedEof`]); a receive can also be bounded by a timeout;
+//! - truncated, oversized or corrupt frames: errors on either side, never a crash; a corrupt batch is
+//!   acknowledged so its memory is reclaimed.
+
+mod protocol;
+mod receiver;
+mod sender;
+
+pub use receiver::{Receiver, ReceiverOptions};
+pub use sender::{Sender, SenderEvent, SenderOptions, SenderStatus};

@@ -1,0 +1,142 @@
+//! The frames a sender and its receivers exchange.
+//!
+//! Sender to receiver: `Hello` (magic, protocol version, the schema as an IPC schema message) once,
+//! then any number of `Batch` frames (an id, the IPC event to wait on for CUDA batches, and the
+//! batch's descriptor, with the host regions' descriptors attached), then `End`, or `Abort` with a
+//! reason. Receiver to sender: `Ack` with a batch id when the last view of that batch has dropped,
+//! and `Detach` when the receiver stops receiving (it may still hold batches).
+
+use std::os::fd::BorrowedFd;
+
+use crate::error::{Error, Result};
+use crate::ipc::descriptor::BatchDescriptor;
+use crate::ipc::event::IpcEventHandle;
+use crate::ipc::handle::HANDLE_BYTES;
+use crate::ipc::wire::{self, Reader, Writer};
+
+const MAGIC: &[u8; 8] = b"ACUDAIPC";
+const VERSION: u32 = 1;
+
+const HELLO: u8 = 1;
+const BATCH: u8 = 2;
+const END: u8 = 3;
+const ABORT: u8 = 4;
+const ACK: u8 = 16;
+const DETACH: u8 = 17;
+
+/// One frame of the protocol.
+#[derive(Debug)]
+pub(crate) enum Frame {
+    Hello {
+        schema: Vec<u8>,
+    },
+    Batch {
+        id: u64,
+        event: Option<IpcEventHandle>,
+        descriptor: BatchDescriptor,
+    },
+    /// A batch frame whose id could be read but whose rest is malformed.
+    BadBatch {
+        id: u64,
+        error: Error,
+    },
+    End,
+    Abort(String),
+    Ack(u64),
+    Detach,
+}
+
+impl Frame {
+    /// The payload, and the descriptors to attach.
+    pub fn encode(&self) -> (Vec<u8>, Vec<BorrowedFd<'_>>) {
+        let mut w = Writer::default();
+        let mut fds = Vec::new();
+        match self {
+            Frame::Hello { schema } => {
+                w.u8(HELLO);
+                w.raw(MAGIC);
+                w.u32(VERSION);
+                w.bytes(schema);
+            }
+            Frame::Batch { id, event, descriptor } => {
+                w.u8(BATCH);
+                w.u64(*id);
+                match event {
+                    Some(h) => {
+                        w.u8(1);
+                        w.raw(&h.0);
+                    }
+                    None => w.u8(0),
+                }
+                descriptor.encode(&mut w, &mut fds);
+            }
+            Frame::BadBatch { .. } => unreachable!("never sent"),
+            Frame::End => w.u8(END),
+            Frame::Abort(reason) => {
+                w.u8(ABORT);
+                w.bytes(reason.as_bytes());
+            }
+            Frame::Ack(id) => {
+                w.u8(ACK);
+                w.u64(*id);
+            }
+            Frame::Detach => w.u8(DETACH),
+        }
+        (w.buf, fds)
+    }
+
+    /// Reads a frame; every byte must be used and every descriptor claimed.
+    pub fn decode(frame: wire::Frame) -> Result<Frame> {
+        let mut r = Reader::new(&frame.payload);
+        let mut fds = frame.fds.into_iter();
+        let out = match r.u8()? {
+            HELLO => {
+                if &r.array::<8>()? != MAGIC {
+                    return Err(Error::InvalidData("not an arrow-cuda IPC channel (bad magic)".into()));
+                }
+                let version = r.u32()?;
+                if version != VERSION {
+                    return Err(Error::Unsupported(format!(
+                        "channel protocol version {version}; this build speaks {VERSION}"
+                    )));
+                }
+                Frame::Hello {
+                    schema: r.bytes()?.to_vec(),
+                }
+            }
+            BATCH => {
+                let id = r.u64()?;
+                let rest = (|| {
+                    let event = match r.u8()? {
+                        0 => None,
+                        1 => Some(IpcEventHandle(r.array::<HANDLE_BYTES>()?)),
+                        k => return Err(Error::InvalidData(format!("event flag {k}"))),
+                    };
+                    let descriptor = BatchDescriptor::decode(&mut r, &mut fds)?;
+                    finish(&r, &mut fds)?;
+                    Ok((event, descriptor))
+                })();
+                return Ok(match rest {
+                    Ok((event, descriptor)) => Frame::Batch { id, event, descriptor },
+                    Err(error) => Frame::BadBatch { id, error },
+                });
+            }
+            END => Frame::End,
+            ABORT => Frame::Abort(String::from_utf8_lossy(r.bytes()?).into_owned()),
+            ACK => Frame::Ack(r.u64()?),
+            DETACH => Frame::Detach,
+            k => return Err(Error::InvalidData(format!("unknown frame kind {k}"))),
+        };
+        finish(&r, &mut fds)?;
+        Ok(out)
+    }
+}
+
+/// Checks that every byte and every descriptor of a frame was used.
+fn finish(r: &Reader<'_>, fds: &mut impl Iterator) -> Result<()> {
+    r.finish()?;
+    match fds.next() {
+        Some(_) => Err(Error::InvalidData("a frame with more descriptors than it names".into())),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,424 @@
+//! Zero-copy batch descriptors, after Arrow's "Dissociated IPC" protocol
+//! (apache/arrow `docs/source/format/DissociatedIPC.rst`): the metadata travels on its own and every
+//! body buffer is addressed as `(region, offset, length)`, where a region is an exported base
+//! allocation, a CUDA IPC handle on a GPU or a memfd on the CPU.
+//!
+//! [`BatchDescriptor::describe`] describes a batch whose memory is already exportable without
+//! copying a byte; [`BatchDescriptor::of_message`] describes a message written into one allocation
+//! ([`crate::ipc::write_message`]). The receiver opens the regions (cached per process, see
+//! [`crate::ipc::handle`] and [`crate::ipc::shm`]) and builds the arrays as views of them,
+//! checking every location against its region.
+//!
+//! The metadata is the `RecordBatch` message the batch would have as an ordinary IPC message (its
+//! buffer offsets are those of a contiguous body); the locations say where each buffer really is.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::Arc;
+
+use arrow_schema::SchemaRef;
+
+use crate::array::DeviceRecordBatch;
+use crate::device::{Device, Event};
+use crate::error::{Error, Result};
+use crate::ipc::handle::{IpcMemHandle, OpenedHandle};
+use crate::ipc::layout::{BodyLayout, needs_normalising};
+use crate::ipc::message::DeviceMessage;
+use crate::ipc::shm::{SharedMapping, SharedMemHandle, SharedRegion};
+use crate::ipc::wire::{Reader, Writer};
+use crate::ipc::{decode, handle};
+use crate::memory::{DeviceBuffer, MemoryResource};
+
+/// An exported base allocation.
+#[derive(Debug)]
+pub enum RegionHandle {
+    /// Device memory of a GPU, by CUDA IPC handle.
+    Cuda {
+        /// The device's ordinal in the exporting process.
+        ordinal: usize,
+        /// The handle (with the allocation's size).
+        handle: IpcMemHandle,
+    },
+    /// Shared host memory, by file descriptor.
+    Host(SharedMemHandle),
+}
+
+impl RegionHandle {
+    /// The region's size in bytes.
+    pub fn size(&self) -> usize {
+        match self {
+            RegionHandle::Cuda { handle, .. } => handle.size(),
+            RegionHandle::Host(h) => h.size(),
+        }
+    }
+}
+
+/// Where one IPC buffer's bytes are: `len` bytes at `offset` of region `region`. Empty buffers
+/// name no region ([`BufferLocation::EMPTY`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BufferLocation {
+    /// The index of the region in [`BatchDescriptor::regions`].
+    pub region: u32,
+    /// The offset in the region.
+    pub offset: u64,
+    /// The length in bytes.
+    pub len: u64,
+}
+
+impl BufferLocation {
+    /// The location of an empty buffer.
+    pub const EMPTY: BufferLocation = BufferLocation {
+        region: u32::MAX,
+        offset: 0,
+        len: 0,
+    };
+}
+
+/// A batch described for another process: metadata, exported regions and buffer locations.
+#[derive(Debug)]
+pub struct BatchDescriptor {
+    /// The device the batch lives on (in the exporting process).
+    pub device: Device,
+    /// The flatbuffer `Message` with the batch's `RecordBatch` header.
+    pub metadata: Vec<u8>,
+    /// The exported allocations.
+    pub regions: Vec<RegionHandle>,
+    /// One location per buffer of the metadata, in order.
+    pub locations: Vec<BufferLocation>,
+}
+
+impl BatchDescriptor {
+    /// Describes `batch` without copying it: every buffer must lie in memory another process can
+    /// open ([`MemoryResource::Device`] on a GPU, [`MemoryResource::SharedHost`] or a received region
+    /// on the CPU), and no array may have an offset or an unknown null count
+    /// ([`Error::Unsupported`] otherwise; write a message instead). The caller must keep the batch
+    /// alive and unchanged until the receivers are done with it.
+    pub fn describe(batch: &DeviceRecordBatch) -> Result<BatchDescriptor> {
+        if needs_normalising(batch)? {
+            return Err(Error::Unsupported(
+                "a batch with sliced arrays cannot be described without a copy".into(),
+            ));
+        }
+        let device = batch.device();
+        let layout = BodyLayout::of(batch)?;
+        let mut regions = Vec::new();
+        // Region index by the region's address in this process.
+        let mut index: HashMap<u64, u32> = HashMap::new();
+        let mut locations = Vec::with_capacity(layout.buffers.len());
+        for b in &layout.buffers {
+            let Some(src) = b.source else {
+                locations.push(BufferLocation::EMPTY);
+                continue;
+            };
+            let (key, offset, shared) = match (device, src.resource()) {
+                (Device::Cuda(o), MemoryResource::Device(r)) if r == o => {
+                    (src.address() - src.offset() as u64, src.offset(), None)
+                }
+                (Device::Cpu, _) => match SharedRegion::find(src) {
+                    Some((region, offset)) => (region.address(), offset, Some(region)),
+                    None => return Err(not_exportable(src)),
+                },
+                _ => return Err(not_exportable(src)),
+            };
+            let region = match index.get(&key) {
+                Some(i) => *i,
+                None => {
+                    regions.push(match (device, shared) {
+                        (Device::Cuda(o), _) => RegionHandle::Cuda {
+                            ordinal: o,
+                            handle: IpcMemHandle::export(src)?,
+                        },
+                        (_, Some(region)) => RegionHandle::Host(region.handle()?),
+                        (_, None) => return Err(not_exportable(src)),
+                    });
+                    let i = regions.len() as u32 - 1;
+                    index.insert(key, i);
+                    i
+                }
+            };
+            locations.push(BufferLocation {
+                region,
+                offset: offset as u64,
+                len: b.len as u64,
+            });
+        }
+        Ok(BatchDescriptor {
+            device,
+            metadata: layout.metadata(),
+            regions,
+            locations,
+        })
+    }
+
+    /// Describes a message written into one exportable allocation: a single region.
+    pub fn of_message(message: &DeviceMessage) -> Result<BatchDescriptor> {
+        let buffer = message.buffer();
+        let device = buffer.device();
+        let (region, base) = match device {
+            Device::Cuda(o) => (
+                RegionHandle::Cuda {
+                    ordinal: o,
+                    handle: IpcMemHandle::export(buffer)?,
+                },
+                buffer.offset(),
+            ),
+            Device::Cpu => {
+                let (handle, offset) = SharedMemHandle::export(buffer)?;
+                (RegionHandle::Host(handle), offset)
+            }
+            other => return Err(Error::Unsupported(format!("IPC of {other} memory"))),
+        };
+        let parsed = decode::parse(message.metadata())?;
+        let header = decode::header(&parsed)?;
+        let body = (base + message.body_offset()) as u64;
+        let locations = header
+            .batch
+            .buffers()
+            .map(|bs| {
+                bs.iter()
+                    .map(|b| match b.length() {
+                        0 => BufferLocation::EMPTY,
+                        len => BufferLocation {
+                            region: 0,
+                            offset: body + b.offset() as u64,
+                            len: len as u64,
+                        },
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        Ok(BatchDescriptor {
+            device,
+            metadata: message.metadata().to_vec(),
+            regions: vec![region],
+            locations,
+        })
+    }
+
+    /// The number of bytes the batch's buffers take.
+    pub fn body_bytes(&self) -> u64 {
+        self.locations.iter().map(|l| l.len).sum()
+    }
+
+    /// Opens the regions and builds the batch of `schema` as views of them. `owner` is dropped when
+    /// the last view drops (after the mappings are released), which is how a receiver learns that a
+    /// batch is done with. The batch's ready event is `ready`: the caller orders it after the
+    /// producer's writes. Malformed descriptors are [`Error::InvalidData`].
+    pub fn import(self, schema: &SchemaRef, ready: Event, owner: impl Any + Send + Sync) -> Result<DeviceRecordBatch> {
+        self.import_retaining(schema, ready, owner).map(|(batch, _)| batch)
+    }
+
+    /// [`BatchDescriptor::import`], also returning the mappings it opened.
+    pub(crate) fn import_retaining(
+        self,
+        schema: &SchemaRef,
+        ready: Event,
+        owner: impl Any + Send + Sync,
+    ) -> Result<(DeviceRecordBatch, Vec<Mapping>)> {
+        let device = self.device;
+        let mappings = self
+            .regions
+            .into_iter()
+            .map(|r| match (r, device) {
+                (RegionHandle::Cuda { ordinal, handle }, Device::Cuda(o)) if ordinal == o => {
+                    Ok(Mapping::Cuda(handle::open(&handle, ordinal)?))
+                }
+                (RegionHandle::Host(h), Device::Cpu) => Ok(Mapping::Host(h.open()?)),
+                (r, d) => Err(Error::InvalidData(format!("a region {r:?} for a batch on {d}"))),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // Declared in this order so the mappings are released before the owner is dropped.
+        struct Lease<O> {
+            _mappings: Vec<Mapping>,
+            _owner: O,
+        }
+        let lease = Arc::new(Lease {
+            _mappings: mappings.clone(),
+            _owner: owner,
+        });
+        let regions: Vec<DeviceBuffer> = mappings.iter().map(|m| m.buffer(lease.clone())).collect();
+        drop(lease);
+        let message = decode::parse(&self.metadata)?;
+        let header = decode::header(&message)?;
+        let locations = self.locations;
+        let mut resolve = |index: usize, _offset: usize, len: usize| {
+            let loc = locations
+                .get(index)
+                .ok_or_else(|| Error::InvalidData(format!("no location for IPC buffer {index}")))?;
+            if loc.len != len as u64 {
+                return Err(Error::InvalidData(format!(
+                    "IPC buffer {index} has {len} bytes in the metadata and {} in its location",
+                    loc.len
+                )));
+            }
+            let region = regions.get(loc.region as usize).ok_or_else(|| {
+                Error::InvalidData(format!(
+                    "IPC buffer {index} in region {} of {}",
+                    loc.region,
+                    regions.len()
+                ))
+            })?;
+            let fits = loc
+                .offset
+                .checked_add(loc.len)
+                .is_some_and(|end| end <= region.len() as u64);
+            if !fits {
+                return Err(Error::InvalidData(format!(
+                    "IPC buffer {index} ({}..+{}) overruns its region of {} bytes",
+                    loc.offset,
+                    loc.len,
+                    region.len()
+                )));
+            }
+            region.slice(loc.offset as usize, len)
+        };
+        let n_buffers = header.batch.buffers().map_or(0, |b| b.len());
+        if n_buffers != locations.len() {
+            return Err(Error::InvalidData(format!(
+                "{} locations for {n_buffers} IPC buffers",
+                locations.len()
+            )));
+        }
+        let batch = decode::batch(schema, &header, device, &mut resolve, ready)?;
+        Ok((batch, mappings))
+    }
+
+    /// Appends the descriptor to a frame payload; the host regions' descriptors go to `fds`.
+    pub(crate) fn encode<'a>(&'a self, w: &mut Writer, fds: &mut Vec<BorrowedFd<'a>>) {
+        w.u32(self.device.device_type().0 as u32);
+        w.i64(self.device.device_id());
+        w.u32(self.regions.len() as u32);
+        for r in &self.regions {
+            match r {
+                RegionHandle::Cuda { ordinal, handle } => {
+                    w.u8(1);
+                    w.u64(*ordinal as u64);
+                    w.raw(&handle.serialize());
+                }
+                RegionHandle::Host(h) => {
+                    w.u8(2);
+                    w.u64(h.size() as u64);
+                    fds.push(h.fd());
+                }
+            }
+        }
+        w.bytes(&self.metadata);
+        w.u32(self.locations.len() as u32);
+        for l in &self.locations {
+            w.u32(l.region);
+            w.u64(l.offset);
+            w.u64(l.len);
+        }
+    }
+
+    /// Reads a descriptor from a frame payload, taking the host regions' descriptors from `fds` in
+    /// order. Every count is checked against the bytes left; malformed input is [`Error::InvalidData`].
+    pub(crate) fn decode(r: &mut Reader<'_>, fds: &mut std::vec::IntoIter<OwnedFd>) -> Result<BatchDescriptor> {
+        let invalid = |m: String| Error::InvalidData(m);
+        let device_type = crate::abi::DeviceType(r.u32()? as i32);
+        let device = Device::from_c(device_type, r.i64()?).map_err(|e| invalid(format!("batch device: {e}")))?;
+        let n = r.u32()? as usize;
+        if n > r.remaining() / 9 {
+            return Err(invalid(format!("{n} regions in a frame of {} bytes", r.remaining())));
+        }
+        let mut regions = Vec::with_capacity(n);
+        for _ in 0..n {
+            let region = match r.u8()? {
+                1 => {
+                    let ordinal =
+                        usize::try_from(r.u64()?).map_err(|_| invalid("a CUDA ordinal out of range".into()))?;
+                    let handle = IpcMemHandle::deserialize(r.take(IpcMemHandle::SERIALIZED_LEN)?)?;
+                    RegionHandle::Cuda { ordinal, handle }
+                }
+                2 => {
+                    let size = usize::try_from(r.u64()?).map_err(|_| invalid("a region size out of range".into()))?;
+                    let fd = fds
+                        .next()
+                        .ok_or_else(|| invalid("a host region without its descriptor".into()))?;
+                    RegionHandle::Host(SharedMemHandle::from_fd(fd, size))
+                }
+                k => return Err(invalid(format!("region kind {k}"))),
+            };
+            regions.push(region);
+        }
+        let metadata = r.bytes()?.to_vec();
+        let n = r.u32()? as usize;
+        if n > r.remaining() / 20 {
+            return Err(invalid(format!(
+                "{n} buffer locations in a frame of {} bytes",
+                r.remaining()
+            )));
+        }
+        let locations = (0..n)
+            .map(|_| {
+                Ok(BufferLocation {
+                    region: r.u32()?,
+                    offset: r.u64()?,
+                    len: r.u64()?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(BatchDescriptor {
+            device,
+            metadata,
+            regions,
+            locations,
+        })
+    }
+
+    /// The descriptor as bytes plus the descriptors of its host regions (a frame payload of its
+    /// own; the channel embeds the same encoding in its batch frames).
+    pub fn to_bytes(&self) -> (Vec<u8>, Vec<BorrowedFd<'_>>) {
+        let mut w = Writer::default();
+        let mut fds = Vec::new();
+        self.encode(&mut w, &mut fds);
+        (w.buf, fds)
+    }
+
+    /// Reads [`BatchDescriptor::to_bytes`]'s form; every byte must be used and every descriptor
+    /// claimed.
+    pub fn from_bytes(bytes: &[u8], fds: Vec<OwnedFd>) -> Result<BatchDescriptor> {
+        let mut r = Reader::new(bytes);
+        let mut fds = fds.into_iter();
+        let d = Self::decode(&mut r, &mut fds)?;
+        r.finish()?;
+        if fds.next().is_some() {
+            return Err(Error::InvalidData("more descriptors than host regions".into()));
+        }
+        Ok(d)
+    }
+}
+
+fn not_exportable(b: &DeviceBuffer) -> Error {
+    Error::Unsupported(format!(
+        "{b:?} ({:?}) cannot be opened by another process; allocate from MemoryResource::Device or \
+         MemoryResource::SharedHost, or write a message",
+        b.resource()
+    ))
+}
+
+/// A region opened in this process.
+#[derive(Clone, Debug)]
+pub(crate) enum Mapping {
+    Cuda(Arc<OpenedHandle>),
+    Host(SharedMapping),
+}
+
+impl Mapping {
+    /// Whether both are the same mapping.
+    pub(crate) fn same_as(&self, other: &Mapping) -> bool {
+        match (self, other) {
+            (Mapping::Cuda(a), Mapping::Cuda(b)) => Arc::ptr_eq(a, b),
+            (Mapping::Host(a), Mapping::Host(b)) => a.same_as(b),
+            _ => false,
+        }
+    }
+
+    fn buffer(&self, owner: impl Any + Send + Sync) -> DeviceBuffer {
+        match self {
+            Mapping::Cuda(h) => h.buffer_owned_by(owner),
+            Mapping::Host(m) => m.buffer(owner),
+        }
+    }
+}

@@ -1,0 +1,269 @@
+//! The IPC layout of a device batch: field nodes, buffers and variadic counts in the order the
+//! Arrow IPC format lists them, and the `RecordBatch` metadata built from them.
+//!
+//! Arrays are walked depth first. Each array contributes a field node `(length, null_count)` and,
+//! in order: a validity slot where its type has one (an empty buffer when it has no nulls), its data
+//! buffers in arrow-rs order, then its children. In metadata version V5, null, union and run-end
+//! encoded arrays have no validity slot. View types list their views buffer and then their data
+//! buffers, and each contributes its data-buffer count to `variadicBufferCounts`.
+//!
+//! The IPC format has no array offsets: every array starts at element 0. Arrays with an offset or an
+//! unknown null count (slices) have no direct IPC layout ([`needs_normalising`]); the writer takes a
+//! slow path for them.
+
+use arrow_ipc::{FieldNode, MessageBuilder, MessageHeader, MetadataVersion, RecordBatchBuilder};
+use arrow_schema::{DataType, UnionMode};
+use flatbuffers::FlatBufferBuilder;
+
+use crate::array::{DeviceArrayData, DeviceRecordBatch};
+use crate::error::{Error, Result};
+use crate::memory::{ALIGNMENT, DeviceBuffer};
+
+/// Whether arrays of `data_type` have a validity slot in IPC metadata of `version`.
+pub(crate) fn has_validity(data_type: &DataType, version: MetadataVersion) -> bool {
+    if version < MetadataVersion::V5 {
+        !matches!(data_type, DataType::Null)
+    } else {
+        !matches!(
+            data_type,
+            DataType::Null | DataType::Union(..) | DataType::RunEndEncoded(..)
+        )
+    }
+}
+
+fn overflow(data_type: &DataType, len: usize) -> Error {
+    Error::InvalidData(format!(
+        "the buffers of a {data_type} array of {len} elements overflow usize"
+    ))
+}
+
+fn times(data_type: &DataType, len: usize, width: usize) -> Result<usize> {
+    len.checked_mul(width).ok_or_else(|| overflow(data_type, len))
+}
+
+/// Offsets of `len` elements: none for an empty array, `len + 1` otherwise.
+fn offsets(data_type: &DataType, len: usize, width: usize) -> Result<usize> {
+    if len == 0 {
+        Ok(0)
+    } else {
+        times(data_type, len + 1, width)
+    }
+}
+
+/// The exact size of each fixed-size data buffer (validity excluded) of an array of `len` elements,
+/// in IPC order; `None` for buffers whose size depends on the data (string values, the data
+/// buffers of views). The writer cuts buffers to these sizes; the reader requires at least them.
+pub(crate) fn fixed_sizes(data_type: &DataType, len: usize) -> Result<Vec<Option<usize>>> {
+    let dt = data_type;
+    Ok(match dt {
+        DataType::Null | DataType::Struct(_) | DataType::FixedSizeList(..) | DataType::RunEndEncoded(..) => vec![],
+        DataType::Boolean => vec![Some(len.div_ceil(8))],
+        DataType::FixedSizeBinary(w) => {
+            let w = usize::try_from(*w).map_err(|_| Error::InvalidData(format!("{dt} has a negative width")))?;
+            vec![Some(times(dt, len, w)?)]
+        }
+        DataType::Utf8 | DataType::Binary => vec![Some(offsets(dt, len, 4)?), None],
+        DataType::LargeUtf8 | DataType::LargeBinary => vec![Some(offsets(dt, len, 8)?), None],
+        DataType::Utf8View | DataType::BinaryView => vec![Some(times(dt, len, 16)?)],
+        DataType::List(_) | DataType::Map(..) => vec![Some(offsets(dt, len, 4)?)],
+        DataType::LargeList(_) => vec![Some(offsets(dt, len, 8)?)],
+        DataType::ListView(_) => vec![Some(times(dt, len, 4)?); 2],
+        DataType::LargeListView(_) => vec![Some(times(dt, len, 8)?); 2],
+        DataType::Union(_, UnionMode::Sparse) => vec![Some(len)],
+        DataType::Union(_, UnionMode::Dense) => vec![Some(len), Some(times(dt, len, 4)?)],
+        DataType::Dictionary(..) => return Err(dictionary_unsupported()),
+        other => match other.primitive_width() {
+            Some(w) => vec![Some(times(dt, len, w)?)],
+            None => return Err(Error::Unsupported(format!("data type {other} in Arrow IPC"))),
+        },
+    })
+}
+
+pub(crate) fn dictionary_unsupported() -> Error {
+    Error::Unsupported(
+        "dictionary-encoded columns cannot travel as device IPC messages yet: their dictionaries would \
+         travel as separate DictionaryBatch messages"
+            .into(),
+    )
+}
+
+/// Whether the batch has arrays the IPC format cannot describe as they are (an offset, an unknown
+/// null count); an error for types it cannot carry at all (dictionaries).
+pub fn needs_normalising(batch: &DeviceRecordBatch) -> Result<bool> {
+    fn walk(a: &DeviceArrayData) -> Result<bool> {
+        if matches!(a.data_type(), DataType::Dictionary(..)) {
+            return Err(dictionary_unsupported());
+        }
+        let mut needs = a.offset() != 0 || a.null_count().is_none();
+        for c in a.children() {
+            needs |= walk(c)?;
+        }
+        Ok(needs)
+    }
+    let mut needs = false;
+    for c in batch.columns() {
+        needs |= walk(c)?;
+    }
+    Ok(needs)
+}
+
+/// One IPC buffer: the bytes it is cut from (none for an empty buffer), and its place in a
+/// contiguous body.
+#[derive(Clone, Debug)]
+pub(crate) struct BodyBuffer<'a> {
+    pub source: Option<&'a DeviceBuffer>,
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// A batch in IPC order.
+#[derive(Debug)]
+pub(crate) struct BodyLayout<'a> {
+    pub num_rows: usize,
+    pub nodes: Vec<FieldNode>,
+    pub buffers: Vec<BodyBuffer<'a>>,
+    pub variadic_counts: Vec<i64>,
+    /// The body's length: every buffer starts at a multiple of 64 bytes and the body is padded to one.
+    pub body_len: usize,
+}
+
+impl<'a> BodyLayout<'a> {
+    /// The layout of a batch that does not need normalising ([`needs_normalising`]).
+    pub fn of(batch: &'a DeviceRecordBatch) -> Result<Self> {
+        let mut layout = BodyLayout {
+            num_rows: batch.num_rows(),
+            nodes: vec![],
+            buffers: vec![],
+            variadic_counts: vec![],
+            body_len: 0,
+        };
+        for c in batch.columns() {
+            layout.array(c)?;
+        }
+        Ok(layout)
+    }
+
+    fn push(&mut self, source: Option<&'a DeviceBuffer>, len: usize) {
+        let offset = self.body_len;
+        self.buffers.push(BodyBuffer {
+            source: source.filter(|_| len > 0),
+            offset,
+            len,
+        });
+        self.body_len = (offset + len).next_multiple_of(ALIGNMENT);
+    }
+
+    fn array(&mut self, a: &'a DeviceArrayData) -> Result<()> {
+        let dt = a.data_type();
+        let (len, null_count) = match (a.offset(), a.null_count()) {
+            (0, Some(n)) => (a.len(), n),
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "a {dt} array with offset {} and null count {:?} needs normalising first",
+                    a.offset(),
+                    a.null_count()
+                )));
+            }
+        };
+        let node_nulls = if matches!(dt, DataType::Null) { len } else { null_count };
+        self.nodes.push(FieldNode::new(len as i64, node_nulls as i64));
+        if has_validity(dt, MetadataVersion::V5) {
+            match a.nulls() {
+                Some(bitmap) if null_count > 0 => {
+                    let need = len.div_ceil(8);
+                    if bitmap.len() < need {
+                        return Err(short(dt, "validity bitmap", bitmap.len(), need));
+                    }
+                    self.push(Some(bitmap), need);
+                }
+                _ => self.push(None, 0),
+            }
+        }
+        let sizes = fixed_sizes(dt, len)?;
+        let expected = match dt {
+            DataType::Utf8View | DataType::BinaryView => {
+                let data = a
+                    .buffers()
+                    .len()
+                    .checked_sub(1)
+                    .ok_or_else(|| short(dt, "views buffer", 0, 16 * len))?;
+                self.variadic_counts.push(data as i64);
+                a.buffers().len()
+            }
+            _ => sizes.len(),
+        };
+        if a.buffers().len() != expected {
+            return Err(Error::InvalidData(format!(
+                "a {dt} array with {} buffers; expected {expected}",
+                a.buffers().len()
+            )));
+        }
+        for (i, b) in a.buffers().iter().enumerate() {
+            let len = match sizes.get(i).copied().flatten() {
+                Some(need) if b.len() < need => return Err(short(dt, "buffer", b.len(), need)),
+                Some(need) => need,
+                None => b.len(),
+            };
+            self.push(Some(b), len);
+        }
+        for c in a.children() {
+            self.array(c)?;
+        }
+        Ok(())
+    }
+
+    /// The IPC `Buffer` entries.
+    pub fn ipc_buffers(&self) -> Vec<arrow_ipc::Buffer> {
+        self.buffers
+            .iter()
+            .map(|b| arrow_ipc::Buffer::new(b.offset as i64, b.len as i64))
+            .collect()
+    }
+
+    /// The flatbuffer `Message` with this batch's `RecordBatch` header (metadata version V5), built
+    /// as arrow-rs builds it.
+    pub fn metadata(&self) -> Vec<u8> {
+        let mut fbb = FlatBufferBuilder::new();
+        let buffers = fbb.create_vector(&self.ipc_buffers());
+        let nodes = fbb.create_vector(&self.nodes);
+        let variadic = (!self.variadic_counts.is_empty()).then(|| fbb.create_vector(&self.variadic_counts));
+        let header = {
+            let mut b = RecordBatchBuilder::new(&mut fbb);
+            b.add_length(self.num_rows as i64);
+            b.add_nodes(nodes);
+            b.add_buffers(buffers);
+            if let Some(v) = variadic {
+                b.add_variadicBufferCounts(v);
+            }
+            b.finish().as_union_value()
+        };
+        let mut m = MessageBuilder::new(&mut fbb);
+        m.add_version(MetadataVersion::V5);
+        m.add_header_type(MessageHeader::RecordBatch);
+        m.add_bodyLength(self.body_len as i64);
+        m.add_header(header);
+        let root = m.finish();
+        fbb.finish(root, None);
+        fbb.finished_data().to_vec()
+    }
+}
+
+fn short(dt: &DataType, what: &str, has: usize, need: usize) -> Error {
+    Error::InvalidData(format!("the {what} of a {dt} array has {has} bytes; it needs {need}"))
+}
+
+/// The continuation marker that starts an encapsulated IPC message.
+pub(crate) const CONTINUATION: [u8; 4] = [0xff; 4];
+
+/// The encapsulation of flatbuffer `metadata`: the continuation marker, the metadata length, the
+/// metadata and zero padding, so that the body starts at a multiple of 64 bytes (which is also a
+/// multiple of the 8 bytes the format requires).
+pub(crate) fn encapsulate(metadata: &[u8]) -> Vec<u8> {
+    let total = (8 + metadata.len()).next_multiple_of(ALIGNMENT);
+    let mut out = Vec::with_capacity(total);
+    out.extend_from_slice(&CONTINUATION);
+    out.extend_from_slice(&((total - 8) as i32).to_le_bytes());
+    out.extend_from_slice(metadata);
+    out.resize(total, 0);
+    out
+}

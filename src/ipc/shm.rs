@@ -1,0 +1,291 @@
+//! Shared host memory: what stands in for CUDA IPC on the CPU device.
+//!
+//! [`MemoryResource::SharedHost`](crate::MemoryResource::SharedHost) allocations are `memfd`s, sized
+//! with `ftruncate`, sealed against shrinking and growing, and mapped `MAP_SHARED`. Their "handle"
+//! is the file descriptor plus the size ([`SharedMemHandle`]); it crosses a Unix socket with
+//! `SCM_RIGHTS`, and the peer maps it (read-only). The seals are what make a received region safe to
+//! read: a sender that could shrink the file would turn the receiver's reads into `SIGBUS`.
+//!
+//! Every live region, created or opened, is registered by address, so the IPC layer finds the
+//! region (and its descriptor) behind any [`DeviceBuffer`] that views it, including buffers
+//! received from another process, which can therefore be forwarded without a copy.
+
+use std::collections::BTreeMap;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::{Arc, LazyLock, Mutex, Weak};
+
+use crate::error::{Error, Result};
+use crate::ipc::cache::MappingCache;
+use crate::memory::DeviceBuffer;
+
+/// One shared region mapped into this process.
+pub(crate) struct SharedRegion {
+    fd: OwnedFd,
+    address: u64,
+    size: usize,
+    /// `(st_dev, st_ino)` for regions opened from a peer's descriptor (the key of the open cache).
+    opened: Option<(u64, u64)>,
+}
+
+impl std::fmt::Debug for SharedRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "SharedRegion(fd {}, {} bytes at {:#x})",
+            self.fd.as_raw_fd(),
+            self.size,
+            self.address
+        )
+    }
+}
+
+/// Live regions by start address (created and opened ones).
+static REGISTRY: Mutex<BTreeMap<u64, Weak<SharedRegion>>> = Mutex::new(BTreeMap::new());
+
+/// Regions opened from a peer's descriptor, by file identity: the same memfd received twice is
+/// mapped once.
+static OPENED: LazyLock<MappingCache<(u64, u64), SharedRegion>> = LazyLock::new(MappingCache::new);
+
+fn os_error(what: &str) -> Error {
+    crate::ipc::io_error(what, std::io::Error::last_os_error())
+}
+
+fn register(region: &Arc<SharedRegion>) {
+    let mut map = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+    map.insert(region.address, Arc::downgrade(region));
+}
+
+impl SharedRegion {
+    /// Creates a sealed memfd of `size` bytes (zero-filled) and maps it for reading and writing.
+    pub(crate) fn create(size: usize) -> Result<Arc<SharedRegion>> {
+        create(size)
+    }
+
+    /// The address of the first byte in this process.
+    pub(crate) fn address(&self) -> u64 {
+        self.address
+    }
+
+    /// A handle for another process: a duplicate of the descriptor, and the size.
+    pub(crate) fn handle(&self) -> Result<SharedMemHandle> {
+        let fd = self
+            .fd
+            .try_clone()
+            .map_err(|e| crate::ipc::io_error("duplicating a memfd", e))?;
+        Ok(SharedMemHandle { fd, size: self.size })
+    }
+
+    /// The registered region holding `buffer`'s bytes, and the buffer's offset in it.
+    pub(crate) fn find(buffer: &DeviceBuffer) -> Option<(Arc<SharedRegion>, usize)> {
+        let (address, len) = (buffer.address(), buffer.len() as u64);
+        let map = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+        let (&start, weak) = map.range(..=address).next_back()?;
+        let region = weak.upgrade()?;
+        let end = start + region.size as u64;
+        (address + len <= end).then(|| (region, (address - start) as usize))
+    }
+}
+
+impl Drop for SharedRegion {
+    fn drop(&mut self) {
+        {
+            let mut map = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+            if map.get(&self.address).is_some_and(|w| w.strong_count() == 0) {
+                map.remove(&self.address);
+            }
+        }
+        let (address, size) = (self.address, self.size);
+        let unmap = move || {
+            // SAFETY: the mapping was made by `mmap` with this address and size and is unmapped once;
+            // every view of it is gone (they own this region).
+            unsafe { libc::munmap(address as *mut libc::c_void, size) };
+        };
+        match self.opened {
+            Some(key) => OPENED.release(&key, unmap),
+            None => unmap(),
+        }
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn create(size: usize) -> Result<Arc<SharedRegion>> {
+    if size == 0 {
+        return Err(Error::InvalidArgument("a shared region needs at least one byte".into()));
+    }
+    let name = c"arrow-cuda";
+    // SAFETY: a valid NUL-terminated name and flags; the result is checked.
+    let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if raw < 0 {
+        return Err(os_error("memfd_create"));
+    }
+    // SAFETY: `raw` is a new descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let len = libc::off_t::try_from(size).map_err(|_| Error::OutOfMemory {
+        device: crate::Device::Cpu,
+        requested: size,
+    })?;
+    // SAFETY: a valid descriptor and length.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), len) } != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            Some(libc::ENOSPC | libc::ENOMEM | libc::EFBIG) => Error::OutOfMemory {
+                device: crate::Device::Cpu,
+                requested: size,
+            },
+            _ => crate::ipc::io_error("ftruncate of a memfd", e),
+        });
+    }
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: a valid memfd created with MFD_ALLOW_SEALING.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(os_error("sealing a memfd"));
+    }
+    let address = map(fd.as_fd(), size, libc::PROT_READ | libc::PROT_WRITE)?;
+    let region = Arc::new(SharedRegion {
+        fd,
+        address,
+        size,
+        opened: None,
+    });
+    register(&region);
+    Ok(region)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn create(_size: usize) -> Result<Arc<SharedRegion>> {
+    Err(Error::Unsupported("shared host memory (memfd) needs Linux".into()))
+}
+
+/// Maps `size` bytes of `fd` shared.
+fn map(fd: BorrowedFd<'_>, size: usize, prot: libc::c_int) -> Result<u64> {
+    // SAFETY: a fresh mapping chosen by the kernel, of a descriptor we hold; the result is checked.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), size, prot, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+    if p == libc::MAP_FAILED {
+        return Err(os_error("mmap of shared memory"));
+    }
+    Ok(p as u64)
+}
+
+/// What another process needs to map a shared region: its descriptor and size.
+#[derive(Debug)]
+pub struct SharedMemHandle {
+    fd: OwnedFd,
+    size: usize,
+}
+
+impl SharedMemHandle {
+    /// The handle of the region that holds `buffer` (memory of
+    /// [`MemoryResource::SharedHost`](crate::MemoryResource::SharedHost), or a region received from a
+    /// peer), and the buffer's offset in it. The handle covers the whole region.
+    pub fn export(buffer: &DeviceBuffer) -> Result<(SharedMemHandle, usize)> {
+        let (region, offset) = SharedRegion::find(buffer).ok_or_else(|| {
+            Error::Unsupported(format!(
+                "{buffer:?} is not shared memory; allocate it from MemoryResource::SharedHost to send it without a copy"
+            ))
+        })?;
+        Ok((region.handle()?, offset))
+    }
+
+    /// A handle from a received descriptor and the size the peer announced.
+    pub fn from_fd(fd: OwnedFd, size: usize) -> SharedMemHandle {
+        SharedMemHandle { fd, size }
+    }
+
+    /// The descriptor.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// The size of the region in bytes.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Maps the region read-only, or returns the mapping this process already has of it. Refused
+    /// ([`Error::InvalidData`]) unless the descriptor is a memfd sealed against shrinking whose size
+    /// is the announced one.
+    pub fn open(self) -> Result<SharedMapping> {
+        let region = open(self)?;
+        Ok(SharedMapping { region })
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn open(handle: SharedMemHandle) -> Result<Arc<SharedRegion>> {
+    let raw = handle.fd.as_raw_fd();
+    // SAFETY: `stat` is plain data; `fstat` fills it for a descriptor we hold.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstat(raw, &mut st) } != 0 {
+        return Err(os_error("fstat of a received descriptor"));
+    }
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return Err(Error::InvalidData("a received region descriptor is not a memfd".into()));
+    }
+    // SAFETY: F_GET_SEALS only reads the descriptor's seals.
+    let seals = unsafe { libc::fcntl(raw, libc::F_GET_SEALS) };
+    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(Error::InvalidData(
+            "a received region is not a memfd sealed against shrinking".into(),
+        ));
+    }
+    if handle.size == 0 || st.st_size < 0 || st.st_size as u64 != handle.size as u64 {
+        return Err(Error::InvalidData(format!(
+            "a received region announces {} bytes but holds {}",
+            handle.size, st.st_size
+        )));
+    }
+    let key = (st.st_dev as u64, st.st_ino as u64);
+    OPENED
+        .get_or_open(&key, || {
+            let address = map(handle.fd.as_fd(), handle.size, libc::PROT_READ)?;
+            Ok(SharedRegion {
+                fd: handle.fd,
+                address,
+                size: handle.size,
+                opened: Some(key),
+            })
+        })
+        .inspect(register)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn open(_handle: SharedMemHandle) -> Result<Arc<SharedRegion>> {
+    Err(Error::Unsupported("shared host memory (memfd) needs Linux".into()))
+}
+
+/// A peer's shared region mapped read-only into this process, shared by every open of it here.
+#[derive(Clone, Debug)]
+pub struct SharedMapping {
+    region: Arc<SharedRegion>,
+}
+
+impl SharedMapping {
+    /// The address of the first byte in this process.
+    pub fn address(&self) -> u64 {
+        self.region.address
+    }
+
+    /// The size in bytes.
+    pub fn size(&self) -> usize {
+        self.region.size
+    }
+
+    /// The number of peers' regions mapped in this process now.
+    pub fn open_count() -> usize {
+        OPENED.live()
+    }
+
+    /// Whether two mappings are the same mapping.
+    pub fn same_as(&self, other: &SharedMapping) -> bool {
+        Arc::ptr_eq(&self.region, &other.region)
+    }
+
+    /// The whole region as a (read-only, CPU) buffer that keeps `owner` alive until its last view
+    /// drops. The owner must keep this mapping alive (hold a clone of it).
+    pub(crate) fn buffer(&self, owner: impl std::any::Any + Send + Sync) -> DeviceBuffer {
+        // SAFETY: the mapping is valid for `size` bytes while the owner (which holds it) lives, and
+        // the CPU device's buffers from foreign memory are never written through safe code.
+        unsafe { DeviceBuffer::from_raw_parts(self.address(), self.size(), crate::Device::Cpu, owner) }
+    }
+}
