@@ -99,6 +99,8 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuDriverGetVersion",
     "cuDeviceGetCount",
     "cuMemAllocAsync",
+    "cuDeviceGetDefaultMemPool",
+    "cuMemPoolSetAttribute",
     "cuMemFreeAsync",
     "cuMemAlloc_v2",
     "cuMemFree_v2",
@@ -187,7 +189,9 @@ pub fn driver_version() -> Result<(i32, i32)> {
     driver()?;
     let mut v = 0;
     // SAFETY: the driver is loaded (probed above); the out-parameter is a valid int.
-    unsafe { sys::cuDriverGetVersion(&mut v) }.result().map_err(Error::driver("cuDriverGetVersion"))?;
+    unsafe { sys::cuDriverGetVersion(&mut v) }
+        .result()
+        .map_err(Error::driver("cuDriverGetVersion"))?;
     Ok((v / 1000, (v % 1000) / 10))
 }
 
@@ -209,8 +213,31 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
         return Ok(ctx.clone());
     }
     let ctx = CudaContext::new(ordinal).map_err(Error::driver("cuDevicePrimaryCtxRetain"))?;
+    if ctx.has_async_alloc() {
+        keep_pool_memory(&ctx)?;
+    }
     map.insert(ordinal, ctx.clone());
     Ok(ctx)
+}
+
+/// Lets the device's default memory pool keep memory it has handed out and got back. Its release
+/// threshold is 0 by default, so every synchronisation returns freed memory to the driver and the next
+/// allocation maps it again: a gigabyte batch paid for that on every upload.
+fn keep_pool_memory(ctx: &CudaContext) -> Result<()> {
+    // SAFETY: the device handle is valid for the retained context; the pool is the device's own.
+    let pool = unsafe { result::device::get_default_mem_pool(ctx.cu_device()) }
+        .map_err(Error::driver("cuDeviceGetDefaultMemPool"))?;
+    let mut threshold = u64::MAX;
+    // SAFETY: the release-threshold attribute takes a pointer to a `cuuint64_t`.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+    }
+    .result()
+    .map_err(Error::driver("cuMemPoolSetAttribute"))
 }
 
 /// What the driver reports about one CUDA device.
@@ -445,5 +472,51 @@ impl Event {
             EventInner::Completed => Ok(true),
             EventInner::Cuda(e) => e.try_is_complete().map_err(Error::driver("cuEventQuery")),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_probe_agrees_with_every_entry_point() {
+        // On a GPU machine this initialises the driver; without one every entry point fails alike.
+        match cuda_device_count() {
+            Ok(n) => {
+                assert!(n > 0 && cuda_available());
+                assert_eq!(cuda_devices().expect("devices").len(), n);
+                assert!(driver_version().expect("version").0 >= 12);
+                assert_eq!(devices().len(), 1 + 2 * n);
+            }
+            Err(e) => {
+                assert!(!cuda_available());
+                assert!(
+                    matches!(
+                        e,
+                        Error::NoDriver { .. } | Error::NoDevice { .. } | Error::DriverTooOld { .. }
+                    ),
+                    "{e}"
+                );
+                assert!(context(0).is_err() && driver_version().is_err());
+                assert_eq!(devices(), vec![Device::Cpu]);
+            }
+        }
+    }
+
+    #[test]
+    fn c_device_types_round_trip() {
+        for d in [
+            Device::Cpu,
+            Device::Cuda(1),
+            Device::CudaHost(0),
+            Device::CudaManaged(2),
+        ] {
+            assert_eq!(Device::from_c(d.device_type(), d.device_id()).unwrap(), d);
+        }
+        assert_eq!(Device::from_c(DeviceType::CPU, 0).unwrap(), Device::Cpu);
+        assert!(Device::from_c(DeviceType::CPU, 3).is_err());
+        assert!(Device::from_c(DeviceType::CUDA, -1).is_err());
+        assert!(Device::from_c(DeviceType::METAL, 0).is_err());
     }
 }

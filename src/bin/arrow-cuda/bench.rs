@@ -38,11 +38,21 @@ pub fn run(args: &Args) -> Result<()> {
         let mut naive_up = naive(batch, device, &stream)?;
         let up = crate::best_time(args.seconds, || htod(batch, device, &stream).map(drop))?;
         let nup = crate::best_time(args.seconds, || naive_upload(&mut naive_up, &stream))?;
-        rows.push(Row { what: format!("{name}: host -> device"), ours: figure(up), naive: figure(nup), unit });
+        rows.push(Row {
+            what: format!("{name}: host -> device"),
+            ours: figure(up),
+            naive: figure(nup),
+            unit,
+        });
         let on_device = htod(batch, device, &stream)?;
         let down = crate::best_time(args.seconds, || dtoh(&on_device, &stream).map(drop))?;
         let ndown = crate::best_time(args.seconds, || naive_download(&naive_up, &stream))?;
-        rows.push(Row { what: format!("{name}: device -> host"), ours: figure(down), naive: figure(ndown), unit });
+        rows.push(Row {
+            what: format!("{name}: device -> host"),
+            ours: figure(down),
+            naive: figure(ndown),
+            unit,
+        });
     }
     println!("| what | arrow-cuda | one copy per buffer | unit |");
     println!("|---|---:|---:|---|");
@@ -53,8 +63,12 @@ pub fn run(args: &Args) -> Result<()> {
 }
 
 fn int64_batch(rows: usize) -> RecordBatch {
-    let columns = (0..16)
-        .map(|c| (format!("c{c}"), Arc::new(Int64Array::from_iter_values((0..rows as i64).map(|i| i ^ c))) as ArrayRef));
+    let columns = (0..16).map(|c| {
+        (
+            format!("c{c}"),
+            Arc::new(Int64Array::from_iter_values((0..rows as i64).map(|i| i ^ c))) as ArrayRef,
+        )
+    });
     RecordBatch::try_from_iter(columns).expect("valid batch")
 }
 
@@ -62,8 +76,12 @@ fn small_batch() -> RecordBatch {
     let columns = (0..100).map(|c| {
         let array: ArrayRef = match c % 3 {
             0 => Arc::new(Int64Array::from_iter((0..1000).map(|i| (i % 7 != 0).then_some(i * c)))),
-            1 => Arc::new(Float64Array::from_iter((0..1000).map(|i| (i % 5 != 0).then_some(i as f64)))),
-            _ => Arc::new(StringArray::from_iter((0..1000).map(|i| (i % 11 != 0).then(|| format!("row {i}"))))),
+            1 => Arc::new(Float64Array::from_iter(
+                (0..1000).map(|i| (i % 5 != 0).then_some(i as f64)),
+            )),
+            _ => Arc::new(StringArray::from_iter(
+                (0..1000).map(|i| (i % 11 != 0).then(|| format!("row {i}"))),
+            )),
         };
         (format!("c{c}"), array)
     });
@@ -86,7 +104,12 @@ fn naive(batch: &RecordBatch, device: Device, stream: &Stream) -> Result<Vec<(ar
     let ordinal = device.ordinal().unwrap_or(0);
     buffers(batch)
         .into_iter()
-        .map(|b| Ok((b.clone(), DeviceBuffer::alloc(MemoryResource::DevicePool(ordinal), b.len(), stream)?)))
+        .map(|b| {
+            Ok((
+                b.clone(),
+                DeviceBuffer::alloc(MemoryResource::DevicePool(ordinal), b.len(), stream)?,
+            ))
+        })
         .collect()
 }
 

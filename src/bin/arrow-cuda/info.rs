@@ -7,7 +7,10 @@ const GIB: f64 = (1u64 << 30) as f64;
 
 pub fn run() -> Result<()> {
     println!("arrow-cuda {}", env!("CARGO_PKG_VERSION"));
-    println!("device cpu: host memory ({} threads)", std::thread::available_parallelism().map_or(1, |n| n.get()));
+    println!(
+        "device cpu: host memory ({} threads)",
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
     let gpus = device::cuda_devices()?;
     let (major, minor) = device::driver_version()?;
     println!("driver: CUDA {major}.{minor}");

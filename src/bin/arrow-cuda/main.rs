@@ -12,7 +12,7 @@ use clap::{Parser, Subcommand};
 #[command(version, about)]
 struct Cli {
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
 }
 
 #[derive(Subcommand)]
@@ -26,8 +26,13 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let outcome = match cli.command {
-        Command::Info => info::run(),
-        Command::Bench(args) => bench::run(&args),
+        // With no command, say what there is (as `cargo` does).
+        None => {
+            let _ = <Cli as clap::CommandFactory>::command().print_help();
+            Ok(())
+        }
+        Some(Command::Info) => info::run(),
+        Some(Command::Bench(args)) => bench::run(&args),
     };
     match outcome {
         Ok(()) => ExitCode::SUCCESS,
