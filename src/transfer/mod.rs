@@ -222,9 +222,10 @@ impl PendingBatch {
     /// Waits for the copy and builds the record batch, validating every array.
     pub fn wait(self) -> Result<RecordBatch> {
         self.event.synchronize()?;
+        // Validation reads every string: columns are validated on every core.
         let columns = self
             .layouts
-            .iter()
+            .par_iter()
             .map(|l| Ok(make_array(l.to_host(&self.memory)?)))
             .collect::<Result<Vec<_>>>()?;
         let options = RecordBatchOptions::new().with_row_count(Some(self.num_rows));
