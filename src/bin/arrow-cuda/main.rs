@@ -2,6 +2,7 @@
 
 mod bench;
 mod info;
+mod ipc;
 
 use std::process::ExitCode;
 
@@ -21,6 +22,32 @@ enum Command {
     Info,
     /// Transfer benchmarks beside the naive path, printed as one table.
     Bench(bench::Args),
+    /// Send record batches to `recv` processes over a Unix socket; bodies stay on the device.
+    Send(ipc::SendArgs),
+    /// Receive the batches `send` sends, without copying them through host memory.
+    Recv(ipc::RecvArgs),
+}
+
+/// Which device a command runs on.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum DeviceArg {
+    /// CUDA device 0.
+    Cuda,
+    /// The CPU device.
+    Cpu,
+}
+
+impl DeviceArg {
+    /// The device, or the reason there is no GPU.
+    fn resolve(self) -> arrow_cuda::Result<arrow_cuda::Device> {
+        match self {
+            DeviceArg::Cpu => Ok(arrow_cuda::Device::Cpu),
+            DeviceArg::Cuda => {
+                arrow_cuda::device::cuda_device_count()?;
+                Ok(arrow_cuda::Device::Cuda(0))
+            }
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -33,6 +60,8 @@ fn main() -> ExitCode {
         }
         Some(Command::Info) => info::run(),
         Some(Command::Bench(args)) => bench::run(&args),
+        Some(Command::Send(args)) => ipc::send(&args),
+        Some(Command::Recv(args)) => ipc::recv(&args),
     };
     match outcome {
         Ok(()) => ExitCode::SUCCESS,
