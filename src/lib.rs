@@ -10,6 +10,8 @@ pub mod memory;
 pub mod transfer;
 #[cfg(feature = "polars")]
 pub mod polars;
+#[cfg(feature = "datafusion")]
+pub mod datafusion;
 
 pub use array::{DeviceArrayData, DeviceRecordBatch};
 pub use device::{Device, Event, Stream};

@@ -1,0 +1,340 @@
+//! [`GpuScan`]: the [`DataSource`] of a [`GpuTable`](super::GpuTable) scan.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::sync::Arc;
+
+use ::datafusion::common::tree_node::TreeNodeRecursion;
+use ::datafusion::common::{DataFusionError, Statistics, project_schema};
+use ::datafusion::datasource::source::DataSource;
+use ::datafusion::execution::TaskContext;
+use ::datafusion::logical_expr::Expr;
+use ::datafusion::physical_expr::projection::ProjectionExprs;
+use ::datafusion::physical_expr::{EquivalenceProperties, Partitioning, PhysicalExpr};
+use ::datafusion::physical_plan::metrics::ExecutionPlanMetricsSet;
+use ::datafusion::physical_plan::projection::{all_alias_free_columns, new_projections_for_columns};
+use ::datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use ::datafusion::physical_plan::{DisplayFormatType, SendableRecordBatchStream};
+use arrow_array::{Array, RecordBatch, RecordBatchOptions};
+use arrow_schema::SchemaRef;
+
+use super::kernels::Filtered;
+use super::predicate::Predicate;
+use super::{DfResult, TableData};
+use crate::array::DeviceRecordBatch;
+use crate::device::{Device, Stream};
+
+/// The scan of a GPU table: which partitions, which columns, which pushed-down filters, how many
+/// rows. Filters apply first, then the limit, then the projection; a column read only by a filter
+/// never leaves the device.
+#[derive(Clone)]
+pub struct GpuScan {
+    table: Arc<TableData>,
+    projection: Option<Vec<usize>>,
+    projected_schema: SchemaRef,
+    filters: Vec<Expr>,
+    predicate: Option<Arc<Predicate>>,
+    fetch: Option<usize>,
+}
+
+impl fmt::Debug for GpuScan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GpuScan")
+            .field("partitions", &self.table.partitions.len())
+            .field("projection", &self.projection)
+            .field("filters", &self.filters)
+            .field("fetch", &self.fetch)
+            .finish()
+    }
+}
+
+impl GpuScan {
+    pub(crate) fn new(table: Arc<TableData>) -> Self {
+        GpuScan {
+            projected_schema: table.schema.clone(),
+            table,
+            projection: None,
+            filters: vec![],
+            predicate: None,
+            fetch: None,
+        }
+    }
+
+    /// Keeps only the table columns at `projection` (all of them for `None`).
+    pub fn with_projection(mut self, projection: Option<Vec<usize>>) -> DfResult<Self> {
+        self.projected_schema = project_schema(&self.table.schema, projection.as_ref())?;
+        self.projection = projection;
+        Ok(self)
+    }
+
+    pub(crate) fn with_filters(mut self, filters: Vec<Expr>, predicates: Vec<Predicate>) -> Self {
+        self.filters = filters;
+        self.predicate = Predicate::conjunction(predicates).map(Arc::new);
+        self
+    }
+
+    /// Stops after `limit` rows in each partition.
+    pub fn with_limit(mut self, limit: Option<usize>) -> Self {
+        self.fetch = limit;
+        self
+    }
+
+    /// The pushed-down filters, as DataFusion gave them.
+    pub fn filters(&self) -> &[Expr] {
+        &self.filters
+    }
+
+    /// The projected table columns, if any projection was pushed down.
+    pub fn projection(&self) -> Option<&[usize]> {
+        self.projection.as_deref()
+    }
+
+    fn output_columns(&self) -> Vec<usize> {
+        match &self.projection {
+            Some(p) => p.clone(),
+            None => (0..self.table.schema.fields().len()).collect(),
+        }
+    }
+}
+
+impl DataSource for GpuScan {
+    fn open(&self, partition: usize, _context: Arc<TaskContext>) -> DfResult<SendableRecordBatchStream> {
+        let batches = self
+            .table
+            .partitions
+            .get(partition)
+            .cloned()
+            .ok_or_else(|| DataFusionError::Internal(format!("GPU table has no partition {partition}")))?;
+        let device = self.table.partition_devices[partition];
+        let lane = self.table.lanes[&device].clone();
+        let plan = Arc::new(ScanPlan {
+            output: self.output_columns(),
+            schema: self.projected_schema.clone(),
+            predicate: self.predicate.clone(),
+        });
+        let state = (batches.into_iter(), self.fetch);
+        let stream = futures::stream::unfold(state, move |(mut batches, mut remaining)| {
+            let lane = lane.clone();
+            let plan = plan.clone();
+            async move {
+                loop {
+                    if remaining == Some(0) {
+                        return None;
+                    }
+                    let batch = batches.next()?;
+                    let result = match lane.acquire().await {
+                        Ok(lease) => scan_batch(&batch, &plan, remaining, lease.stream()),
+                        Err(e) => Err(e),
+                    };
+                    match result {
+                        Ok(Some(out)) => {
+                            remaining = remaining.map(|r| r.saturating_sub(out.num_rows()));
+                            return Some((Ok(out), (batches, remaining)));
+                        }
+                        Ok(None) => continue,
+                        Err(e) => return Some((Err(e), (batches, Some(0)))),
+                    }
+                }
+            }
+        });
+        Ok(Box::pin(RecordBatchStreamAdapter::new(
+            self.projected_schema.clone(),
+            stream,
+        )))
+    }
+
+    fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        let devices: BTreeSet<String> = self.table.partition_devices.iter().map(Device::to_string).collect();
+        let devices: Vec<String> = devices.into_iter().collect();
+        match t {
+            DisplayFormatType::Default | DisplayFormatType::Verbose => {
+                write!(
+                    f,
+                    "GpuTableScan: partitions={}, devices=[{}]",
+                    self.table.partitions.len(),
+                    devices.join(", ")
+                )?;
+                if let Some(p) = &self.projection {
+                    let names: Vec<&str> = p.iter().map(|&i| self.table.schema.field(i).name().as_str()).collect();
+                    write!(f, ", projection=[{}]", names.join(", "))?;
+                }
+                if !self.filters.is_empty() {
+                    let filters: Vec<String> = self.filters.iter().map(|e| e.to_string()).collect();
+                    write!(f, ", filters=[{}]", filters.join(", "))?;
+                }
+                if let Some(n) = self.fetch {
+                    write!(f, ", fetch={n}")?;
+                }
+                Ok(())
+            }
+            DisplayFormatType::TreeRender => {
+                writeln!(f, "format=gpu")?;
+                writeln!(f, "devices={}", devices.join(","))?;
+                if !self.filters.is_empty() {
+                    let filters: Vec<String> = self.filters.iter().map(|e| e.to_string()).collect();
+                    writeln!(f, "filters={}", filters.join(" AND "))?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn output_partitioning(&self) -> Partitioning {
+        Partitioning::UnknownPartitioning(self.table.partitions.len())
+    }
+
+    fn eq_properties(&self) -> EquivalenceProperties {
+        EquivalenceProperties::new(self.projected_schema.clone())
+    }
+
+    fn partition_statistics(&self, partition: Option<usize>) -> DfResult<Arc<Statistics>> {
+        let stats = match partition {
+            Some(p) => match self.table.partition_stats.get(p) {
+                Some(s) => s.clone(),
+                None => return Ok(Arc::new(Statistics::new_unknown(&self.projected_schema))),
+            },
+            None => self.table.stats.clone(),
+        };
+        // Filters remove an unknown number of rows: what is left is an upper bound.
+        let stats = if self.predicate.is_some() {
+            stats.to_inexact()
+        } else {
+            stats
+        };
+        let stats = stats.project(self.projection.as_ref());
+        let n = if partition.is_some() {
+            1
+        } else {
+            self.table.partitions.len().max(1)
+        };
+        Ok(Arc::new(stats.with_fetch(self.fetch, 0, n)?))
+    }
+
+    fn with_fetch(&self, limit: Option<usize>) -> Option<Arc<dyn DataSource>> {
+        Some(Arc::new(self.clone().with_limit(limit)))
+    }
+
+    fn fetch(&self) -> Option<usize> {
+        self.fetch
+    }
+
+    fn metrics(&self) -> ExecutionPlanMetricsSet {
+        ExecutionPlanMetricsSet::new()
+    }
+
+    fn try_swapping_with_projection(&self, projection: &ProjectionExprs) -> DfResult<Option<Arc<dyn DataSource>>> {
+        let exprs: Vec<_> = projection.iter().cloned().collect();
+        if !all_alias_free_columns(&exprs) {
+            return Ok(None);
+        }
+        let current = self.output_columns();
+        let new_projection = new_projections_for_columns(&exprs, &current);
+        let scan = self.clone().with_projection(Some(new_projection))?;
+        Ok(Some(Arc::new(scan)))
+    }
+
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> DfResult<TreeNodeRecursion>,
+    ) -> DfResult<TreeNodeRecursion> {
+        Ok(TreeNodeRecursion::Continue)
+    }
+}
+
+/// What every batch of a scan goes through.
+#[derive(Debug)]
+struct ScanPlan {
+    /// Table columns to return, in order.
+    output: Vec<usize>,
+    /// Their schema.
+    schema: SchemaRef,
+    predicate: Option<Arc<Predicate>>,
+}
+
+/// Filters, limits and projects one device batch and copies the result to the host; `None` when
+/// no row is left.
+fn scan_batch(
+    batch: &DeviceRecordBatch,
+    plan: &ScanPlan,
+    remaining: Option<usize>,
+    stream: &Stream,
+) -> DfResult<Option<RecordBatch>> {
+    let limit = remaining.unwrap_or(usize::MAX);
+    let out = match &plan.predicate {
+        None => {
+            let n = batch.num_rows().min(limit);
+            if n == 0 {
+                return Ok(None);
+            }
+            let mut projected = batch.project(&plan.output)?;
+            if n < batch.num_rows() {
+                projected = projected.slice(0, n)?;
+            }
+            download(&projected, n, plan, stream)?
+        }
+        Some(predicate) if batch.device().is_host_accessible() => host_filter(batch, predicate, plan, limit, stream)?,
+        Some(predicate) => match super::kernels::filter_compact(batch, predicate, &plan.output, limit, stream)? {
+            Filtered::Empty => return Ok(None),
+            Filtered::Device(compacted) => download(&compacted, compacted.num_rows(), plan, stream)?,
+            Filtered::Host(host) => super::kernels::host_batch(host, plan.schema.clone())?,
+        },
+    };
+    Ok((out.num_rows() > 0).then_some(out))
+}
+
+/// Copies a projected device batch of `rows` rows to the host, with the scan's schema.
+fn download(batch: &DeviceRecordBatch, rows: usize, plan: &ScanPlan, stream: &Stream) -> DfResult<RecordBatch> {
+    if batch.num_columns() == 0 {
+        let options = RecordBatchOptions::new().with_row_count(Some(rows));
+        return Ok(RecordBatch::try_new_with_options(
+            plan.schema.clone(),
+            vec![],
+            &options,
+        )?);
+    }
+    let host = crate::transfer::dtoh(batch, stream)?;
+    let options = RecordBatchOptions::new().with_row_count(Some(rows));
+    Ok(RecordBatch::try_new_with_options(
+        plan.schema.clone(),
+        host.columns().to_vec(),
+        &options,
+    )?)
+}
+
+/// The CPU device's filter: copies the columns the predicate and the projection need, evaluates
+/// the predicate with arrow-rs kernels, filters, limits, projects.
+fn host_filter(
+    batch: &DeviceRecordBatch,
+    predicate: &Predicate,
+    plan: &ScanPlan,
+    limit: usize,
+    stream: &Stream,
+) -> DfResult<RecordBatch> {
+    let mut needed = BTreeSet::new();
+    predicate.columns(&mut needed);
+    needed.extend(plan.output.iter().copied());
+    let needed: Vec<usize> = needed.into_iter().collect();
+    let position = |c: usize| needed.binary_search(&c).unwrap_or(0);
+    let host = crate::transfer::dtoh(&batch.project(&needed)?, stream)?;
+    let mask = predicate.evaluate(&host, &position)?;
+    // Unknown (null) is not true: those rows go.
+    let mask = if mask.nulls().is_some() {
+        arrow_select::filter::prep_null_mask_filter(&mask)
+    } else {
+        mask
+    };
+    let filtered = arrow_select::filter::filter_record_batch(&host, &mask)?;
+    let n = filtered.num_rows().min(limit);
+    let filtered = filtered.slice(0, n);
+    let columns = plan
+        .output
+        .iter()
+        .map(|&c| filtered.column(position(c)).clone())
+        .collect();
+    let options = RecordBatchOptions::new().with_row_count(Some(n));
+    Ok(RecordBatch::try_new_with_options(
+        plan.schema.clone(),
+        columns,
+        &options,
+    )?)
+}

@@ -1,0 +1,116 @@
+//! Exact statistics, computed on the host batches while they are staged.
+
+use ::datafusion::common::stats::Precision;
+use ::datafusion::common::{ColumnStatistics, ScalarValue, Statistics};
+use ::datafusion::functions_aggregate::min_max::{MaxAccumulator, MinAccumulator};
+use ::datafusion::logical_expr::Accumulator;
+use arrow_array::{Array, RecordBatch};
+use arrow_schema::Schema;
+
+/// Running statistics of one column. Minimum and maximum use DataFusion's own `MIN` / `MAX`
+/// accumulators, so the statistics agree with what those aggregates compute; a type they do
+/// not handle gets no minimum or maximum.
+struct ColumnStats {
+    nulls: usize,
+    non_null: usize,
+    min: Option<MinAccumulator>,
+    max: Option<MaxAccumulator>,
+}
+
+impl std::fmt::Debug for ColumnStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ColumnStats(nulls {}, values {})", self.nulls, self.non_null)
+    }
+}
+
+/// Statistics of a partition or a table, fed batch by batch.
+#[derive(Debug)]
+pub(crate) struct StatsBuilder {
+    rows: usize,
+    bytes: usize,
+    columns: Vec<ColumnStats>,
+}
+
+impl StatsBuilder {
+    pub(crate) fn new(schema: &Schema) -> Self {
+        StatsBuilder {
+            rows: 0,
+            bytes: 0,
+            columns: schema
+                .fields()
+                .iter()
+                .map(|f| ColumnStats {
+                    nulls: 0,
+                    non_null: 0,
+                    min: MinAccumulator::try_new(f.data_type()).ok(),
+                    max: MaxAccumulator::try_new(f.data_type()).ok(),
+                })
+                .collect(),
+        }
+    }
+
+    pub(crate) fn update(&mut self, batch: &RecordBatch) {
+        self.rows += batch.num_rows();
+        self.bytes += batch.get_array_memory_size();
+        for (c, a) in self.columns.iter_mut().zip(batch.columns()) {
+            let nulls = a.logical_nulls().map_or(0, |n| n.null_count());
+            c.nulls += nulls;
+            c.non_null += a.len() - nulls;
+            let values = std::slice::from_ref(a);
+            if c.min.as_mut().is_some_and(|m| m.update_batch(values).is_err()) {
+                c.min = None;
+            }
+            if c.max.as_mut().is_some_and(|m| m.update_batch(values).is_err()) {
+                c.max = None;
+            }
+        }
+    }
+
+    pub(crate) fn finish(&self) -> Statistics {
+        let exact = |v: Option<ScalarValue>| match v {
+            Some(v) if !v.is_null() => Precision::Exact(v),
+            _ => Precision::Absent,
+        };
+        let column_statistics = self
+            .columns
+            .iter()
+            .map(|c| {
+                // Evaluating consumes nothing: the accumulators are cloned state.
+                let (min, max) = if c.non_null == 0 {
+                    (None, None)
+                } else {
+                    (
+                        c.min.as_ref().and_then(|m| m.clone_evaluate()),
+                        c.max.as_ref().and_then(|m| m.clone_evaluate()),
+                    )
+                };
+                ColumnStatistics::new_unknown()
+                    .with_null_count(Precision::Exact(c.nulls))
+                    .with_min_value(exact(min))
+                    .with_max_value(exact(max))
+            })
+            .collect();
+        Statistics {
+            num_rows: Precision::Exact(self.rows),
+            total_byte_size: Precision::Inexact(self.bytes),
+            column_statistics,
+        }
+    }
+}
+
+/// Evaluates an accumulator without needing it mutable.
+trait CloneEvaluate {
+    fn clone_evaluate(&self) -> Option<ScalarValue>;
+}
+
+impl CloneEvaluate for MinAccumulator {
+    fn clone_evaluate(&self) -> Option<ScalarValue> {
+        self.clone().evaluate().ok()
+    }
+}
+
+impl CloneEvaluate for MaxAccumulator {
+    fn clone_evaluate(&self) -> Option<ScalarValue> {
+        self.clone().evaluate().ok()
+    }
+}

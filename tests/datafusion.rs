@@ -1,0 +1,715 @@
+//! GPU tables in DataFusion: query results against `MemTable` over the same batches, pushdown in
+//! explain plans, limits, projections, statistics, loading and memory accounting. Every case runs
+//! on the CPU device and, where a GPU is present, on CUDA device 0 (where the scans run the NVRTC
+//! predicate and compaction kernels).
+#![cfg(feature = "datafusion")]
+
+mod common;
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use arrow_array::{
+    ArrayRef, BooleanArray, Date32Array, Decimal128Array, Float64Array, Int32Array, Int64Array, LargeStringArray,
+    RecordBatch, StringArray, StringViewArray, TimestampMicrosecondArray, UInt8Array,
+};
+use arrow_cuda::Device;
+use arrow_cuda::datafusion::{GpuTable, LoadOptions, Progress, supports_filter};
+use arrow_schema::{DataType, Field, Schema, SchemaRef, TimeUnit};
+use datafusion::arrow::util::pretty::pretty_format_batches;
+use datafusion::catalog::TableProvider;
+use datafusion::common::stats::Precision;
+use datafusion::common::{DataFusionError, ScalarValue};
+use datafusion::datasource::MemTable;
+use datafusion::prelude::{SessionConfig, SessionContext};
+use proptest::prelude::*;
+
+const PARTITIONS: usize = 4;
+
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(4)
+            .enable_all()
+            .build()
+            .expect("tokio runtime")
+    })
+}
+
+fn session() -> SessionContext {
+    SessionContext::new_with_config(SessionConfig::new().with_target_partitions(PARTITIONS))
+}
+
+/// A table's schema and its batches, in partitions.
+#[derive(Clone)]
+struct Data {
+    schema: SchemaRef,
+    partitions: Vec<Vec<RecordBatch>>,
+}
+
+impl Data {
+    fn rows(&self) -> usize {
+        self.partitions.iter().flatten().map(RecordBatch::num_rows).sum()
+    }
+}
+
+macro_rules! tpch_table {
+    ($gen:ident, $arrow:ident, $sf:expr) => {{
+        let partitions: Vec<Vec<RecordBatch>> = (1..=PARTITIONS as i32)
+            .map(|part| {
+                let g = tpchgen::generators::$gen::new($sf, part, PARTITIONS as i32);
+                tpchgen_arrow::$arrow::new(g)
+                    .with_batch_size(4096)
+                    .collect::<Result<Vec<_>, _>>()
+                    .expect("generate")
+            })
+            .collect();
+        let schema = partitions.iter().flatten().next().expect("a batch").schema();
+        Data { schema, partitions }
+    }};
+}
+
+struct Tpch {
+    lineitem: Data,
+    orders: Data,
+    part: Data,
+}
+
+/// TPC-H at scale factor 0.01 (lineitem: 60,175 rows), generated once.
+fn tpch() -> &'static Tpch {
+    static TPCH: OnceLock<Tpch> = OnceLock::new();
+    TPCH.get_or_init(|| Tpch {
+        lineitem: tpch_table!(LineItemGenerator, LineItemArrow, 0.01),
+        orders: tpch_table!(OrderGenerator, OrderArrow, 0.01),
+        part: tpch_table!(PartGenerator, PartArrow, 0.01),
+    })
+}
+
+fn gpu_table(data: &Data, device: Device) -> GpuTable {
+    GpuTable::try_new(
+        data.schema.clone(),
+        data.partitions.clone(),
+        &LoadOptions::new().with_device(device),
+    )
+    .expect("stage table")
+}
+
+fn mem_table(data: &Data) -> MemTable {
+    MemTable::try_new(data.schema.clone(), data.partitions.clone()).expect("memtable")
+}
+
+/// Two sessions over the same TPC-H batches: GPU tables on `device`, and `MemTable`s.
+fn tpch_sessions(device: Device) -> (SessionContext, SessionContext) {
+    let t = tpch();
+    let gpu = session();
+    let mem = session();
+    for (name, data) in [("lineitem", &t.lineitem), ("orders", &t.orders), ("part", &t.part)] {
+        gpu.register_table(name, Arc::new(gpu_table(data, device)))
+            .expect("register");
+        mem.register_table(name, Arc::new(mem_table(data))).expect("register");
+    }
+    (gpu, mem)
+}
+
+fn query(ctx: &SessionContext, sql: &str) -> Vec<RecordBatch> {
+    runtime().block_on(async {
+        let df = ctx.sql(sql).await.unwrap_or_else(|e| panic!("planning {sql}: {e}"));
+        df.collect().await.unwrap_or_else(|e| panic!("running {sql}: {e}"))
+    })
+}
+
+/// The rows of a result as text lines; sorted unless the order matters.
+fn rows(batches: &[RecordBatch], ordered: bool) -> Vec<String> {
+    let text = pretty_format_batches(batches).expect("format").to_string();
+    let lines: Vec<String> = text.lines().map(str::to_string).collect();
+    // Border, header, border, rows..., border.
+    // Cells trimmed, so that rows compare across results whose columns have other widths.
+    let mut body: Vec<String> = if lines.len() > 4 {
+        lines[3..lines.len() - 1]
+            .iter()
+            .map(|l| l.split('|').map(str::trim).collect::<Vec<_>>().join("|"))
+            .collect()
+    } else {
+        vec![]
+    };
+    if !ordered {
+        body.sort();
+    }
+    body
+}
+
+fn assert_same(gpu: &SessionContext, mem: &SessionContext, sql: &str) -> usize {
+    let ordered = sql.to_lowercase().contains("order by");
+    let g = rows(&query(gpu, sql), ordered);
+    let m = rows(&query(mem, sql), ordered);
+    assert_eq!(g, m, "results differ for {sql}");
+    g.len()
+}
+
+fn explain(ctx: &SessionContext, sql: &str) -> String {
+    let batches = query(ctx, &format!("explain {sql}"));
+    pretty_format_batches(&batches).expect("format").to_string()
+}
+
+const Q1: &str = "select l_returnflag, l_linestatus, sum(l_quantity) as sum_qty, \
+    sum(l_extendedprice) as sum_base_price, sum(l_extendedprice * (1 - l_discount)) as sum_disc_price, \
+    sum(l_extendedprice * (1 - l_discount) * (1 + l_tax)) as sum_charge, avg(l_quantity) as avg_qty, \
+    avg(l_extendedprice) as avg_price, avg(l_discount) as avg_disc, count(*) as count_order \
+    from lineitem where l_shipdate <= date '1998-12-01' - interval '90' day \
+    group by l_returnflag, l_linestatus order by l_returnflag, l_linestatus";
+
+const Q6: &str = "select sum(l_extendedprice * l_discount) as revenue from lineitem \
+    where l_shipdate >= date '1994-01-01' and l_shipdate < date '1994-01-01' + interval '1' year \
+    and l_discount between 0.06 - 0.01 and 0.06 + 0.01 and l_quantity < 24";
+
+const Q12: &str = "select l_shipmode, \
+    sum(case when o_orderpriority = '1-URGENT' or o_orderpriority = '2-HIGH' then 1 else 0 end) as high_line_count, \
+    sum(case when o_orderpriority <> '1-URGENT' and o_orderpriority <> '2-HIGH' then 1 else 0 end) as low_line_count \
+    from orders, lineitem where o_orderkey = l_orderkey and l_shipmode in ('MAIL', 'SHIP') \
+    and l_commitdate < l_receiptdate and l_shipdate < l_commitdate \
+    and l_receiptdate >= date '1994-01-01' and l_receiptdate < date '1994-01-01' + interval '1' year \
+    group by l_shipmode order by l_shipmode";
+
+const Q14: &str = "select 100.00 * sum(case when p_type like 'PROMO%' then l_extendedprice * (1 - l_discount) else 0 end) \
+    / sum(l_extendedprice * (1 - l_discount)) as promo_revenue from lineitem, part \
+    where l_partkey = p_partkey and l_shipdate >= date '1995-09-01' \
+    and l_shipdate < date '1995-09-01' + interval '1' month";
+
+/// TPC-H Q1, Q6, Q12, Q14 and other queries: the GPU tables' results equal `MemTable`'s.
+#[test]
+fn tpch_queries_match_memtable() {
+    let others = [
+        "select count(*) from lineitem where l_shipmode = 'AIR' and l_quantity > 10",
+        "select l_orderkey, l_linenumber, l_comment from lineitem where l_comment like 'care%' \
+         order by l_orderkey, l_linenumber",
+        "select o_orderpriority, count(*) as c from orders where o_orderdate >= date '1993-07-01' \
+         and o_orderdate < date '1993-10-01' group by o_orderpriority order by o_orderpriority",
+        "select p_brand, p_size, count(*) as c from part where p_brand <> 'Brand#45' \
+         and p_size in (49, 14, 23, 45, 19, 3, 36, 9) and not p_type like 'MEDIUM POLISHED%' \
+         group by p_brand, p_size order by p_brand, p_size",
+        "select * from orders where o_orderkey < 500",
+        "select o_orderkey, o_totalprice from orders where o_orderstatus = 'F' and o_totalprice > 100000 \
+         and o_shippriority = 0",
+        "select l_orderkey, l_shipdate from lineitem where l_shipdate between date '1996-01-01' and date '1996-01-03' \
+         or l_receiptdate is null",
+        "select count(*), min(l_shipdate), max(l_extendedprice) from lineitem",
+        "select l_returnflag, count(*) from lineitem where l_returnflag in ('A', 'N') and not (l_linenumber >= 3) \
+         group by l_returnflag order by l_returnflag",
+        "select o_custkey from orders where starts_with(o_clerk, 'Clerk#00000001') order by o_custkey",
+    ];
+    common::each_device(|device, _| {
+        let (gpu, mem) = tpch_sessions(device);
+        for q in [Q1, Q6, Q12, Q14].iter().chain(others.iter()) {
+            let n = assert_same(&gpu, &mem, q);
+            eprintln!("{n} rows: {}", &q[..q.len().min(60)]);
+        }
+    });
+}
+
+/// Supported predicates are pushed into the scan as `Exact` (no `FilterExec` above it), others
+/// stay in DataFusion.
+#[test]
+fn explain_shows_exact_pushdown() {
+    common::each_device(|device, _| {
+        let (gpu, _) = tpch_sessions(device);
+        let plan = explain(
+            &gpu,
+            "select l_orderkey from lineitem where l_quantity < 24 and l_shipmode = 'AIR' \
+             and l_shipdate >= date '1994-01-01' and l_comment like 'fur%' limit 5",
+        );
+        assert!(plan.contains("full_filters="), "{plan}");
+        assert!(plan.contains("GpuTableScan"), "{plan}");
+        assert!(plan.contains("filters=["), "{plan}");
+        assert!(plan.contains("fetch=5"), "{plan}");
+        assert!(!plan.contains("FilterExec"), "{plan}");
+        // A comparison of two columns is not evaluated on the device.
+        let plan = explain(
+            &gpu,
+            "select l_orderkey from lineitem where l_commitdate < l_receiptdate",
+        );
+        assert!(plan.contains("FilterExec"), "{plan}");
+        assert!(!plan.contains("full_filters="), "{plan}");
+        // Nor is an ordering comparison of strings, or a LIKE with an inner wildcard.
+        for sql in [
+            "select l_orderkey from lineitem where l_shipmode < 'B'",
+            "select l_orderkey from lineitem where l_comment like '%fur%'",
+            "select l_orderkey from lineitem where l_orderkey + 1 = 5",
+        ] {
+            let plan = explain(&gpu, sql);
+            assert!(plan.contains("FilterExec"), "{sql}: {plan}");
+        }
+    });
+}
+
+/// `supports_filter` over the kinds of predicates and types.
+#[test]
+fn filter_support_by_expression() {
+    use datafusion::logical_expr::{col, lit};
+    let schema = random_schema();
+    let yes = [
+        col("i32").gt(lit(5i32)),
+        col("i32").eq(lit(5i64)),
+        col("i64").between(lit(1i64), lit(9i64)),
+        col("f64").lt_eq(lit(2.5f64)),
+        col("dec").gt(lit(ScalarValue::Decimal128(Some(1234), 10, 2))),
+        col("date").lt(lit(ScalarValue::Date32(Some(18000)))),
+        col("ts").gt_eq(lit(ScalarValue::TimestampMicrosecond(
+            Some(1_600_000_000_000_000),
+            None,
+        ))),
+        col("flag"),
+        col("flag").eq(lit(true)),
+        col("utf8").eq(lit("abc")),
+        col("large").not_eq(lit("abc")),
+        col("vstr").in_list(vec![lit("a"), lit("b")], false),
+        col("utf8").like(lit("ab%")),
+        col("vstr").is_null(),
+        col("u8").is_not_null().and(col("u8").gt(lit(3u8))),
+        !col("i32").gt(lit(1i32)).or(col("f64").is_null()),
+    ];
+    for e in &yes {
+        assert!(supports_filter(e, &schema), "{e} should be pushed down");
+    }
+    let no = [
+        col("i32").gt(col("i64")),
+        col("utf8").lt(lit("abc")),
+        col("utf8").like(lit("a%c")),
+        col("utf8").like(lit("%c")),
+        col("utf8").ilike(lit("ab%")),
+        col("i32").eq(lit(ScalarValue::Int32(None))),
+        col("i32").gt(lit(3_000_000_000i64)),
+        (col("i32") + lit(1i32)).gt(lit(5i32)),
+        col("f64").gt(lit(1i32)).and(col("utf8").lt(lit("x"))),
+    ];
+    for e in &no {
+        assert!(!supports_filter(e, &schema), "{e} should not be pushed down");
+    }
+}
+
+/// Limits stop the scan early; projections return only the asked columns; a column used only by
+/// a filter is not returned.
+#[test]
+fn limit_and_projection_pushdown() {
+    common::each_device(|device, _| {
+        let (gpu, mem) = tpch_sessions(device);
+        let out = query(&gpu, "select l_orderkey, l_comment from lineitem limit 7");
+        assert_eq!(out.iter().map(RecordBatch::num_rows).sum::<usize>(), 7);
+        assert_eq!(out[0].num_columns(), 2);
+        let out = query(&gpu, "select l_comment from lineitem where l_quantity < 5 limit 11");
+        assert_eq!(out.iter().map(RecordBatch::num_rows).sum::<usize>(), 11);
+        assert_eq!(out[0].schema().fields().len(), 1);
+        // Filters before the limit: every returned row satisfies the filter.
+        let out = query(&gpu, "select l_quantity from lineitem where l_quantity < 5 limit 3000");
+        let total: usize = out.iter().map(RecordBatch::num_rows).sum();
+        let expected = query(&mem, "select count(*) from lineitem where l_quantity < 5");
+        let expected = rows(&expected, true)[0]
+            .trim_matches(|c| c == '|' || c == ' ')
+            .parse::<usize>()
+            .unwrap();
+        assert_eq!(total, expected.min(3000));
+        let all = rows(
+            &query(&mem, "select l_quantity from lineitem where l_quantity < 5"),
+            false,
+        );
+        for r in rows(&out, false) {
+            assert!(all.binary_search(&r).is_ok(), "{r}");
+        }
+        // Scan-level checks straight on the data source.
+        let table = gpu_table(&tpch().lineitem, device);
+        let ctx = session();
+        let plan = runtime()
+            .block_on(table.scan(&ctx.state(), Some(&vec![0, 15]), &[], Some(5)))
+            .expect("scan");
+        let batches = runtime()
+            .block_on(datafusion::physical_plan::collect(plan, ctx.task_ctx()))
+            .expect("collect");
+        // One partition's limit each: at most 5 rows per partition.
+        let n: usize = batches.iter().map(RecordBatch::num_rows).sum();
+        assert!((5..=5 * PARTITIONS).contains(&n), "{n}");
+        assert!(batches.iter().all(|b| b.num_columns() == 2));
+        // count(*) with an empty projection.
+        assert_same(&gpu, &mem, "select count(*) from lineitem where l_linenumber = 1");
+    });
+}
+
+/// Statistics are exact and agree with what DataFusion computes.
+#[test]
+fn statistics_values() {
+    common::each_device(|device, _| {
+        let data = random_data(2000, 7);
+        let table = gpu_table(&data, device);
+        let stats = table.statistics().expect("statistics");
+        assert_eq!(stats.num_rows, Precision::Exact(data.rows()));
+        let ctx = session();
+        ctx.register_table("t", Arc::new(mem_table(&data))).expect("register");
+        for (i, f) in data.schema.fields().iter().enumerate() {
+            let name = f.name();
+            let nulls = query(&ctx, &format!("select count(*) - count({name}) from t"));
+            let nulls = nulls[0]
+                .column(0)
+                .as_any()
+                .downcast_ref::<Int64Array>()
+                .unwrap()
+                .value(0) as usize;
+            let cs = &stats.column_statistics[i];
+            assert_eq!(cs.null_count, Precision::Exact(nulls), "null count of {name}");
+            let mm = query(&ctx, &format!("select min({name}), max({name}) from t"));
+            let min = ScalarValue::try_from_array(mm[0].column(0), 0).unwrap();
+            let max = ScalarValue::try_from_array(mm[0].column(1), 0).unwrap();
+            match (&cs.min_value, &cs.max_value) {
+                (Precision::Exact(a), Precision::Exact(b)) => {
+                    assert_eq!(a, &min, "min of {name}");
+                    assert_eq!(b, &max, "max of {name}");
+                }
+                other => panic!("min/max of {name} not exact: {other:?}"),
+            }
+        }
+        // The scan reports the same statistics, projected.
+        let scan = table
+            .scan_source()
+            .with_projection(Some(vec![1, 0]))
+            .expect("projection");
+        use datafusion::datasource::source::DataSource;
+        let s = scan.partition_statistics(None).expect("stats");
+        assert_eq!(s.num_rows, Precision::Exact(data.rows()));
+        assert_eq!(s.column_statistics[0], stats.column_statistics[1]);
+    });
+}
+
+/// Loading reports progress; other providers, Parquet and CSV files load and query like the source.
+#[test]
+fn loading_from_providers_and_files() {
+    common::each_device(|device, _| {
+        let data = &tpch().orders;
+        let seen: Arc<Mutex<Vec<Progress>>> = Arc::default();
+        let s = seen.clone();
+        let options = LoadOptions::new()
+            .with_device(device)
+            .with_progress(move |p| s.lock().unwrap().push(p));
+        let table = GpuTable::try_new(data.schema.clone(), data.partitions.clone(), &options).expect("stage");
+        let seen = seen.lock().unwrap().clone();
+        let last = seen.last().expect("progress was reported");
+        assert_eq!(last.rows, data.rows() as u64);
+        assert_eq!(last.total_rows, Some(data.rows() as u64));
+        assert_eq!(last.batches as usize, data.partitions.iter().flatten().count());
+        assert!(
+            seen.windows(2)
+                .all(|w| w[0].rows <= w[1].rows && w[0].bytes <= w[1].bytes)
+        );
+        assert_eq!(table.num_rows(), data.rows());
+
+        let sql = "select o_orderpriority, count(*), sum(o_totalprice) from t \
+                   where o_orderstatus = 'O' group by o_orderpriority order by o_orderpriority";
+        let mem = session();
+        mem.register_table("t", Arc::new(mem_table(data))).expect("register");
+        let from_provider = runtime()
+            .block_on(GpuTable::from_provider(
+                Arc::new(mem_table(data)),
+                &LoadOptions::new().with_device(device).with_partitions(3),
+            ))
+            .expect("from provider");
+        assert_eq!(from_provider.partitions().len(), 3);
+        let gpu = session();
+        gpu.register_table("t", Arc::new(from_provider)).expect("register");
+        assert_same(&gpu, &mem, sql);
+
+        // Files written by DataFusion, read back by the GPU table and by DataFusion.
+        let dir = std::env::temp_dir().join(format!("arrow-cuda-df-{}-{device}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let parquet = dir.join("orders.parquet");
+        let csv = dir.join("orders.csv");
+        runtime().block_on(async {
+            use datafusion::dataframe::DataFrameWriteOptions;
+            let df = mem.table("t").await.unwrap();
+            df.clone()
+                .write_parquet(parquet.to_str().unwrap(), DataFrameWriteOptions::new(), None)
+                .await
+                .expect("write parquet");
+            df.write_csv(csv.to_str().unwrap(), DataFrameWriteOptions::new(), None)
+                .await
+                .expect("write csv");
+        });
+        let from_parquet = runtime()
+            .block_on(GpuTable::from_parquet(
+                &parquet,
+                &LoadOptions::new().with_device(device),
+            ))
+            .expect("from parquet");
+        let from_csv = runtime()
+            .block_on(GpuTable::from_csv(
+                &csv,
+                datafusion::prelude::CsvReadOptions::new(),
+                &LoadOptions::new().with_device(device),
+            ))
+            .expect("from csv");
+        // (CSV reads prices as floats, whose sums depend on the partitioning: min and max do not.)
+        let file_sql = "select o_orderpriority, count(*), min(o_totalprice), max(o_totalprice) from t \
+                   where o_orderstatus = 'O' and o_orderkey > 100 group by o_orderpriority order by o_orderpriority";
+        let (g1, g2, m1, m2) = (session(), session(), session(), session());
+        g1.register_table("t", Arc::new(from_parquet)).unwrap();
+        g2.register_table("t", Arc::new(from_csv)).unwrap();
+        runtime().block_on(async {
+            m1.register_parquet("t", parquet.to_str().unwrap(), Default::default())
+                .await
+                .unwrap();
+            m2.register_csv("t", csv.to_str().unwrap(), Default::default())
+                .await
+                .unwrap();
+        });
+        assert_same(&g1, &m1, file_sql);
+        assert_same(&g2, &m2, file_sql);
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
+
+/// A table that does not fit is an error before anything is copied, not an abort; allocation
+/// failures become `ResourcesExhausted`.
+#[test]
+fn out_of_memory_is_an_error() {
+    common::each_device(|device, _| {
+        let data = &tpch().orders;
+        let err = GpuTable::try_new(
+            data.schema.clone(),
+            data.partitions.clone(),
+            &LoadOptions::new().with_device(device).with_memory_limit(100_000),
+        )
+        .expect_err("must not fit");
+        assert!(
+            matches!(&err, DataFusionError::ResourcesExhausted(m) if m.contains("does not fit")),
+            "{err}"
+        );
+        // Streaming loads check batch by batch.
+        let err = runtime()
+            .block_on(GpuTable::from_provider(
+                Arc::new(mem_table(data)),
+                &LoadOptions::new().with_device(device).with_memory_limit(200_000),
+            ))
+            .expect_err("must not fit");
+        assert!(matches!(err, DataFusionError::ResourcesExhausted(_)), "{err}");
+    });
+    let e: DataFusionError = arrow_cuda::Error::OutOfMemory {
+        device: Device::Cuda(0),
+        requested: 1 << 40,
+    }
+    .into();
+    assert!(matches!(e, DataFusionError::ResourcesExhausted(_)), "{e}");
+    // On a GPU, a table larger than the device's free memory is refused up front.
+    if let Some(device) = common::cuda() {
+        let free = arrow_cuda::device::cuda_devices().unwrap()[0].free_memory;
+        // One column of 2^24 Int64 zeros (128 MiB), repeated by reference past the free memory.
+        let column: ArrayRef = Arc::new(Int64Array::from(vec![0i64; 1 << 24]));
+        let batch = RecordBatch::try_from_iter([("x", column)]).unwrap();
+        let copies = free / (8 << 24) + 2;
+        let partitions = vec![vec![batch.clone(); copies]];
+        let err = GpuTable::try_new(batch.schema(), partitions, &LoadOptions::new().with_device(device))
+            .expect_err("larger than the GPU");
+        assert!(matches!(err, DataFusionError::ResourcesExhausted(_)), "{err}");
+    }
+}
+
+// ---- random predicates --------------------------------------------------------------------
+
+fn random_schema() -> Schema {
+    Schema::new(vec![
+        Field::new("i32", DataType::Int32, true),
+        Field::new("i64", DataType::Int64, true),
+        Field::new("u8", DataType::UInt8, true),
+        Field::new("f64", DataType::Float64, true),
+        Field::new("dec", DataType::Decimal128(10, 2), true),
+        Field::new("date", DataType::Date32, true),
+        Field::new("ts", DataType::Timestamp(TimeUnit::Microsecond, None), true),
+        Field::new("flag", DataType::Boolean, true),
+        Field::new("utf8", DataType::Utf8, true),
+        Field::new("large", DataType::LargeUtf8, true),
+        Field::new("vstr", DataType::Utf8View, true),
+    ])
+}
+
+const WORDS: [&str; 8] = ["", "a", "ab", "abc", "abcdefghijklmnop", "b", "ba", "abcdefghijklmnopq"];
+
+/// Random rows with nulls, NaN and signed zeros, in four partitions of a few batches.
+fn random_data(rows: usize, seed: u64) -> Data {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let schema = Arc::new(random_schema());
+    let mut batches = Vec::new();
+    let mut left = rows;
+    while left > 0 {
+        let n = left.min(rng.random_range(1..700));
+        left -= n;
+        let null = |rng: &mut rand::rngs::StdRng| rng.random_bool(0.15);
+        macro_rules! col {
+            ($t:ty, $f:expr) => {{
+                let v: $t = (0..n)
+                    .map(|_| if null(&mut rng) { None } else { Some($f(&mut rng)) })
+                    .collect();
+                Arc::new(v) as ArrayRef
+            }};
+        }
+        let floats = [0.0, -0.0, 1.5, -2.25, f64::NAN, 100.0, 3.0];
+        let columns = vec![
+            col!(Int32Array, |r: &mut rand::rngs::StdRng| r.random_range(-20..20)),
+            col!(Int64Array, |r: &mut rand::rngs::StdRng| r.random_range(-1000..1000)),
+            col!(UInt8Array, |r: &mut rand::rngs::StdRng| r.random_range(0..10)),
+            col!(Float64Array, |r: &mut rand::rngs::StdRng| floats
+                [r.random_range(0..floats.len())]),
+            Arc::new(
+                (0..n)
+                    .map(|_| (!null(&mut rng)).then(|| rng.random_range(-5000i128..5000)))
+                    .collect::<Decimal128Array>()
+                    .with_precision_and_scale(10, 2)
+                    .unwrap(),
+            ) as ArrayRef,
+            col!(Date32Array, |r: &mut rand::rngs::StdRng| 18000 + r.random_range(0..30)),
+            col!(
+                TimestampMicrosecondArray,
+                |r: &mut rand::rngs::StdRng| 1_600_000_000_000_000 + r.random_range(0..10i64) * 1_000_000
+            ),
+            col!(BooleanArray, |r: &mut rand::rngs::StdRng| r.random_bool(0.5)),
+            col!(StringArray, |r: &mut rand::rngs::StdRng| WORDS
+                [r.random_range(0..WORDS.len())]),
+            col!(LargeStringArray, |r: &mut rand::rngs::StdRng| WORDS
+                [r.random_range(0..WORDS.len())]),
+            col!(StringViewArray, |r: &mut rand::rngs::StdRng| WORDS
+                [r.random_range(0..WORDS.len())]),
+        ];
+        batches.push(RecordBatch::try_new(schema.clone(), columns).unwrap());
+    }
+    let mut partitions = vec![Vec::new(); PARTITIONS];
+    for (i, b) in batches.into_iter().enumerate() {
+        partitions[i % PARTITIONS].push(b);
+    }
+    Data { schema, partitions }
+}
+
+/// A random leaf predicate, in SQL.
+fn leaf() -> impl Strategy<Value = String> {
+    let ops = prop::sample::select(vec!["=", "<>", "<", "<=", ">", ">="]);
+    let eq = prop::sample::select(vec!["=", "<>"]);
+    let word = prop::sample::select(WORDS.to_vec());
+    let string_col = prop::sample::select(vec!["utf8", "large", "vstr"]);
+    let any_col = prop::sample::select(vec![
+        "i32", "i64", "u8", "f64", "dec", "date", "ts", "flag", "utf8", "large", "vstr",
+    ]);
+    prop_oneof![
+        (ops.clone(), -25i32..25).prop_map(|(o, v)| format!("i32 {o} {v}")),
+        (ops.clone(), -1100i64..1100).prop_map(|(o, v)| format!("i64 {o} {v}")),
+        (ops.clone(), 0u8..12).prop_map(|(o, v)| format!("u8 {o} {v}")),
+        (
+            ops.clone(),
+            prop::sample::select(vec!["0.0", "-0.0", "1.5", "-2.25", "'NaN'", "3", "99.5"])
+        )
+            .prop_map(|(o, v)| format!("f64 {o} cast({v} as double)")),
+        (ops.clone(), -6000i64..6000).prop_map(|(o, v)| format!(
+            "dec {o} cast({}.{:02} as decimal(10, 2))",
+            v / 100,
+            (v % 100).abs()
+        )
+        .replace("cast(0.", if v < 0 { "cast(-0." } else { "cast(0." })),
+        (ops.clone(), 0i32..30).prop_map(|(o, v)| format!("date {o} date '2019-04-14' + interval '{v}' day")),
+        (ops.clone(), 0i64..10).prop_map(|(o, v)| format!("ts {o} timestamp '2020-09-13T12:26:{:02}'", 40 + v)),
+        (ops, any::<bool>()).prop_map(|(o, v)| format!("flag {o} {v}")),
+        Just("flag".to_string()),
+        (string_col.clone(), eq, word.clone()).prop_map(|(c, o, w)| format!("{c} {o} '{w}'")),
+        (string_col.clone(), word.clone(), any::<bool>())
+            .prop_map(|(c, w, n)| format!("{c} {}like '{w}%'", if n { "not " } else { "" })),
+        (string_col.clone(), word.clone()).prop_map(|(c, w)| format!("starts_with({c}, '{w}')")),
+        (string_col, prop::collection::vec(word, 1..4), any::<bool>()).prop_map(|(c, ws, n)| {
+            let list: Vec<String> = ws.iter().map(|w| format!("'{w}'")).collect();
+            format!("{c} {}in ({})", if n { "not " } else { "" }, list.join(", "))
+        }),
+        (prop::collection::vec(-20i32..20, 1..5), any::<bool>()).prop_map(|(vs, n)| {
+            let list: Vec<String> = vs.iter().map(i32::to_string).collect();
+            format!("i32 {}in ({})", if n { "not " } else { "" }, list.join(", "))
+        }),
+        (-1000i64..1000, 0i64..500, any::<bool>()).prop_map(|(lo, w, n)| format!(
+            "i64 {}between {lo} and {}",
+            if n { "not " } else { "" },
+            lo + w
+        )),
+        (any_col, any::<bool>()).prop_map(|(c, n)| format!("{c} is {}null", if n { "not " } else { "" })),
+    ]
+}
+
+fn predicate() -> impl Strategy<Value = String> {
+    leaf().prop_recursive(3, 12, 2, |inner| {
+        prop_oneof![
+            (inner.clone(), inner.clone()).prop_map(|(a, b)| format!("({a} and {b})")),
+            (inner.clone(), inner.clone()).prop_map(|(a, b)| format!("({a} or {b})")),
+            inner.prop_map(|a| format!("not ({a})")),
+        ]
+    })
+}
+
+struct RandomSessions {
+    device: Device,
+    gpu: SessionContext,
+    mem: SessionContext,
+}
+
+fn random_sessions() -> &'static Vec<RandomSessions> {
+    static S: OnceLock<Vec<RandomSessions>> = OnceLock::new();
+    S.get_or_init(|| {
+        let data = random_data(3000, 42);
+        common::devices()
+            .into_iter()
+            .map(|device| {
+                let gpu = session();
+                gpu.register_table("t", Arc::new(gpu_table(&data, device))).unwrap();
+                let mem = session();
+                mem.register_table("t", Arc::new(mem_table(&data))).unwrap();
+                RandomSessions { device, gpu, mem }
+            })
+            .collect()
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// Random predicates over every supported type, with nulls: the GPU table returns what
+    /// `MemTable` returns, with and without a limit and a narrow projection.
+    #[test]
+    fn random_predicates_match_memtable(p in predicate(), limit in prop::option::of(0usize..50)) {
+        for s in random_sessions() {
+            let sql = format!("select * from t where {p}");
+            let g = rows(&query(&s.gpu, &sql), false);
+            let m = rows(&query(&s.mem, &sql), false);
+            prop_assert_eq!(&g, &m, "{} on {}", sql, s.device);
+            let sql = format!("select i64, vstr from t where {p}");
+            prop_assert_eq!(
+                rows(&query(&s.gpu, &sql), false),
+                rows(&query(&s.mem, &sql), false),
+                "{} on {}", sql, s.device
+            );
+            if let Some(limit) = limit {
+                // With a limit, the rows returned are some `limit` of the matching ones.
+                let sql = format!("select i32, i64, utf8 from t where {p} limit {limit}");
+                let g = rows(&query(&s.gpu, &sql), false);
+                let all = rows(&query(&s.mem, &format!("select i32, i64, utf8 from t where {p}")), false);
+                prop_assert_eq!(g.len(), all.len().min(limit), "{} on {}", sql, s.device);
+                for r in &g {
+                    prop_assert!(all.binary_search(r).is_ok(), "{} on {}: {}", sql, s.device, r);
+                }
+            }
+        }
+    }
+}
+
+/// The random predicates are mostly pushed down (so the property test exercises the device).
+#[test]
+fn random_predicates_are_pushed_down() {
+    let s = &random_sessions()[0];
+    for sql in [
+        "select * from t where i32 > 3 and f64 <= cast(1.5 as double)",
+        "select * from t where dec > cast(1.25 as decimal(10, 2)) or date = date '2019-04-20'",
+        "select * from t where ts >= timestamp '2020-09-13T12:26:45' and not flag",
+        "select * from t where vstr like 'ab%' and large in ('a', 'b') and utf8 <> 'ba'",
+        "select * from t where u8 is null or i64 not between 1 and 20",
+    ] {
+        let plan = explain(&s.gpu, sql);
+        assert!(!plan.contains("FilterExec"), "{sql}: {plan}");
+        assert!(plan.contains("full_filters="), "{sql}: {plan}");
+    }
+}
