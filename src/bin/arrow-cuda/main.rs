@@ -3,6 +3,10 @@
 mod bench;
 mod info;
 mod ipc;
+#[cfg(feature = "datafusion")]
+mod query;
+#[cfg(feature = "datafusion")]
+mod tpch;
 
 use std::process::ExitCode;
 
@@ -22,6 +26,16 @@ enum Command {
     Info,
     /// Transfer benchmarks beside the naive path, printed as one table.
     Bench(bench::Args),
+    /// Stage TPC-H (generated here) or Parquet / CSV files on the GPU and run SQL through DataFusion.
+    #[cfg(feature = "datafusion")]
+    Query(query::Args),
+    /// Stage data on the GPU and run SQL (needs the `datafusion` feature).
+    #[cfg(not(feature = "datafusion"))]
+    Query {
+        /// Ignored: this build has no DataFusion.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Send record batches to `recv` processes over a Unix socket; bodies stay on the device.
     Send(ipc::SendArgs),
     /// Receive the batches `send` sends, without copying them through host memory.
@@ -58,10 +72,16 @@ fn main() -> ExitCode {
             let _ = <Cli as clap::CommandFactory>::command().print_help();
             Ok(())
         }
-        Some(Command::Info) => info::run(),
-        Some(Command::Bench(args)) => bench::run(&args),
-        Some(Command::Send(args)) => ipc::send(&args),
-        Some(Command::Recv(args)) => ipc::recv(&args),
+        Some(Command::Info) => info::run().map_err(|e| e.to_string()),
+        Some(Command::Bench(args)) => bench::run(&args).map_err(|e| e.to_string()),
+        #[cfg(feature = "datafusion")]
+        Some(Command::Query(args)) => query::run(&args).map_err(|e| e.to_string()),
+        #[cfg(not(feature = "datafusion"))]
+        Some(Command::Query { .. }) => {
+            Err("this build has no DataFusion: cargo run --release --features datafusion -- query ...".to_string())
+        }
+        Some(Command::Send(args)) => ipc::send(&args).map_err(|e| e.to_string()),
+        Some(Command::Recv(args)) => ipc::recv(&args).map_err(|e| e.to_string()),
     };
     match outcome {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,151 @@
+//! `arrow-cuda query`: TPC-H (generated in process) or Parquet / CSV files staged on the GPU, then SQL.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use arrow_array::RecordBatch;
+use arrow_cuda::datafusion::{GpuTable, LoadOptions};
+use datafusion::datasource::MemTable;
+use datafusion::error::DataFusionError;
+use datafusion::prelude::{CsvReadOptions, SessionConfig, SessionContext};
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Options of `arrow-cuda query`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Generate TPC-H lineitem, orders and part at this scale factor and stage them.
+    #[arg(long)]
+    tpch: Option<f64>,
+    /// Stage a Parquet file as a table named after the file (repeatable).
+    #[arg(long)]
+    parquet: Vec<String>,
+    /// Stage a CSV file with a header row as a table named after the file (repeatable).
+    #[arg(long)]
+    csv: Vec<String>,
+    /// `cuda` (the default, when a GPU is present) or `cpu`.
+    #[arg(long)]
+    device: Option<crate::DeviceArg>,
+    /// Also run each query on DataFusion's MemTable over the same data and print both times.
+    #[arg(long)]
+    compare: bool,
+    /// Runs of each query (the best time is printed).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Queries: `q1`, `q6`, `q12`, `q14` (TPC-H) or SQL text. Default: q6.
+    queries: Vec<String>,
+}
+
+pub fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    let device = match args.device {
+        Some(d) => d.resolve()?,
+        None => match arrow_cuda::device::cuda_device_count() {
+            Ok(_) => arrow_cuda::Device::Cuda(0),
+            Err(e) => {
+                println!("no GPU ({e}); running on the CPU device");
+                arrow_cuda::Device::Cpu
+            }
+        },
+    };
+    let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+    let config = SessionConfig::new().with_target_partitions(cores);
+    let gpu = SessionContext::new_with_config(config.clone());
+    let host = SessionContext::new_with_config(config);
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+
+    let mut tables: Vec<(String, Vec<Vec<RecordBatch>>)> = Vec::new();
+    if let Some(sf) = args.tpch {
+        let t = Instant::now();
+        tables.extend(crate::tpch::generate(sf, cores)?);
+        println!("generated TPC-H SF {sf} in {:.2?}", t.elapsed());
+    }
+    for path in &args.parquet {
+        let df = runtime.block_on(host.read_parquet(path.as_str(), Default::default()))?;
+        tables.push((table_name(path), vec![runtime.block_on(df.collect())?]));
+    }
+    for path in &args.csv {
+        let df = runtime.block_on(host.read_csv(path.as_str(), CsvReadOptions::new()))?;
+        tables.push((table_name(path), vec![runtime.block_on(df.collect())?]));
+    }
+    if tables.is_empty() {
+        return Err("nothing to query: give --tpch SF, --parquet FILE or --csv FILE".into());
+    }
+
+    for (name, partitions) in tables {
+        let schema = match partitions.iter().flatten().next() {
+            Some(b) => b.schema(),
+            None => continue,
+        };
+        let total: u64 = partitions
+            .iter()
+            .flatten()
+            .map(|b| b.get_array_memory_size() as u64)
+            .sum();
+        let bar = ProgressBar::new(total).with_message(format!("staging {name}"));
+        bar.set_style(ProgressStyle::with_template(
+            "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}",
+        )?);
+        let progress = bar.clone();
+        let options = LoadOptions::new()
+            .with_device(device)
+            .with_progress(move |p| progress.set_position(p.bytes));
+        let t = Instant::now();
+        let table = GpuTable::try_new(schema.clone(), partitions.clone(), &options)?;
+        bar.finish_and_clear();
+        let secs = t.elapsed().as_secs_f64();
+        println!(
+            "staged {name}: {} rows, {:.1} MB on {device} in {:.3} s ({:.1} GB/s)",
+            table.num_rows(),
+            table.size_in_bytes() as f64 / 1e6,
+            secs,
+            table.size_in_bytes() as f64 / secs / 1e9
+        );
+        gpu.register_table(name.as_str(), Arc::new(table))?;
+        if args.compare {
+            host.register_table(name.as_str(), Arc::new(MemTable::try_new(schema, partitions)?))?;
+        }
+    }
+
+    let queries = if args.queries.is_empty() {
+        vec!["q6".to_string()]
+    } else {
+        args.queries.clone()
+    };
+    for q in &queries {
+        let sql = crate::tpch::query(q).unwrap_or(q.as_str());
+        let (out, gpu_secs) = runtime.block_on(time_query(&gpu, sql, args.runs))?;
+        println!("{q}:\n{}", arrow_cast::pretty::pretty_format_batches(&out)?);
+        if args.compare {
+            let (_, host_secs) = runtime.block_on(time_query(&host, sql, args.runs))?;
+            println!(
+                "{q}: {:.2} ms on the {device} table, {:.2} ms on MemTable ({:.1}x)",
+                gpu_secs * 1e3,
+                host_secs * 1e3,
+                host_secs / gpu_secs
+            );
+        } else {
+            println!("{q}: {:.2} ms", gpu_secs * 1e3);
+        }
+    }
+    Ok(())
+}
+
+/// Runs `sql` `runs` times; returns the last result and the best time in seconds.
+async fn time_query(ctx: &SessionContext, sql: &str, runs: usize) -> Result<(Vec<RecordBatch>, f64), DataFusionError> {
+    let mut best = f64::INFINITY;
+    let mut out = Vec::new();
+    for _ in 0..runs.max(1) {
+        let t = Instant::now();
+        out = ctx.sql(sql).await?.collect().await?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok((out, best))
+}
+
+fn table_name(path: &str) -> String {
+    let stem = std::path::Path::new(path)
+        .file_stem()
+        .map_or("t".into(), |s| s.to_string_lossy().into_owned());
+    stem.chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect()
+}
