@@ -512,25 +512,27 @@ impl Codegen<'_> {
         let n = self.var();
         let (p, l) = (format!("sp{n}"), format!("sl{n}"));
         let (v, d) = (format!("c{col}_v"), format!("c{col}_d"));
-        match self.kind(col)? {
-            ValueKind::Utf8 => writeln!(
-                self.body,
-                "    const int* so{n} = (const int*){v}; const unsigned char* {p} = {d} + so{n}[e{col}]; \
-                 u64 {l} = (u64)(so{n}[e{col} + 1] - so{n}[e{col}]);"
+        // Only valid slots are read: a null view's length and buffer index may be anything.
+        let read = match self.kind(col)? {
+            ValueKind::Utf8 => format!(
+                "const int* so{n} = (const int*){v}; {p} = {d} + so{n}[e{col}]; \
+                 {l} = (u64)(so{n}[e{col} + 1] - so{n}[e{col}]);"
             ),
-            ValueKind::LargeUtf8 => writeln!(
-                self.body,
-                "    const long long* so{n} = (const long long*){v}; const unsigned char* {p} = {d} + so{n}[e{col}]; \
-                 u64 {l} = (u64)(so{n}[e{col} + 1] - so{n}[e{col}]);"
+            ValueKind::LargeUtf8 => format!(
+                "const long long* so{n} = (const long long*){v}; {p} = {d} + so{n}[e{col}]; \
+                 {l} = (u64)(so{n}[e{col} + 1] - so{n}[e{col}]);"
             ),
-            ValueKind::Utf8View => writeln!(
-                self.body,
-                "    const unsigned char* vw{n} = {v} + 16 * e{col}; u64 {l} = *(const u32*)vw{n}; \
-                 const unsigned char* {p} = {l} <= 12 ? vw{n} + 4 : \
+            ValueKind::Utf8View => format!(
+                "const unsigned char* vw{n} = {v} + 16 * e{col}; {l} = *(const u32*)vw{n}; \
+                 {p} = {l} <= 12 ? vw{n} + 4 : \
                  (const unsigned char*)(((const u64*){d})[*(const u32*)(vw{n} + 8)]) + *(const u32*)(vw{n} + 12);"
             ),
             _ => return Err(Error::Unsupported(format!("column {col} is not a string"))),
-        }
+        };
+        writeln!(
+            self.body,
+            "    const unsigned char* {p} = 0; u64 {l} = 0;\n    if (valid(c{col}_n, e{col})) {{ {read} }}"
+        )
         .map_err(|_| Error::InvalidArgument("formatting a kernel".into()))?;
         Ok((p, l))
     }
@@ -1017,4 +1019,213 @@ pub(crate) fn host_batch(batch: RecordBatch, schema: arrow_schema::SchemaRef) ->
         batch.columns().to_vec(),
         &options,
     )?)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use arrow_array::{
+        ArrayRef, BooleanArray, Date32Array, Decimal128Array, Float32Array, Int8Array, LargeStringArray, RecordBatch,
+        StringArray, StringViewArray, UInt16Array,
+    };
+
+    use super::*;
+
+    /// Declarations that let a host C++ compiler check the syntax of the CUDA sources.
+    const SHIM: &str = r#"
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+struct dim3_ { unsigned int x, y, z; };
+static dim3_ threadIdx, blockIdx, blockDim;
+static void __syncthreads() {}
+static int __float_as_int(float) { return 0; }
+static long long __double_as_longlong(double) { return 0; }
+"#;
+
+    fn batch() -> DeviceRecordBatch {
+        let columns: Vec<(&str, ArrayRef)> = vec![
+            ("i8", Arc::new(Int8Array::from(vec![Some(1), None]))),
+            ("u16", Arc::new(UInt16Array::from(vec![1, 2]))),
+            ("f32", Arc::new(Float32Array::from(vec![1.0, f32::NAN]))),
+            (
+                "dec",
+                Arc::new(
+                    Decimal128Array::from(vec![1, 2])
+                        .with_precision_and_scale(10, 2)
+                        .unwrap(),
+                ),
+            ),
+            ("date", Arc::new(Date32Array::from(vec![1, 2]))),
+            ("flag", Arc::new(BooleanArray::from(vec![Some(true), None]))),
+            ("s", Arc::new(StringArray::from(vec!["a", "b"]))),
+            ("l", Arc::new(LargeStringArray::from(vec!["a", "b"]))),
+            ("v", Arc::new(StringViewArray::from(vec!["a", "a long string of text"]))),
+        ];
+        let b = RecordBatch::try_from_iter(columns).unwrap();
+        crate::transfer::htod(&b, Device::Cpu, &Stream::cpu()).unwrap()
+    }
+
+    fn predicate() -> Predicate {
+        let cmp = |col, op, lit| Box::new(Predicate::Cmp { col, op, lit });
+        let and = |a, b| Box::new(Predicate::And(a, b));
+        let or = |a, b| Box::new(Predicate::Or(a, b));
+        *and(
+            or(
+                cmp(0, CmpOp::Gt, ScalarValue::Int8(Some(-3))),
+                cmp(1, CmpOp::LtEq, ScalarValue::UInt16(Some(7))),
+            ),
+            and(
+                and(
+                    cmp(2, CmpOp::NotEq, ScalarValue::Float32(Some(-0.0))),
+                    cmp(3, CmpOp::GtEq, ScalarValue::Decimal128(Some(-12345), 10, 2)),
+                ),
+                and(
+                    or(
+                        Box::new(Predicate::InList {
+                            col: 4,
+                            list: vec![ScalarValue::Date32(Some(1)), ScalarValue::Date32(Some(9))],
+                        }),
+                        Box::new(Predicate::Not(Box::new(Predicate::Column { col: 5 }))),
+                    ),
+                    and(
+                        or(
+                            cmp(6, CmpOp::Eq, ScalarValue::Utf8(Some("abc".into()))),
+                            Box::new(Predicate::StartsWith {
+                                col: 7,
+                                prefix: "ab".into(),
+                            }),
+                        ),
+                        or(
+                            Box::new(Predicate::InList {
+                                col: 8,
+                                list: vec![
+                                    ScalarValue::Utf8View(Some("x".into())),
+                                    ScalarValue::Utf8View(Some("a long literal string".into())),
+                                ],
+                            }),
+                            Box::new(Predicate::IsNull { col: 8 }),
+                        ),
+                    ),
+                ),
+            ),
+        )
+    }
+
+    #[test]
+    fn literals_are_laid_out_in_slots() {
+        let b = batch();
+        let p = predicate();
+        let mut cols = BTreeSet::new();
+        p.columns(&mut cols);
+        let cols: Vec<usize> = cols.into_iter().collect();
+        let g = generate(&p, &b, &cols).unwrap();
+        if std::env::var_os("SHOW_KERNEL").is_some() {
+            println!("{}", g.source);
+        }
+        // Slots of 16 bytes, then "abc", "ab", "x", "a long literal string".
+        let strings = b"abcabxa long literal string";
+        assert!(g.literals.ends_with(strings));
+        let base = g.literals.len() - strings.len();
+        assert_eq!(base % 16, 0);
+        // The string slots point into the tail with their lengths.
+        let slots: Vec<(u32, u32)> = g.literals[..base]
+            .chunks(16)
+            .map(|s| {
+                (
+                    u32::from_le_bytes(s[..4].try_into().unwrap()),
+                    u32::from_le_bytes(s[4..8].try_into().unwrap()),
+                )
+            })
+            .filter(|&(o, l)| o as usize >= base && o as usize + l as usize <= g.literals.len())
+            .collect();
+        assert_eq!(
+            slots,
+            vec![
+                (base as u32, 3),
+                (base as u32 + 3, 2),
+                (base as u32 + 5, 1),
+                (base as u32 + 6, 21)
+            ]
+        );
+        // -0.0 is compared as +0.0; -123.45 is stored as a 16-byte integer.
+        assert!(g.source.contains("fkey32"));
+        assert!(g.literals.chunks(16).any(|s| s == (-12345i128).to_le_bytes()));
+        // The same shape with other literals compiles to the same source.
+        let mut q = p.clone();
+        if let Predicate::And(a, _) = &mut q
+            && let Predicate::Or(x, _) = a.as_mut()
+        {
+            **x = Predicate::Cmp {
+                col: 0,
+                op: CmpOp::Gt,
+                lit: ScalarValue::Int8(Some(100)),
+            };
+        }
+        let g2 = generate(&q, &b, &cols).unwrap();
+        assert_eq!(g.source, g2.source);
+        assert_ne!(g.literals, g2.literals);
+    }
+
+    /// The CUDA sources are valid C++ for a host compiler given a few CUDA declarations (a
+    /// syntax check for machines without NVRTC; the GPU run compiles them for real).
+    #[test]
+    fn cuda_sources_parse_as_cpp() {
+        let Ok(cxx) = which("g++").or_else(|_| which("c++")) else {
+            eprintln!("skipped: no C++ compiler");
+            return;
+        };
+        let b = batch();
+        let p = predicate();
+        let mut cols = BTreeSet::new();
+        p.columns(&mut cols);
+        let cols: Vec<usize> = cols.into_iter().collect();
+        let g = generate(&p, &b, &cols).unwrap();
+        let dir = std::env::temp_dir().join(format!("arrow-cuda-kernels-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (name, src) in [("util.cpp", UTIL), ("pred.cpp", g.source.as_str())] {
+            let path = dir.join(name);
+            std::fs::write(&path, format!("{SHIM}\n{src}")).unwrap();
+            let out = std::process::Command::new(&cxx)
+                .args([
+                    "-fsyntax-only",
+                    "-Wall",
+                    "-Wno-unused-variable",
+                    "-Wno-sign-compare",
+                    "-x",
+                    "c++",
+                ])
+                .arg(&path)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{name}:\n{}\n{}",
+                String::from_utf8_lossy(&out.stderr),
+                src
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn which(cmd: &str) -> std::io::Result<String> {
+        let out = std::process::Command::new("which").arg(cmd).output()?;
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+        } else {
+            Err(std::io::Error::other("not found"))
+        }
+    }
+
+    #[test]
+    fn entry_points_fail_cleanly_without_a_gpu() {
+        if gpu_kernels_available() {
+            return;
+        }
+        let b = batch();
+        let r = filter_compact(&b, &predicate(), &[0], 10, &Stream::cpu());
+        assert!(r.is_err());
+    }
 }
