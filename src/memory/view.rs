@@ -164,14 +164,14 @@ impl<T: Element> StridedView<T> {
                 "negative stride {s} in {strides:?} is not supported"
             )));
         }
-        if let Some(s) = strides.iter().find(|&&s| s as usize % align != 0) {
+        if let Some(s) = strides.iter().find(|&&s| !(s as usize).is_multiple_of(align)) {
             return Err(Error::InvalidArgument(format!(
                 "stride {s} in {strides:?} is not a multiple of the {}-byte alignment of {}",
                 align,
                 T::NAME
             )));
         }
-        if (buffer.address() as usize).wrapping_add(byte_offset) % align != 0 {
+        if !(buffer.address() as usize).wrapping_add(byte_offset).is_multiple_of(align) {
             return Err(Error::InvalidArgument(format!(
                 "address {:#x} + offset {byte_offset} is not aligned to {align} bytes for {}",
                 buffer.address(),

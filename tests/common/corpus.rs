@@ -293,7 +293,7 @@ pub fn every_type() -> Vec<(String, ArrayRef)> {
             "boolean",
             Arc::new(
                 (0..ROWS)
-                    .map(|i| valid(i, 1).then_some(mix(i, 1) % 2 == 0))
+                    .map(|i| valid(i, 1).then_some(mix(i, 1).is_multiple_of(2)))
                     .collect::<BooleanArray>(),
             ),
         ),
