@@ -2,16 +2,16 @@
 
 pub mod abi;
 pub mod array;
-pub mod device;
-pub mod ffi;
-pub mod ipc;
-mod error;
-pub mod memory;
-pub mod transfer;
-#[cfg(feature = "polars")]
-pub mod polars;
 #[cfg(feature = "datafusion")]
 pub mod datafusion;
+pub mod device;
+mod error;
+pub mod ffi;
+pub mod ipc;
+pub mod memory;
+#[cfg(feature = "polars")]
+pub mod polars;
+pub mod transfer;
 
 pub use array::{DeviceArrayData, DeviceRecordBatch};
 pub use device::{Device, Event, Stream};

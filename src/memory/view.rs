@@ -171,7 +171,10 @@ impl<T: Element> StridedView<T> {
                 T::NAME
             )));
         }
-        if !(buffer.address() as usize).wrapping_add(byte_offset).is_multiple_of(align) {
+        if !(buffer.address() as usize)
+            .wrapping_add(byte_offset)
+            .is_multiple_of(align)
+        {
             return Err(Error::InvalidArgument(format!(
                 "address {:#x} + offset {byte_offset} is not aligned to {align} bytes for {}",
                 buffer.address(),
