@@ -377,16 +377,14 @@ fn shared_host_memory_is_a_sealed_memfd_mapped_once_per_process() {
     let (handle, offset) = SharedMemHandle::export(&slice).unwrap();
     assert_eq!((offset, handle.size()), (100, 10_000));
     let (again, _) = SharedMemHandle::export(&b).unwrap();
-    let before = SharedMapping::open_count();
     let m1 = handle.open().unwrap();
     let m2 = again.open().unwrap();
+    // (The number of open mappings is checked in a peer process, where no other test runs.)
     assert!(m1.same_as(&m2), "one mapping per region and process");
-    assert_eq!(SharedMapping::open_count(), before + 1);
     // SAFETY: the mapping is alive for the read and holds `size` bytes.
     let mapped = unsafe { std::slice::from_raw_parts(m1.address() as *const u8, m1.size()) };
     assert_eq!(mapped, b.host_slice().unwrap());
     drop((m1, m2));
-    assert_eq!(SharedMapping::open_count(), before);
     let plain = DeviceBuffer::alloc(MemoryResource::Host, 64, &stream).unwrap();
     assert!(matches!(SharedMemHandle::export(&plain), Err(Error::Unsupported(_))));
 }
@@ -484,7 +482,8 @@ fn malformed_descriptors_are_errors() {
         d.import(&batch.schema(), Event::completed(), ())
     };
     import(&|_| {}).unwrap();
-    let cases: Vec<(&str, Box<dyn Fn(&mut BatchDescriptor)>)> = vec![
+    type Edit = Box<dyn Fn(&mut BatchDescriptor)>;
+    let cases: Vec<(&str, Edit)> = vec![
         ("offset past the region", Box::new(|d| d.locations[1].offset = 1 << 40)),
         (
             "end past the region",
@@ -493,7 +492,10 @@ fn malformed_descriptors_are_errors() {
         ("offset overflow", Box::new(|d| d.locations[1].offset = u64::MAX)),
         ("no such region", Box::new(|d| d.locations[1].region = 7)),
         ("length mismatch", Box::new(|d| d.locations[1].len += 1)),
-        ("missing location", Box::new(|d| drop(d.locations.pop()))),
+        (
+            "missing location",
+            Box::new(|d| d.locations.truncate(d.locations.len() - 1)),
+        ),
         ("extra location", Box::new(|d| d.locations.push(BufferLocation::EMPTY))),
         (
             "garbage metadata",
@@ -564,4 +566,699 @@ proptest! {
 
 fn tempfile_path(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("arrow-cuda-ipc-{}-{name}", std::process::id()))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The channel: peers in other processes.
+
+/// What the peer process does (unset: the `peer` test returns at once).
+const PEER: &str = "ARROW_CUDA_IPC_PEER";
+const PEER_SOCKET: &str = "ARROW_CUDA_IPC_SOCKET";
+const PEER_DEVICE: &str = "ARROW_CUDA_IPC_DEVICE";
+const PEER_COUNT: &str = "ARROW_CUDA_IPC_COUNT";
+
+/// Batches in a stream: the corpus, sliced differently each time.
+const STREAM: usize = 6;
+
+fn stream_batch(i: usize) -> RecordBatch {
+    corpus().slice(i, ROWS - 2 * i)
+}
+
+/// Batch `i` as a sender holds it: in exportable memory (sent without a copy), in the device's
+/// default memory (copied into a message), or a slice on the device (encoded through the host).
+fn device_stream_batch(i: usize, device: Device, stream: &Stream) -> DeviceRecordBatch {
+    match i % 3 {
+        0 => upload(&stream_batch(i), exportable(device), stream),
+        1 => upload(&stream_batch(i), MemoryResource::default_for(device), stream),
+        _ => upload(&corpus(), exportable(device), stream)
+            .slice(i, ROWS - 2 * i)
+            .unwrap(),
+    }
+}
+
+fn socket_path(name: &str) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("acipc-{}-{name}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    path
+}
+
+fn device_name(device: Device) -> String {
+    match device {
+        Device::Cuda(o) => format!("cuda:{o}"),
+        _ => "cpu".into(),
+    }
+}
+
+fn parse_device(name: &str) -> Device {
+    match name.strip_prefix("cuda:") {
+        Some(o) => Device::Cuda(o.parse().unwrap()),
+        None => Device::Cpu,
+    }
+}
+
+fn patient() -> ReceiverOptions {
+    ReceiverOptions {
+        connect_timeout: Duration::from_secs(60),
+        recv_timeout: Some(Duration::from_secs(60)),
+        ..ReceiverOptions::default()
+    }
+}
+
+/// This test binary, running the `peer` test in another process.
+struct Peer {
+    child: Child,
+    stdout: BufReader<std::process::ChildStdout>,
+}
+
+impl Peer {
+    fn spawn(role: &str, socket: &std::path::Path, device: Device, count: usize) -> Peer {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "peer", "--nocapture", "--test-threads", "1"])
+            .env(PEER, role)
+            .env(PEER_SOCKET, socket)
+            .env(PEER_DEVICE, device_name(device))
+            .env(PEER_COUNT, count.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        Peer { child, stdout }
+    }
+
+    /// Reads the peer's output until it says `PEER <what>`.
+    fn wait_for(&mut self, what: &str) {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let n = self.stdout.read_line(&mut line).unwrap();
+            assert!(
+                n > 0,
+                "the peer ended before saying {what:?}: {:?}",
+                self.child.try_wait()
+            );
+            // libtest prints `test peer ... ` on the same line first.
+            if line.trim_end().ends_with(&format!("PEER {what}")) {
+                return;
+            }
+        }
+    }
+
+    /// Waits for the peer to finish and checks that it passed.
+    fn passed(mut self) {
+        drop(self.child.stdin.take());
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "the peer failed: {status}");
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Blocks until the parent closes our stdin (or dies).
+fn until_parent_lets_go() {
+    let _ = std::io::stdin().read_to_end(&mut Vec::new());
+}
+
+fn say(what: &str) {
+    println!("PEER {what}");
+    std::io::stdout().flush().unwrap();
+}
+
+/// The other process of the cross-process tests.
+#[test]
+fn peer() {
+    let Ok(role) = std::env::var(PEER) else { return };
+    let socket = PathBuf::from(std::env::var(PEER_SOCKET).unwrap());
+    let device = parse_device(&std::env::var(PEER_DEVICE).unwrap());
+    let count: usize = std::env::var(PEER_COUNT).unwrap().parse().unwrap();
+    let stream = Stream::new(device).unwrap();
+    match role.as_str() {
+        "verify" => {
+            let mut r = Receiver::connect(&socket, patient()).unwrap();
+            assert_eq!(r.schema(), &corpus().schema());
+            for i in 0..count {
+                let batch = r.recv().unwrap().expect("a batch");
+                assert_eq!(batch.device(), device);
+                check(&format!("batch {i}"), &dtoh(&batch, &stream).unwrap(), &stream_batch(i));
+            }
+            assert!(r.recv().unwrap().is_none(), "the end of the stream");
+            assert!(r.recv().unwrap().is_none(), "the end stays the end");
+            say("done");
+        }
+        "same-region" => {
+            let mut r = Receiver::connect(&socket, patient()).unwrap();
+            let a = r.recv().unwrap().unwrap();
+            let b = r.recv().unwrap().unwrap();
+            let (ba, bb) = (&a.column(1).buffers()[0], &b.column(1).buffers()[0]);
+            assert_eq!(ba.address(), bb.address(), "the same allocation is mapped once");
+            let open = match device {
+                Device::Cpu => SharedMapping::open_count(),
+                _ => ipc::OpenedHandle::open_count(),
+            };
+            assert_eq!(open, 1);
+            check("shared", &dtoh(&a, &stream).unwrap(), &stream_batch(0));
+            drop((a, b));
+            let open = match device {
+                Device::Cpu => SharedMapping::open_count(),
+                _ => ipc::OpenedHandle::open_count(),
+            };
+            assert_eq!(open, 0, "closed with the last view");
+            say("done");
+        }
+        "hold" => {
+            let mut r = Receiver::connect(&socket, patient()).unwrap();
+            let held: Vec<_> = (0..count).map(|_| r.recv().unwrap().unwrap()).collect();
+            say("held");
+            until_parent_lets_go();
+            drop(held);
+        }
+        "send" => {
+            let sender = Sender::bind(&socket, corpus().schema(), SenderOptions::default()).unwrap();
+            sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
+            for i in 0..count {
+                assert_ne!(sender.send(&device_stream_batch(i, device, &stream)).unwrap(), 0);
+            }
+            say("sent");
+            until_parent_lets_go();
+        }
+        other => panic!("unknown peer role {other}"),
+    }
+}
+
+#[test]
+fn batches_cross_processes() {
+    each_device(|device, stream| {
+        let path = socket_path(&format!("cross-{}", device_name(device)));
+        let sender = Sender::bind(&path, corpus().schema(), SenderOptions::default()).unwrap();
+        let peer = Peer::spawn("verify", &path, device, STREAM);
+        sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
+        for i in 0..STREAM {
+            assert_ne!(
+                sender.send(&device_stream_batch(i, device, stream)).unwrap(),
+                0,
+                "{device}: batch {i}"
+            );
+        }
+        sender.finish().unwrap();
+        peer.passed();
+        sender.wait_idle(Duration::from_secs(30)).unwrap();
+        let status = sender.status();
+        assert_eq!(
+            (status.sent, status.lost, status.in_flight_bytes),
+            (STREAM as u64, 0, 0),
+            "{device}: {status:?}"
+        );
+    });
+}
+
+#[test]
+fn one_allocation_is_opened_once_per_process() {
+    each_device(|device, stream| {
+        let path = socket_path(&format!("same-{}", device_name(device)));
+        let sender = Sender::bind(&path, corpus().schema(), SenderOptions::default()).unwrap();
+        let peer = Peer::spawn("same-region", &path, device, 2);
+        sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
+        let batch = upload(&stream_batch(0), exportable(device), stream);
+        sender.send(&batch).unwrap();
+        sender.send(&batch).unwrap();
+        sender.finish().unwrap();
+        peer.passed();
+        sender.wait_idle(Duration::from_secs(30)).unwrap();
+    });
+}
+
+#[test]
+fn two_receivers_get_every_batch() {
+    each_device(|device, stream| {
+        let path = socket_path(&format!("two-{}", device_name(device)));
+        let sender = Sender::bind(&path, corpus().schema(), SenderOptions::default()).unwrap();
+        let peers = [
+            Peer::spawn("verify", &path, device, STREAM),
+            Peer::spawn("verify", &path, device, STREAM),
+        ];
+        sender.wait_for_receivers(2, Duration::from_secs(60)).unwrap();
+        for i in 0..STREAM {
+            sender.send(&device_stream_batch(i, device, stream)).unwrap();
+        }
+        sender.finish().unwrap();
+        peers.into_iter().for_each(Peer::passed);
+        sender.wait_idle(Duration::from_secs(30)).unwrap();
+        assert_eq!(sender.status().lost, 0);
+    });
+}
+
+#[test]
+fn a_killed_receiver_is_reclaimed_within_a_second() {
+    each_device(|device, stream| {
+        let path = socket_path(&format!("kill-r-{}", device_name(device)));
+        let sender = Sender::bind(&path, corpus().schema(), SenderOptions::default()).unwrap();
+        let mut peer = Peer::spawn("hold", &path, device, 3);
+        sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
+        // Unsliced, so that they travel without a copy: the sender lends this very memory.
+        let batches: Vec<_> = (0..3).map(|_| upload(&corpus(), exportable(device), stream)).collect();
+        let whole: Vec<DeviceBuffer> = batches
+            .iter()
+            .map(|b| b.column(1).buffers()[0].parent().unwrap())
+            .collect();
+        for b in &batches {
+            sender.send(b).unwrap();
+        }
+        drop(batches);
+        peer.wait_for("held");
+        let status = sender.status();
+        assert_eq!(status.in_flight_batches, 3, "{device}: {status:?}");
+        assert!(
+            whole.iter().all(|w| !w.is_mutable()),
+            "{device}: the sender keeps lent memory"
+        );
+        let _ = sender.take_events();
+        peer.child.kill().unwrap();
+        let killed = Instant::now();
+        while sender.status().in_flight_batches > 0 && killed.elapsed() < Duration::from_secs(1) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let status = sender.status();
+        assert_eq!(
+            (
+                status.in_flight_batches,
+                status.in_flight_bytes,
+                status.lost,
+                status.receivers
+            ),
+            (0, 0, 1, 0),
+            "{device}: not reclaimed within a second of the kill: {status:?}"
+        );
+        assert!(
+            whole.iter().all(DeviceBuffer::is_mutable),
+            "{device}: the memory was given back"
+        );
+        let events = sender.take_events();
+        assert!(
+            events
+                .iter()
+                .any(|e| matches!(e, SenderEvent::Lost { reclaimed: 3, .. })),
+            "{device}: {events:?}"
+        );
+        // With nobody listening, a batch goes nowhere.
+        assert_eq!(
+            sender
+                .send(&upload(&stream_batch(0), exportable(device), stream))
+                .unwrap(),
+            0
+        );
+    });
+}
+
+#[test]
+fn a_killed_sender_makes_the_receiver_fail() {
+    each_device(|device, stream| {
+        let path = socket_path(&format!("kill-s-{}", device_name(device)));
+        let mut peer = Peer::spawn("send", &path, device, 2);
+        let mut r = Receiver::connect(&path, patient()).unwrap();
+        let got: Vec<_> = (0..2).map(|_| r.recv().unwrap().unwrap()).collect();
+        peer.wait_for("sent");
+        peer.child.kill().unwrap();
+        let e = r.recv().unwrap_err();
+        assert_eq!(
+            ipc::io_error_kind(&e),
+            Some(std::io::ErrorKind::UnexpectedEof),
+            "{device}: {e}"
+        );
+        assert!(r.recv().is_err(), "{device}: a broken receiver stays broken");
+        // The killed sender could not remove its socket file.
+        let _ = std::fs::remove_file(&path);
+        if device == Device::Cpu {
+            // Shared memory outlives its creator.
+            for (i, b) in got.iter().enumerate() {
+                check("after the sender died", &dtoh(b, stream).unwrap(), &stream_batch(i));
+            }
+        }
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// The channel in one process (CPU): acknowledgements, back-pressure, late joiners.
+
+fn quick(max_in_flight_bytes: u64) -> SenderOptions {
+    SenderOptions {
+        max_in_flight_bytes,
+        send_timeout: Duration::from_millis(300),
+        ..SenderOptions::default()
+    }
+}
+
+fn connected(path: &std::path::Path) -> Receiver {
+    Receiver::connect(
+        path,
+        ReceiverOptions {
+            recv_timeout: Some(Duration::from_secs(30)),
+            ..ReceiverOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+#[test]
+fn acknowledgements_free_room_for_more() {
+    let stream = Stream::cpu();
+    let batch = small_batch(1000);
+    let path = socket_path("acks");
+    let sender = Sender::bind(&path, batch.schema(), quick(1)).unwrap();
+    let mut r = connected(&path);
+    sender.wait_for_receivers(1, Duration::from_secs(10)).unwrap();
+    let shared = upload(&batch, MemoryResource::SharedHost, &stream);
+    let whole = shared.column(0).buffers()[0].parent().unwrap();
+    sender.send(&shared).unwrap();
+    drop(shared);
+    let got = r.recv().unwrap().unwrap();
+    check("received", &dtoh(&got, &stream).unwrap(), &batch);
+    assert_eq!(sender.status().in_flight_batches, 1);
+    // Only one byte may be in flight: the next batch waits for room, and times out.
+    let other = upload(&batch, MemoryResource::SharedHost, &stream);
+    let e = sender.send(&other).unwrap_err();
+    assert_eq!(ipc::io_error_kind(&e), Some(std::io::ErrorKind::TimedOut), "{e}");
+    assert_eq!(sender.status().in_flight_batches, 1, "a timed-out send lends nothing");
+    // A view of one column keeps the whole batch lent.
+    let column = got.column(1).clone();
+    drop(got);
+    assert!(
+        sender.wait_idle(Duration::from_millis(200)).is_err(),
+        "a view is still alive"
+    );
+    assert!(!whole.is_mutable());
+    drop(column);
+    sender.wait_idle(Duration::from_secs(10)).unwrap();
+    assert!(whole.is_mutable(), "acknowledged memory is the sender's again");
+    // Now there is room; a batch in ordinary host memory goes as a copy, reclaimed the same way.
+    sender.send(&other).unwrap();
+    let plain = upload(&batch, MemoryResource::Host, &stream);
+    let got = r.recv().unwrap().unwrap();
+    drop(got);
+    sender.wait_idle(Duration::from_secs(10)).unwrap();
+    sender.send(&plain).unwrap();
+    let got = r.recv().unwrap().unwrap();
+    check("copied", &dtoh(&got, &stream).unwrap(), &batch);
+    drop(got);
+    sender.wait_idle(Duration::from_secs(10)).unwrap();
+    sender.finish().unwrap();
+    assert!(r.recv().unwrap().is_none());
+    assert_eq!(sender.status().sent, 3);
+}
+
+#[test]
+fn two_receivers_release_a_batch_when_both_are_done() {
+    let stream = Stream::cpu();
+    let batch = small_batch(500);
+    let path = socket_path("both");
+    let sender = Sender::bind(&path, batch.schema(), SenderOptions::default()).unwrap();
+    let (mut r1, mut r2) = (connected(&path), connected(&path));
+    sender.wait_for_receivers(2, Duration::from_secs(10)).unwrap();
+    let shared = upload(&batch, MemoryResource::SharedHost, &stream);
+    let whole = shared.column(0).buffers()[0].parent().unwrap();
+    sender.send(&shared).unwrap();
+    drop(shared);
+    let (g1, g2) = (r1.recv().unwrap().unwrap(), r2.recv().unwrap().unwrap());
+    check("first", &dtoh(&g1, &stream).unwrap(), &batch);
+    check("second", &dtoh(&g2, &stream).unwrap(), &batch);
+    drop(g1);
+    assert!(
+        sender.wait_idle(Duration::from_millis(200)).is_err(),
+        "the second receiver still holds it"
+    );
+    assert!(!whole.is_mutable());
+    drop(g2);
+    sender.wait_idle(Duration::from_secs(10)).unwrap();
+    assert!(whole.is_mutable());
+    // A receiver that goes away cleanly is reported as having left.
+    drop(r1);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sender.status().left < 1 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!((sender.status().left, sender.status().lost), (1, 0));
+    sender
+        .send(&upload(&batch, MemoryResource::SharedHost, &stream))
+        .unwrap();
+    drop(r2.recv().unwrap().unwrap());
+    sender.wait_idle(Duration::from_secs(10)).unwrap();
+}
+
+#[test]
+fn late_receivers_start_with_the_next_batch_and_still_see_the_end() {
+    let stream = Stream::cpu();
+    let batch = small_batch(10);
+    let path = socket_path("late");
+    let sender = Sender::bind(&path, batch.schema(), SenderOptions::default()).unwrap();
+    assert_eq!(
+        sender
+            .send(&upload(&batch, MemoryResource::SharedHost, &stream))
+            .unwrap(),
+        0,
+        "no receiver yet"
+    );
+    let mut r = connected(&path);
+    sender.wait_for_receivers(1, Duration::from_secs(10)).unwrap();
+    let second = small_batch(20);
+    sender
+        .send(&upload(&second, MemoryResource::SharedHost, &stream))
+        .unwrap();
+    check("second", &dtoh(&r.recv().unwrap().unwrap(), &stream).unwrap(), &second);
+    sender.finish().unwrap();
+    assert!(
+        sender
+            .send(&upload(&batch, MemoryResource::SharedHost, &stream))
+            .is_err(),
+        "the stream has ended"
+    );
+    let mut late = connected(&path);
+    assert!(late.recv().unwrap().is_none());
+    assert!(r.recv().unwrap().is_none());
+    let wrong = RecordBatch::try_from_iter([("x", Arc::new(Int64Array::from(vec![1])) as ArrayRef)]).unwrap();
+    assert!(matches!(
+        sender.send(&upload(&wrong, MemoryResource::SharedHost, &stream)),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+#[test]
+fn a_dropped_sender_aborts_the_stream_and_a_stale_socket_is_replaced() {
+    let batch = small_batch(10);
+    let path = socket_path("drop");
+    // A socket file nobody listens on any more.
+    drop(UnixListener::bind(&path).unwrap());
+    let sender = Sender::bind(&path, batch.schema(), SenderOptions::default()).unwrap();
+    assert!(
+        Sender::bind(&path, batch.schema(), SenderOptions::default()).is_err(),
+        "a live socket is kept"
+    );
+    let mut r = connected(&path);
+    sender.wait_for_receivers(1, Duration::from_secs(10)).unwrap();
+    drop(sender);
+    let e = r.recv().unwrap_err();
+    assert!(
+        matches!(&e, Error::Arrow(arrow_schema::ArrowError::IpcError(m)) if m.contains("aborted")),
+        "{e}"
+    );
+    assert!(!path.exists(), "the socket file is removed");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Corrupt frames.
+
+fn raw_frame(payload: &[u8]) -> Vec<u8> {
+    let mut out = (payload.len() as u32).to_le_bytes().to_vec();
+    out.extend_from_slice(payload);
+    out
+}
+
+fn hello(magic: &[u8; 8], version: u32, schema: &Schema) -> Vec<u8> {
+    let schema = ipc::encode_schema(schema);
+    let mut p = vec![1u8];
+    p.extend_from_slice(magic);
+    p.extend_from_slice(&version.to_le_bytes());
+    p.extend_from_slice(&(schema.len() as u32).to_le_bytes());
+    p.extend_from_slice(&schema);
+    raw_frame(&p)
+}
+
+/// A fake sender: accepts one receiver, writes `greeting`, then runs `script` on the socket in a
+/// thread of its own while the receiver is returned.
+fn with_fake_sender(
+    name: &str,
+    greeting: Vec<u8>,
+    script: impl FnOnce(UnixStream) + Send + 'static,
+) -> (arrow_cuda::Result<Receiver>, std::thread::JoinHandle<()>) {
+    let path = socket_path(name);
+    let listener = UnixListener::bind(&path).unwrap();
+    let fake = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        s.write_all(&greeting).unwrap();
+        script(s);
+    });
+    let options = ReceiverOptions {
+        recv_timeout: Some(Duration::from_secs(10)),
+        ..ReceiverOptions::default()
+    };
+    let r = Receiver::connect(&path, options);
+    let _ = std::fs::remove_file(&path);
+    (r, fake)
+}
+
+/// The receiver a fake sender connected, once its script has run.
+fn fake_sender(
+    name: &str,
+    greeting: Vec<u8>,
+    script: impl FnOnce(UnixStream) + Send + 'static,
+) -> arrow_cuda::Result<Receiver> {
+    let (r, fake) = with_fake_sender(name, greeting, script);
+    fake.join().unwrap();
+    r
+}
+
+#[test]
+fn corrupt_frames_from_a_sender_are_errors() {
+    let schema = small_batch(1).schema();
+    let good = || hello(b"ACUDAIPC", 1, &schema);
+    let e = fake_sender("bad-magic", hello(b"NOTARROW", 1, &schema), |_| {}).unwrap_err();
+    assert!(is_invalid_data(&e), "{e}");
+    let e = fake_sender("bad-version", hello(b"ACUDAIPC", 99, &schema), |_| {}).unwrap_err();
+    assert!(matches!(e, Error::Unsupported(_)), "{e}");
+    let e = fake_sender(
+        "bad-schema",
+        raw_frame(&[
+            1, b'A', b'C', b'U', b'D', b'A', b'I', b'P', b'C', 1, 0, 0, 0, 3, 0, 0, 0, 1, 2, 3,
+        ]),
+        |_| {},
+    )
+    .unwrap_err();
+    assert!(is_invalid_data(&e), "{e}");
+
+    // Oversized: the receiver refuses it and is broken from then on.
+    let mut r = fake_sender("oversized", good(), |mut s| {
+        s.write_all(&u32::MAX.to_le_bytes()).unwrap()
+    })
+    .unwrap();
+    assert!(is_invalid_data(&r.recv().unwrap_err()));
+    assert!(r.recv().is_err());
+
+    // Truncated: the stream ends inside a frame.
+    let mut r = fake_sender("truncated", good(), |mut s| {
+        s.write_all(&100u32.to_le_bytes()).unwrap();
+        s.write_all(&[2; 10]).unwrap();
+    })
+    .unwrap();
+    assert!(is_invalid_data(&r.recv().unwrap_err()));
+
+    // Ended without an end of stream.
+    let mut r = fake_sender("eof", good(), |_| {}).unwrap();
+    assert_eq!(
+        ipc::io_error_kind(&r.recv().unwrap_err()),
+        Some(std::io::ErrorKind::UnexpectedEof)
+    );
+
+    // Corrupt frames that keep the stream in step: a malformed batch (acknowledged all the same)
+    // and an unknown kind; then a valid empty batch and an abort.
+    let (acks_tx, acks_rx) = mpsc::channel();
+    let stream = Stream::cpu();
+    let empty = upload(&small_batch(0), MemoryResource::SharedHost, &stream);
+    let described = BatchDescriptor::describe(&empty).unwrap();
+    assert!(described.regions.is_empty(), "an empty batch has no regions");
+    let descriptor = described.to_bytes().0;
+    let (r, fake) = with_fake_sender("corrupt", good(), move |mut s| {
+        let mut batch = vec![2u8];
+        batch.extend_from_slice(&42u64.to_le_bytes());
+        batch.extend_from_slice(&[0, 0xde, 0xad, 0xbe, 0xef]);
+        s.write_all(&raw_frame(&batch)).unwrap();
+        s.write_all(&raw_frame(&[99, 1, 2, 3])).unwrap();
+        let mut good_batch = vec![2u8];
+        good_batch.extend_from_slice(&44u64.to_le_bytes());
+        good_batch.push(0);
+        good_batch.extend_from_slice(&descriptor);
+        s.write_all(&raw_frame(&good_batch)).unwrap();
+        s.write_all(&raw_frame(&[4, 5, 0, 0, 0, b'b', b'y', b'e', b'!', b'!']))
+            .unwrap();
+        // The acknowledgements of batches 42 and 44.
+        let mut acks = Vec::new();
+        for _ in 0..2 {
+            let mut frame = [0u8; 13];
+            s.read_exact(&mut frame).unwrap();
+            assert_eq!(&frame[..5], &[9, 0, 0, 0, 16]);
+            acks.push(u64::from_le_bytes(frame[5..].try_into().unwrap()));
+        }
+        acks_tx.send(acks).unwrap();
+    });
+    let mut r = r.unwrap();
+    assert!(is_invalid_data(&r.recv().unwrap_err()), "a malformed batch");
+    assert!(is_invalid_data(&r.recv().unwrap_err()), "an unknown frame");
+    let got = r.recv().unwrap().unwrap();
+    assert_eq!(got.num_rows(), 0);
+    drop(got);
+    let e = r.recv().unwrap_err();
+    assert!(
+        matches!(&e, Error::Arrow(arrow_schema::ArrowError::IpcError(m)) if m.contains("bye!!")),
+        "{e}"
+    );
+    assert!(r.recv().is_err(), "an aborted stream stays aborted");
+    assert_eq!(acks_rx.recv_timeout(Duration::from_secs(10)).unwrap(), vec![42, 44]);
+    fake.join().unwrap();
+}
+
+#[test]
+fn corrupt_frames_from_a_receiver_cost_only_that_receiver() {
+    let stream = Stream::cpu();
+    let batch = small_batch(100);
+    let path = socket_path("bad-receivers");
+    let sender = Sender::bind(&path, batch.schema(), SenderOptions::default()).unwrap();
+    let mut good = connected(&path);
+    let fake = |then: &[u8]| {
+        let mut s = UnixStream::connect(&path).unwrap();
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).unwrap();
+        let mut hello = vec![0u8; u32::from_le_bytes(len) as usize];
+        s.read_exact(&mut hello).unwrap();
+        s.write_all(then).unwrap();
+        s
+    };
+    let wait_for = |what: &dyn Fn(&ipc::SenderStatus) -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !what(&sender.status()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        sender.status()
+    };
+    let _unknown = fake(&raw_frame(&[99]));
+    let _oversized = fake(&u32::MAX.to_le_bytes());
+    let _truncated_ack = fake(&raw_frame(&[16, 1, 2]));
+    let status = wait_for(&|s| s.lost == 3);
+    assert_eq!((status.lost, status.receivers), (3, 1), "{status:?}");
+    // Acknowledging what it never got changes nothing; detaching and closing is a clean exit.
+    let mut stray = vec![16u8];
+    stray.extend_from_slice(&12345u64.to_le_bytes());
+    let mut polite = raw_frame(&stray);
+    polite.extend_from_slice(&raw_frame(&[17]));
+    drop(fake(&polite));
+    let status = wait_for(&|s| s.left == 1);
+    assert_eq!((status.left, status.lost), (1, 3), "{status:?}");
+    let events = sender.take_events();
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| matches!(e, SenderEvent::Lost { reason, .. } if !reason.is_empty()))
+            .count(),
+        3
+    );
+    // The good receiver never noticed.
+    sender
+        .send(&upload(&batch, MemoryResource::SharedHost, &stream))
+        .unwrap();
+    check("good", &dtoh(&good.recv().unwrap().unwrap(), &stream).unwrap(), &batch);
+    sender.wait_idle(Duration::from_secs(10)).unwrap();
 }
