@@ -1,5 +1,227 @@
-//! IPC benchmarks (filled in below).
+//! Device record batches between processes.
+//!
+//! - `ipc_latency/cached_100_columns`: a sender hands a 100-column batch to a consumer process and
+//!   waits for its acknowledgement; the consumer keeps its mappings, so this is the protocol's cost.
+//! - `ipc_latency/first_open_100_columns`: the same with a new allocation every time, so the
+//!   consumer opens (and closes) a mapping each time.
+//! - `stream_1GiB/device_ipc` beside `stream_1GiB/host_ipc`: a producer streams 1 GiB batches to a
+//!   consumer process that reads them on the device (a device-to-device copy of every buffer), through
+//!   CUDA IPC, and through the host: device to host, arrow-ipc over a Unix socket, host to device.
+//!
+//! Consumers are this binary started again with `ARROW_CUDA_IPC_BENCH` naming their part.
+//! `cargo bench --bench ipc`; without a CUDA device it prints `skipped: no CUDA device` and returns
+//! (`ARROW_CUDA_IPC_BENCH_CPU=1` runs it on the CPU device instead, with shared memory and smaller
+//! batches, to check the plumbing).
+
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arrow_array::{ArrayRef, Int64Array, RecordBatch};
+use arrow_cuda::ipc::{Receiver, ReceiverOptions, Sender, SenderOptions, default_message_resource};
+use arrow_cuda::transfer::{dtoh, htod, htod_async};
+use arrow_cuda::{Device, DeviceBuffer, DeviceRecordBatch, MemoryResource, Stream};
+use arrow_ipc::reader::StreamReader;
+use arrow_ipc::writer::StreamWriter;
+use criterion::{Criterion, SamplingMode, Throughput};
+
+const ROLE: &str = "ARROW_CUDA_IPC_BENCH";
+const SOCKET: &str = "ARROW_CUDA_IPC_BENCH_SOCKET";
+const DEVICE: &str = "ARROW_CUDA_IPC_BENCH_DEVICE";
+
+/// A batch of `columns` int64 columns of `rows` rows.
+fn batch(columns: usize, rows: usize) -> RecordBatch {
+    let cols: Vec<(String, ArrayRef)> = (0..columns)
+        .map(|c| {
+            let values = Int64Array::from_iter_values((0..rows as i64).map(|i| i * 31 + c as i64));
+            (format!("c{c}"), Arc::new(values) as ArrayRef)
+        })
+        .collect();
+    RecordBatch::try_from_iter(cols).expect("batch")
+}
+
+fn upload(batch: &RecordBatch, device: Device, stream: &Stream) -> DeviceRecordBatch {
+    let b = htod_async(batch, default_message_resource(device), stream).expect("upload");
+    b.ready().synchronize().expect("upload finished");
+    b
+}
+
+fn socket(name: &str) -> PathBuf {
+    let p = std::env::temp_dir().join(format!("acipc-bench-{}-{name}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&p);
+    p
+}
+
+/// This binary again, as the consumer `role`.
+fn consumer(role: &str, path: &Path, device: Device) -> Child {
+    Command::new(std::env::current_exe().expect("current exe"))
+        .env(ROLE, role)
+        .env(SOCKET, path)
+        .env(DEVICE, if device == Device::Cpu { "cpu" } else { "cuda" })
+        .spawn()
+        .expect("consumer process")
+}
+
+fn stop(mut child: Child) {
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+fn latency(c: &mut Criterion, device: Device, stream: &Stream) {
+    let rows = 1024;
+    let template = batch(100, rows);
+    let mut g = c.benchmark_group("ipc_latency");
+    g.measurement_time(Duration::from_secs(3));
+    for (name, role, fresh) in [
+        ("cached_100_columns", "retain", false),
+        ("first_open_100_columns", "drop", true),
+    ] {
+        let path = socket(name);
+        let sender = Sender::bind(&path, template.schema(), SenderOptions::default()).expect("bind");
+        let child = consumer(role, &path, device);
+        sender.wait_for_receivers(1, Duration::from_secs(60)).expect("consumer");
+        let on_device = upload(&template, device, stream);
+        let round_trip = |b: &DeviceRecordBatch| {
+            sender.send(b).expect("send");
+            sender.wait_idle(Duration::from_secs(60)).expect("acknowledged");
+        };
+        round_trip(&on_device);
+        if fresh {
+            g.bench_function(name, |b| {
+                b.iter_batched(
+                    || upload(&template, device, stream),
+                    |nb| round_trip(&nb),
+                    criterion::BatchSize::PerIteration,
+                )
+            });
+        } else {
+            g.bench_function(name, |b| b.iter(|| round_trip(&on_device)));
+        }
+        sender.finish().expect("finish");
+        drop(sender);
+        stop(child);
+    }
+    g.finish();
+}
+
+fn streaming(c: &mut Criterion, device: Device, stream: &Stream, bytes: usize) {
+    let columns = 8;
+    let template = batch(columns, bytes / 8 / columns);
+    let on_device = upload(&template, device, stream);
+    let mut g = c.benchmark_group(format!("stream_{}MiB", bytes >> 20));
+    g.throughput(Throughput::Bytes(bytes as u64));
+    g.sampling_mode(SamplingMode::Flat);
+    g.sample_size(10);
+    g.warm_up_time(Duration::from_millis(500));
+    g.measurement_time(Duration::from_secs(5));
+
+    // Through CUDA IPC: the body never leaves the device.
+    let path = socket("stream-device");
+    let sender = Sender::bind(&path, template.schema(), SenderOptions::default()).expect("bind");
+    let child = consumer("device-reader", &path, device);
+    sender.wait_for_receivers(1, Duration::from_secs(60)).expect("consumer");
+    g.bench_function("device_ipc", |b| {
+        b.iter(|| {
+            sender.send(&on_device).expect("send");
+            sender.wait_idle(Duration::from_secs(120)).expect("acknowledged");
+        })
+    });
+    sender.finish().expect("finish");
+    drop(sender);
+    stop(child);
+
+    // Through the host: device to host, arrow-ipc over a socket, host to device.
+    let path = socket("stream-host");
+    let listener = UnixListener::bind(&path).expect("bind");
+    let child = consumer("host-reader", &path, device);
+    let (socket, _) = listener.accept().expect("consumer");
+    let mut acks = socket.try_clone().expect("socket");
+    let mut writer =
+        StreamWriter::try_new(BufWriter::with_capacity(8 << 20, socket), &template.schema()).expect("writer");
+    g.bench_function("host_ipc", |b| {
+        b.iter(|| {
+            let host = dtoh(&on_device, stream).expect("download");
+            writer.write(&host).expect("write");
+            writer.flush().expect("flush");
+            let mut ack = [0u8; 1];
+            acks.read_exact(&mut ack).expect("acknowledged");
+        })
+    });
+    writer.finish().expect("finish");
+    drop(writer);
+    let _ = std::fs::remove_file(&path);
+    stop(child);
+    g.finish();
+}
+
+/// The consumer process.
+fn consume(role: &str) {
+    let path = PathBuf::from(std::env::var(SOCKET).expect("socket"));
+    let device = match std::env::var(DEVICE).as_deref() {
+        Ok("cpu") => Device::Cpu,
+        _ => Device::Cuda(0),
+    };
+    let stream = Stream::new(device).expect("stream");
+    if role == "host-reader" {
+        let socket = UnixStream::connect(&path).expect("connect");
+        let mut acks = socket.try_clone().expect("socket");
+        let reader = StreamReader::try_new(BufReader::with_capacity(8 << 20, socket), None).expect("reader");
+        for batch in reader {
+            let on_device = htod(&batch.expect("batch"), device, &stream).expect("upload");
+            drop(on_device);
+            acks.write_all(&[1]).expect("ack");
+        }
+        return;
+    }
+    let options = ReceiverOptions {
+        retain_mappings: role != "drop",
+        ..ReceiverOptions::default()
+    };
+    let mut receiver = Receiver::connect(&path, options).expect("connect");
+    let mut scratch: Option<DeviceBuffer> = None;
+    while let Some(batch) = receiver.recv().expect("receive") {
+        if role == "device-reader" {
+            // Read every byte on the device: copy each buffer into memory of our own.
+            batch.ready().synchronize().expect("ready");
+            let size = batch.size_in_bytes();
+            if scratch.as_ref().is_none_or(|s| s.len() < size) {
+                scratch =
+                    Some(DeviceBuffer::alloc(MemoryResource::default_for(device), size, &stream).expect("scratch"));
+            }
+            let out = scratch.as_mut().expect("scratch");
+            let mut at = 0;
+            for b in batch.columns().iter().flat_map(|c| c.all_buffers()) {
+                out.copy_from(at, b, &stream).expect("device copy");
+                at += b.len();
+            }
+        }
+    }
+}
 
 fn main() {
-    println!("skipped: no CUDA device");
+    if let Ok(role) = std::env::var(ROLE) {
+        return consume(&role);
+    }
+    let on_cpu = std::env::var_os("ARROW_CUDA_IPC_BENCH_CPU").is_some();
+    let device = match arrow_cuda::device::cuda_device_count() {
+        Ok(_) => Device::Cuda(0),
+        Err(_) if on_cpu => Device::Cpu,
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            return;
+        }
+    };
+    let stream = Stream::new(device).expect("stream");
+    let mut c = Criterion::default().configure_from_args();
+    latency(&mut c, device, &stream);
+    streaming(
+        &mut c,
+        device,
+        &stream,
+        if device == Device::Cpu { 64 << 20 } else { 1 << 30 },
+    );
+    c.final_summary();
 }
