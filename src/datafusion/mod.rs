@@ -452,7 +452,6 @@ struct Stager {
     room: HashMap<Device, u64>,
     partitions: Vec<Vec<DeviceRecordBatch>>,
     partition_stats: Vec<StatsBuilder>,
-    stats: StatsBuilder,
     progress: Option<ProgressFn>,
     done: Progress,
     streams_per_device: usize,
@@ -484,7 +483,6 @@ impl Stager {
         Ok(Stager {
             partitions: vec![Vec::new(); partitions.max(1)],
             partition_stats: (0..partitions.max(1)).map(|_| StatsBuilder::new(&schema)).collect(),
-            stats: StatsBuilder::new(&schema),
             schema,
             devices,
             streams,
@@ -529,7 +527,6 @@ impl Stager {
         let stream = &self.streams[&device];
         // Statistics come from the host batch, before it is copied.
         self.partition_stats[partition].update(batch);
-        self.stats.update(batch);
         let staged = crate::transfer::htod(batch, device, stream)?;
         // Keep the table's schema (with its metadata) on every batch.
         let staged = DeviceRecordBatch::try_new(
@@ -560,7 +557,7 @@ impl Stager {
         Ok(GpuTable {
             data: Arc::new(TableData {
                 partition_stats: self.partition_stats.iter().map(|s| s.finish()).collect(),
-                stats: self.stats.finish(),
+                stats: StatsBuilder::merge(&self.schema, &self.partition_stats),
                 schema: self.schema,
                 partitions: self.partitions,
                 partition_devices,

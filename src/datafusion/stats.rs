@@ -50,20 +50,65 @@ impl StatsBuilder {
     }
 
     pub(crate) fn update(&mut self, batch: &RecordBatch) {
+        use rayon::prelude::*;
         self.rows += batch.num_rows();
         self.bytes += batch.get_array_memory_size();
-        for (c, a) in self.columns.iter_mut().zip(batch.columns()) {
-            let nulls = a.logical_nulls().map_or(0, |n| n.null_count());
-            c.nulls += nulls;
-            c.non_null += a.len() - nulls;
-            let values = std::slice::from_ref(a);
-            if c.min.as_mut().is_some_and(|m| m.update_batch(values).is_err()) {
-                c.min = None;
+        // Columns on every core: string minima and maxima are the slow part of staging.
+        self.columns
+            .par_iter_mut()
+            .zip(batch.columns().par_iter())
+            .for_each(|(c, a)| {
+                let nulls = a.logical_nulls().map_or(0, |n| n.null_count());
+                c.nulls += nulls;
+                c.non_null += a.len() - nulls;
+                let values = std::slice::from_ref(a);
+                if c.min.as_mut().is_some_and(|m| m.update_batch(values).is_err()) {
+                    c.min = None;
+                }
+                if c.max.as_mut().is_some_and(|m| m.update_batch(values).is_err()) {
+                    c.max = None;
+                }
+            });
+    }
+
+    /// The statistics of the union of `parts` (partitions of one table).
+    pub(crate) fn merge(schema: &Schema, parts: &[StatsBuilder]) -> Statistics {
+        let mut out = StatsBuilder::new(schema);
+        for p in parts {
+            out.rows += p.rows;
+            out.bytes += p.bytes;
+        }
+        for (i, c) in out.columns.iter_mut().enumerate() {
+            let cols = parts.iter().map(|p| &p.columns[i]);
+            c.nulls = cols.clone().map(|p| p.nulls).sum();
+            c.non_null = cols.clone().map(|p| p.non_null).sum();
+            // Each partition's extreme (those with values), fed to a fresh accumulator.
+            let with_values: Vec<&ColumnStats> = cols.filter(|p| p.non_null > 0).collect();
+            let mins: Option<Vec<ScalarValue>> = with_values
+                .iter()
+                .map(|p| p.min.as_ref().and_then(|m| m.clone_evaluate()))
+                .collect();
+            let maxs: Option<Vec<ScalarValue>> = with_values
+                .iter()
+                .map(|p| p.max.as_ref().and_then(|m| m.clone_evaluate()))
+                .collect();
+            let feed = |values: Option<Vec<ScalarValue>>| values.and_then(|v| ScalarValue::iter_to_array(v).ok());
+            match feed(mins) {
+                Some(a)
+                    if c.min
+                        .as_mut()
+                        .is_some_and(|m| m.update_batch(std::slice::from_ref(&a)).is_ok()) => {}
+                _ => c.min = None,
             }
-            if c.max.as_mut().is_some_and(|m| m.update_batch(values).is_err()) {
-                c.max = None;
+            match feed(maxs) {
+                Some(a)
+                    if c.max
+                        .as_mut()
+                        .is_some_and(|m| m.update_batch(std::slice::from_ref(&a)).is_ok()) => {}
+                _ => c.max = None,
             }
         }
+        out.finish()
     }
 
     pub(crate) fn finish(&self) -> Statistics {
