@@ -26,7 +26,8 @@ impl<K: Eq + Hash + Clone, V> MappingCache<K, V> {
 
     /// The live mapping for `key`, or a new one made by `open`. A mapping whose last reference is
     /// being dropped right now is waited for: its `Drop` calls [`MappingCache::release`], which
-    /// forgets it.
+    /// forgets it. `open` runs under the cache's lock, so it must not drop a mapping of this cache
+    /// (whose `Drop` would take the lock again).
     pub(crate) fn get_or_open(&self, key: &K, open: impl FnOnce() -> Result<V>) -> Result<Arc<V>> {
         loop {
             let mut map = self.lock();

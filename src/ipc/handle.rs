@@ -154,28 +154,35 @@ pub fn open(handle: &IpcMemHandle, ordinal: usize) -> Result<Arc<OpenedHandle>> 
         unsafe { sys::cuIpcOpenMemHandle_v2(&mut address, raw, flags) }
             .result()
             .map_err(Error::driver("cuIpcOpenMemHandle"))?;
-        let opened = OpenedHandle {
+        let (mut base, mut mapped) = (0, 0usize);
+        // SAFETY: `address` is a live mapping in the bound context; both outputs are valid.
+        let range = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut mapped, address) }
+            .result()
+            .map_err(Error::driver("cuMemGetAddressRange"))
+            .and_then(|()| {
+                if base == address && handle.size <= mapped {
+                    return Ok(());
+                }
+                Err(Error::InvalidData(format!(
+                    "a CUDA IPC handle announces {} bytes but maps {mapped} at offset {}",
+                    handle.size,
+                    address.wrapping_sub(base)
+                )))
+            });
+        if let Err(e) = range {
+            // Closed here rather than by an OpenedHandle's Drop, which would take the lock of the
+            // cache that this closure runs under.
+            // SAFETY: opened above and never handed out.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(address) };
+            return Err(e);
+        }
+        Ok(OpenedHandle {
             address,
             size: handle.size,
             ordinal,
             bytes: handle.bytes,
             ctx,
-        };
-        let (mut base, mut mapped) = (0, 0usize);
-        // SAFETY: `address` is a live mapping in the bound context; both outputs are valid.
-        let range = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut mapped, address) }
-            .result()
-            .map_err(Error::driver("cuMemGetAddressRange"));
-        // On an error `opened` drops here, closing the mapping.
-        range?;
-        if base != address || handle.size > mapped {
-            return Err(Error::InvalidData(format!(
-                "a CUDA IPC handle announces {} bytes but maps {mapped} at offset {}",
-                handle.size,
-                address.wrapping_sub(base)
-            )));
-        }
-        Ok(opened)
+        })
     })
 }
 

@@ -35,8 +35,9 @@ use crate::memory::{DeviceBuffer, MemoryResource, copy, stream_for};
 #[derive(Debug)]
 pub struct DeviceMessage {
     buffer: DeviceBuffer,
-    metadata: Vec<u8>,
-    body_offset: usize,
+    /// The prefix, metadata and padding, as uploaded (kept while the upload may be running).
+    head: Vec<u8>,
+    metadata_len: usize,
     ready: Event,
     /// The source batch, kept until the message drops because copies from it may still be running.
     _sources: Option<DeviceRecordBatch>,
@@ -50,19 +51,19 @@ impl DeviceMessage {
 
     /// The flatbuffer `Message` (a host copy of the metadata in the buffer, without the prefix).
     pub fn metadata(&self) -> &[u8] {
-        &self.metadata
+        &self.head[8..8 + self.metadata_len]
     }
 
     /// Where the body starts in [`DeviceMessage::buffer`] (a multiple of 64).
     pub fn body_offset(&self) -> usize {
-        self.body_offset
+        self.head.len()
     }
 
     /// The body.
     pub fn body(&self) -> DeviceBuffer {
-        let len = self.buffer.len() - self.body_offset;
+        let len = self.buffer.len() - self.body_offset();
         self.buffer
-            .slice(self.body_offset, len)
+            .slice(self.body_offset(), len)
             .expect("the body lies inside the message")
     }
 
@@ -102,9 +103,8 @@ pub fn write_message_to(batch: &DeviceRecordBatch, resource: MemoryResource, str
     stream.wait(batch.ready())?;
     let out = DeviceBuffer::alloc(resource, body_offset + layout.body_len, &stream)?;
     let (dst, dst_device) = (out.address(), out.device());
-    // SAFETY: `head` fits at the start of the new allocation, which nothing else sees yet. On a CUDA
-    // stream a copy from pageable host memory stages the source before cuMemcpyAsync returns, so
-    // `head` may be dropped afterwards; on the CPU stream the copy is done on return.
+    // SAFETY: `head` fits at the start of the new allocation, which nothing else sees yet; it is
+    // kept by the message, which callers keep until its ready event completes.
     unsafe { copy(dst, dst_device, head.as_ptr() as u64, Device::Cpu, head.len(), &stream)? };
     let zeroed = matches!(resource, MemoryResource::Host | MemoryResource::SharedHost);
     let mut written = 0;
@@ -149,8 +149,8 @@ pub fn write_message_to(batch: &DeviceRecordBatch, resource: MemoryResource, str
     let sources = stream.cuda().is_some().then(|| batch.clone());
     Ok(DeviceMessage {
         buffer: out,
-        metadata,
-        body_offset,
+        metadata_len: metadata.len(),
+        head,
         ready,
         _sources: sources,
     })
@@ -170,15 +170,15 @@ fn write_through_host(batch: &DeviceRecordBatch, resource: MemoryResource, strea
         &IpcWriteOptions::default(),
         &mut IpcWriteContext::default(),
     )?;
-    let mut bytes = encapsulate(&encoded.ipc_message);
-    let body_offset = bytes.len();
-    bytes.extend_from_slice(&encoded.arrow_data);
+    let head = encapsulate(&encoded.ipc_message);
     let stream = stream_for(stream, resource.device(), Device::Cpu)?;
-    let buffer = DeviceBuffer::from_host(&bytes, resource, &stream)?;
+    let mut buffer = DeviceBuffer::alloc(resource, head.len() + encoded.arrow_data.len(), &stream)?;
+    buffer.copy_from_host(0, &head, &stream)?;
+    buffer.copy_from_host(head.len(), &encoded.arrow_data, &stream)?;
     Ok(DeviceMessage {
         buffer,
-        metadata: encoded.ipc_message,
-        body_offset,
+        metadata_len: encoded.ipc_message.len(),
+        head,
         ready: Event::completed(),
         _sources: None,
     })
