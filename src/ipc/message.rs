@@ -243,16 +243,14 @@ unsafe fn zero(address: u64, device: Device, len: usize, stream: &Stream) -> Res
     }
 }
 
-/// How many bytes the first host read of a message takes: enough for the metadata of most batches.
-const FIRST_READ: usize = 16 << 10;
-
 /// Reads the encapsulated IPC message at the start of `buffer` as a batch of `schema` whose
-/// buffers are views of the body: only the prefix and the metadata are copied to the host (on
-/// `stream`, which must be ordered after the message's writer). Malformed messages are
+/// buffers are views of the body: only the prefix and then the metadata are copied to the host
+/// (two small copies on `stream`, which must be ordered after the message's writer); no byte of
+/// the body is. Malformed messages are
 /// [`Error::InvalidData`]; compressed bodies and dictionary batches are [`Error::Unsupported`]. The
 /// legacy encapsulation without the continuation marker is read too.
 pub fn read_message(buffer: &DeviceBuffer, schema: &SchemaRef, stream: &Stream) -> Result<DeviceRecordBatch> {
-    let mut host = vec![0u8; buffer.len().min(FIRST_READ)];
+    let mut host = vec![0u8; buffer.len().min(8)];
     buffer.copy_to_host(0, &mut host, stream)?;
     let (prefix, meta_len) = prefix(&host)?;
     let meta_end = prefix

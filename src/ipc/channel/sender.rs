@@ -141,17 +141,21 @@ struct State {
 }
 
 impl State {
-    /// Forgets a batch: its memory and event are released by the caller after unlocking.
+    /// Forgets a batch: its event goes back to the pool, its memory is released by the caller
+    /// after unlocking.
     fn complete(&mut self, id: u64) -> Option<InFlight> {
         let mut done = self.in_flight.remove(&id)?;
         self.in_flight_bytes -= done.bytes;
         if let Some(e) = done.event.take() {
-            self.event_pool
-                .entry(e.0.device().ordinal().unwrap_or(0))
-                .or_default()
-                .push(e);
+            self.recycle(e);
         }
         Some(done)
+    }
+
+    /// Keeps an event no batch uses for the next batch on its device.
+    fn recycle(&mut self, event: (IpcEvent, IpcEventHandle)) {
+        let ordinal = event.0.device().ordinal().unwrap_or(0);
+        self.event_pool.entry(ordinal).or_default().push(event);
     }
 }
 
@@ -504,14 +508,15 @@ impl Sender {
         let peers = {
             let mut st = self.shared.lock();
             let peers = Shared::active(&st);
-            if peers.is_empty() {
+            if st.last.is_some() || peers.is_empty() {
                 if let Some(e) = event {
-                    st.event_pool
-                        .entry(e.0.device().ordinal().unwrap_or(0))
-                        .or_default()
-                        .push(e);
+                    st.recycle(e);
                 }
-                return Ok(0);
+                return match st.last {
+                    // `finish` ran since the check above.
+                    Some(_) => Err(Error::InvalidArgument("the stream has ended".into())),
+                    None => Ok(0),
+                };
             }
             let pending = peers.iter().map(|(id, _)| *id).collect();
             st.in_flight.insert(
