@@ -6,7 +6,10 @@
 //! reason. Receiver to sender: `Ack` with a batch id when the last view of that batch has dropped,
 //! and `Detach` when the receiver stops receiving (it may still hold batches).
 
-use std::os::fd::BorrowedFd;
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::Mutex;
 
 use crate::error::{Error, Result};
 use crate::ipc::descriptor::BatchDescriptor;
@@ -138,5 +141,27 @@ fn finish(r: &Reader<'_>, fds: &mut impl Iterator) -> Result<()> {
     match fds.next() {
         Some(_) => Err(Error::InvalidData("a frame with more descriptors than it names".into())),
         None => Ok(()),
+    }
+}
+
+/// One end of a connection: the socket, with writes of whole frames serialised.
+pub(crate) struct Link {
+    pub socket: UnixStream,
+    write: Mutex<()>,
+}
+
+impl Link {
+    pub fn new(socket: UnixStream) -> Link {
+        Link {
+            socket,
+            write: Mutex::new(()),
+        }
+    }
+
+    /// Sends one frame; concurrent senders never interleave.
+    pub fn send(&self, frame: &Frame) -> io::Result<()> {
+        let (payload, fds) = frame.encode();
+        let _guard = self.write.lock().unwrap_or_else(|p| p.into_inner());
+        wire::send_frame(self.socket.as_fd(), &payload, &fds)
     }
 }

@@ -5,7 +5,7 @@ use std::io;
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arrow_schema::{ArrowError, SchemaRef};
@@ -13,7 +13,7 @@ use arrow_schema::{ArrowError, SchemaRef};
 use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Event, Stream};
 use crate::error::{Error, Result};
-use crate::ipc::channel::protocol::Frame;
+use crate::ipc::channel::protocol::{Frame, Link};
 use crate::ipc::descriptor::{BatchDescriptor, Mapping};
 use crate::ipc::event::{IpcEvent, IpcEventHandle};
 use crate::ipc::handle::HANDLE_BYTES;
@@ -49,20 +49,6 @@ impl Default for ReceiverOptions {
             retain_mappings: false,
             ack_timeout: Duration::from_secs(5),
         }
-    }
-}
-
-/// The socket, shared by the receiver and every batch it handed out (which acknowledge through it).
-struct Link {
-    socket: UnixStream,
-    write: Mutex<()>,
-}
-
-impl Link {
-    fn send(&self, frame: &Frame) -> io::Result<()> {
-        let (payload, fds) = frame.encode();
-        let _guard = self.write.lock().unwrap_or_else(|p| p.into_inner());
-        wire::send_frame(self.socket.as_fd(), &payload, &fds)
     }
 }
 
@@ -148,10 +134,7 @@ impl Receiver {
         };
         configure(options.recv_timeout).map_err(|e| io_error("configuring the channel socket", e))?;
         Ok(Receiver {
-            link: Arc::new(Link {
-                socket,
-                write: Mutex::new(()),
-            }),
+            link: Arc::new(Link::new(socket)),
             schema,
             options,
             state: State::Open,

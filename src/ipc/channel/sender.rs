@@ -16,7 +16,7 @@ use arrow_schema::SchemaRef;
 use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Stream};
 use crate::error::{Error, Result};
-use crate::ipc::channel::protocol::Frame;
+use crate::ipc::channel::protocol::{Frame, Link};
 use crate::ipc::descriptor::BatchDescriptor;
 use crate::ipc::event::{IpcEvent, IpcEventHandle};
 use crate::ipc::message::{default_message_resource, encode_schema, write_message_to};
@@ -98,20 +98,6 @@ pub struct SenderStatus {
     pub in_flight_bytes: u64,
 }
 
-/// One receiver's socket; writes are serialised.
-struct Link {
-    socket: UnixStream,
-    write: Mutex<()>,
-}
-
-impl Link {
-    fn send(&self, frame: &Frame) -> io::Result<()> {
-        let (payload, fds) = frame.encode();
-        let _guard = self.write.lock().unwrap_or_else(|p| p.into_inner());
-        wire::send_frame(self.socket.as_fd(), &payload, &fds)
-    }
-}
-
 struct Peer {
     link: Arc<Link>,
     detached: bool,
@@ -141,15 +127,16 @@ struct State {
 }
 
 impl State {
-    /// Forgets a batch: its event goes back to the pool, its memory is released by the caller
-    /// after unlocking.
-    fn complete(&mut self, id: u64) -> Option<InFlight> {
-        let mut done = self.in_flight.remove(&id)?;
-        self.in_flight_bytes -= done.bytes;
-        if let Some(e) = done.event.take() {
-            self.recycle(e);
+    /// Releases a batch every receiver is done with: its memory is freed (or given back to its
+    /// owner) before the lock is released, so a status that no longer counts it means it is gone;
+    /// its event goes back to the pool.
+    fn complete(&mut self, id: u64) {
+        if let Some(mut done) = self.in_flight.remove(&id) {
+            self.in_flight_bytes -= done.bytes;
+            if let Some(e) = done.event.take() {
+                self.recycle(e);
+            }
         }
-        Some(done)
     }
 
     /// Keeps an event no batch uses for the next batch on its device.
@@ -179,10 +166,7 @@ impl Shared {
             return;
         }
         let Ok(reader) = socket.try_clone() else { return };
-        let link = Arc::new(Link {
-            socket,
-            write: Mutex::new(()),
-        });
+        let link = Arc::new(Link::new(socket));
         let id = {
             let mut st = self.lock();
             // Under the lock, so that a concurrent finish cannot slip between the greeting and the
@@ -230,16 +214,14 @@ impl Shared {
     }
 
     fn ack(&self, peer: u64, batch: u64) {
-        let done = {
-            let mut st = self.lock();
-            let last = st
-                .in_flight
-                .get_mut(&batch)
-                .is_some_and(|f| f.pending.remove(&peer) && f.pending.is_empty());
-            if last { st.complete(batch) } else { None }
-        };
-        if done.is_some() {
-            drop(done);
+        let mut st = self.lock();
+        let last = st
+            .in_flight
+            .get_mut(&batch)
+            .is_some_and(|f| f.pending.remove(&peer) && f.pending.is_empty());
+        if last {
+            st.complete(batch);
+            drop(st);
             self.changed.notify_all();
         }
     }
@@ -253,7 +235,6 @@ impl Shared {
 
     /// Removes a receiver and reclaims every batch it held.
     fn disconnect(&self, peer: u64, reason: Option<String>) {
-        let mut released = Vec::new();
         {
             let mut st = self.lock();
             let Some(p) = st.peers.remove(&peer) else { return };
@@ -265,10 +246,12 @@ impl Shared {
                 .map(|(id, _)| *id)
                 .collect();
             for id in &held {
-                let f = st.in_flight.get_mut(id).expect("held batch");
-                f.pending.remove(&peer);
-                if f.pending.is_empty() {
-                    released.extend(st.complete(*id));
+                let last = st
+                    .in_flight
+                    .get_mut(id)
+                    .is_some_and(|f| f.pending.remove(&peer) && f.pending.is_empty());
+                if last {
+                    st.complete(*id);
                 }
             }
             let clean = held.is_empty() && reason.is_none() && (p.detached || st.last.is_some());
@@ -285,7 +268,6 @@ impl Shared {
                 });
             }
         }
-        drop(released);
         self.changed.notify_all();
     }
 
