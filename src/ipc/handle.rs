@@ -8,7 +8,9 @@
 //! Opening a handle costs about 49 µs and closing it about 26 µs (H200), so opened mappings are
 //! cached per process by handle, shared through `Arc` and held weakly: opening a handle that is
 //! already open returns the same mapping, and the mapping is closed (`cuIpcCloseMemHandle`) when its
-//! last user drops it. A handle cannot be opened in the process that exported it (a CUDA rule).
+//! last user drops it (the driver counts opens of one handle too). The exporter must not free
+//! memory that another process still has open (CUDA leaves that undefined): the channel
+//! ([`crate::ipc::channel`]) keeps lent memory until the receiver has closed its mapping.
 
 use std::fmt;
 use std::sync::{Arc, LazyLock};

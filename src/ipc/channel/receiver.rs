@@ -33,8 +33,11 @@ pub struct ReceiverOptions {
     /// The largest frame accepted from the sender.
     pub max_frame_bytes: usize,
     /// Keep every region this receiver opened mapped until it is dropped, so that a sender that
-    /// reuses its memory costs no further opens. Off by default: a mapping then lives as long as a
-    /// batch uses it, and memory the sender has freed is not kept.
+    /// resends the same memory costs no further opens. Off by default, and only for senders that
+    /// keep their memory for as long as this receiver lives: a retained mapping stays open after
+    /// its batches were acknowledged, and CUDA leaves it undefined what happens when the exporter
+    /// frees memory that another process still has open. Without it a mapping lives exactly as
+    /// long as a batch uses it, and is closed before that batch is acknowledged.
     pub retain_mappings: bool,
     /// How long sending an acknowledgement may block.
     pub ack_timeout: Duration,

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use arrow_schema::SchemaRef;
 
 use crate::array::DeviceRecordBatch;
-use crate::device::{Device, Stream};
+use crate::device::{Device, Event, Stream};
 use crate::error::{Error, Result};
 use crate::ipc::channel::protocol::{Frame, Link};
 use crate::ipc::descriptor::BatchDescriptor;
@@ -458,27 +458,31 @@ impl Sender {
             .map_or(batch.size_in_bytes() as u64, |d| d.body_bytes());
         self.wait_for_room(estimate)?;
         let stream = self.stream(device)?;
-        let (descriptor, lease): (BatchDescriptor, Box<dyn Any + Send>) = match described {
-            Some(d) => {
-                stream.wait(batch.ready())?;
-                (d, Box::new(batch.clone()))
-            }
+        let (descriptor, lease, ready): (BatchDescriptor, Box<dyn Any + Send>, Event) = match described {
+            Some(d) => (d, Box::new(batch.clone()), batch.ready().clone()),
             None => {
                 let resource = self
                     .options
                     .message_resource
                     .unwrap_or_else(|| default_message_resource(device));
                 let message = write_message_to(batch, resource, &stream)?;
-                (BatchDescriptor::of_message(&message)?, Box::new(message))
+                let ready = message.ready().clone();
+                (BatchDescriptor::of_message(&message)?, Box::new(message), ready)
             }
         };
+        // Receivers may touch the bytes only after they are in place: on a GPU through an IPC event
+        // recorded after them, on the CPU (shared memory) once they are there.
         let event = match descriptor.device {
             Device::Cuda(o) => {
+                stream.wait(&ready)?;
                 let e = self.take_event(o)?;
                 e.0.record(&stream)?;
                 Some(e)
             }
-            _ => None,
+            _ => {
+                ready.synchronize()?;
+                None
+            }
         };
         let bytes = descriptor.body_bytes();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -571,6 +575,10 @@ impl Drop for Sender {
             let _ = t.join();
         }
         if self.shared.lock().last.is_none() {
+            // Best effort, and quick: a receiver that does not read is not waited for.
+            for p in self.shared.lock().peers.values() {
+                let _ = p.link.socket.set_write_timeout(Some(Duration::from_millis(100)));
+            }
             let _ = self.abort("the sender was dropped before finishing the stream");
         }
         // Receivers see the end of the stream; their acknowledgements are still read, by the
