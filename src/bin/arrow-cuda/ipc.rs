@@ -94,11 +94,8 @@ pub fn recv(args: &RecvArgs) -> Result<()> {
 }
 
 fn describe(batches: usize, rows: usize) -> String {
-    if batches == 0 {
-        "nothing".into()
-    } else {
-        format!("{} rows a batch", rows / batches)
-    }
+    rows.checked_div(batches)
+        .map_or("nothing".into(), |r| format!("{r} rows a batch"))
 }
 
 /// Copies the first rows of the first batch to the host and prints them.

@@ -52,7 +52,7 @@ pub fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let host = SessionContext::new_with_config(config);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
 
-    let mut tables: Vec<(String, Vec<Vec<RecordBatch>>)> = Vec::new();
+    let mut tables: Vec<crate::tpch::Table> = Vec::new();
     if let Some(sf) = args.tpch {
         let t = Instant::now();
         tables.extend(crate::tpch::generate(sf, cores)?);

@@ -3,8 +3,11 @@
 use arrow_array::RecordBatch;
 use arrow_schema::ArrowError;
 
+/// A named table's batches, by partition.
+pub type Table = (String, Vec<Vec<RecordBatch>>);
+
 /// lineitem, orders and part at scale factor `sf`, each in `parts` partitions.
-pub fn generate(sf: f64, parts: usize) -> Result<Vec<(String, Vec<Vec<RecordBatch>>)>, ArrowError> {
+pub fn generate(sf: f64, parts: usize) -> Result<Vec<Table>, ArrowError> {
     let parts = parts.max(1) as i32;
     let lineitem = (1..=parts)
         .map(|p| {
