@@ -186,61 +186,20 @@ impl DeviceBuffer {
 
     /// Copies `dst.len()` bytes starting at `position` into `dst`; returns when the copy is done.
     pub fn copy_to_host(&self, position: usize, dst: &mut [u8], stream: &Stream) -> Result<()> {
-        check_range(position, dst.len(), self.len)?;
-        let stream = stream_for(stream, self.device(), Device::Cpu)?;
-        // SAFETY: both ranges are valid (checked above) and the stream is synchronised before `dst`
-        // is released back to the caller.
-        unsafe {
-            copy(
-                dst.as_mut_ptr() as u64,
-                Device::Cpu,
-                self.address() + position as u64,
-                self.device(),
-                dst.len(),
-                &stream,
-            )?
-        };
-        stream.synchronize()
+        // SAFETY: `dst` is not touched again before the copy's event has completed.
+        unsafe { self.copy_to_host_async(position, dst, stream)? }.synchronize()
     }
 
     /// Copies `src` into this buffer at `position`; returns when the copy is done.
     pub fn copy_from_host(&mut self, position: usize, src: &[u8], stream: &Stream) -> Result<()> {
-        self.check_mutable()?;
-        check_range(position, src.len(), self.len)?;
-        let stream = stream_for(stream, self.device(), Device::Cpu)?;
-        // SAFETY: both ranges are valid, this view is the only one of its allocation (checked), and
-        // the stream is synchronised before `src` is released.
-        unsafe {
-            copy(
-                self.address() + position as u64,
-                self.device(),
-                src.as_ptr() as u64,
-                Device::Cpu,
-                src.len(),
-                &stream,
-            )?
-        };
-        stream.synchronize()
+        // SAFETY: neither `src` nor this buffer is touched again before the copy's event has completed.
+        unsafe { self.copy_from_host_async(position, src, stream)? }.synchronize()
     }
 
     /// Copies all of `src` into this buffer at `position`, on any pair of devices; returns when done.
     pub fn copy_from(&mut self, position: usize, src: &DeviceBuffer, stream: &Stream) -> Result<()> {
-        self.check_mutable()?;
-        check_range(position, src.len, self.len)?;
-        let stream = stream_for(stream, self.device(), src.device())?;
-        // SAFETY: both ranges are valid and `self` is the only view of its allocation, so they do
-        // not overlap; the stream is synchronised before returning.
-        unsafe {
-            copy(
-                self.address() + position as u64,
-                self.device(),
-                src.address(),
-                src.device(),
-                src.len,
-                &stream,
-            )?
-        };
-        stream.synchronize()
+        // SAFETY: both buffers outlive the copy, whose event is waited on before returning.
+        unsafe { self.copy_from_async(position, src, stream)? }.synchronize()
     }
 
     /// Copies this buffer into a new allocation from `resource`; returns when the copy is done.
