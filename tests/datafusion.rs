@@ -332,6 +332,76 @@ fn limit_and_projection_pushdown() {
     });
 }
 
+/// Staging gathers consecutive input batches of a partition into device batches of about the
+/// rows asked for, keeping every row in order.
+#[test]
+fn staging_gathers_batches() {
+    common::each_device(|device, _| {
+        let data = &tpch().orders;
+        for batch_rows in [1, 5000, usize::MAX] {
+            let options = LoadOptions::new().with_device(device).with_batch_rows(batch_rows);
+            let table = GpuTable::try_new(data.schema.clone(), data.partitions.clone(), &options).expect("stage");
+            for (input, staged) in data.partitions.iter().zip(table.partitions()) {
+                let expected = match batch_rows {
+                    1 => input.len(),
+                    usize::MAX => 1,
+                    n => {
+                        // Whole input batches are gathered while they fit in `n` rows.
+                        let (mut count, mut rows) = (0, 0);
+                        for b in input {
+                            if rows > 0 && rows + b.num_rows() > n {
+                                rows = 0;
+                            }
+                            if rows == 0 {
+                                count += 1;
+                            }
+                            rows += b.num_rows();
+                            if rows >= n {
+                                rows = 0;
+                            }
+                        }
+                        count
+                    }
+                };
+                assert_eq!(staged.len(), expected, "{batch_rows} rows a batch");
+                let back: Vec<RecordBatch> = staged.iter().map(|b| b.to_record_batch().expect("download")).collect();
+                let back = arrow_select::concat::concat_batches(&data.schema, &back).expect("concat");
+                let input = arrow_select::concat::concat_batches(&data.schema, input).expect("concat");
+                assert_eq!(back, input, "{batch_rows} rows a batch");
+            }
+        }
+    });
+}
+
+/// With several GPUs, partitions spread over all of them and scan concurrently; results equal
+/// `MemTable`'s. Needs two GPUs; says `skipped` elsewhere.
+#[test]
+fn several_gpus_share_a_table() {
+    let n = arrow_cuda::device::cuda_device_count().unwrap_or(0);
+    if n < 2 {
+        eprintln!("skipped: {n} CUDA devices, two needed");
+        return;
+    }
+    let t = tpch();
+    let gpu = session();
+    let mem = session();
+    for (name, data) in [("lineitem", &t.lineitem), ("orders", &t.orders), ("part", &t.part)] {
+        let table = GpuTable::try_new(
+            data.schema.clone(),
+            data.partitions.clone(),
+            &LoadOptions::new().with_batch_rows(2048),
+        )
+        .expect("stage");
+        let used: std::collections::BTreeSet<Device> = table.partition_devices().iter().copied().collect();
+        assert_eq!(used, (0..n).map(Device::Cuda).collect(), "{name}");
+        gpu.register_table(name, Arc::new(table)).expect("register");
+        mem.register_table(name, Arc::new(mem_table(data))).expect("register");
+    }
+    for (name, sql) in [("Q1", Q1), ("Q6", Q6), ("Q12", Q12), ("Q14", Q14)] {
+        assert!(assert_same(&gpu, &mem, sql) > 0, "{name}");
+    }
+}
+
 /// Statistics are exact and agree with what DataFusion computes.
 #[test]
 fn statistics_values() {
@@ -655,8 +725,11 @@ fn random_sessions() -> &'static Vec<RandomSessions> {
         common::devices()
             .into_iter()
             .map(|device| {
+                // Small device batches: limits and compaction run over several per partition.
+                let options = LoadOptions::new().with_device(device).with_batch_rows(500);
+                let table = GpuTable::try_new(data.schema.clone(), data.partitions.clone(), &options).unwrap();
                 let gpu = session();
-                gpu.register_table("t", Arc::new(gpu_table(&data, device))).unwrap();
+                gpu.register_table("t", Arc::new(table)).unwrap();
                 let mem = session();
                 mem.register_table("t", Arc::new(mem_table(&data))).unwrap();
                 RandomSessions { device, gpu, mem }

@@ -96,14 +96,14 @@ impl From<Error> for DataFusionError {
 }
 
 /// How far a load has come, passed to the callback of [`LoadOptions::with_progress`] after every
-/// staged batch.
+/// device batch staged.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Progress {
     /// Rows staged so far.
     pub rows: u64,
     /// Bytes staged so far (the host size of the arrays' used ranges).
     pub bytes: u64,
-    /// Batches staged so far.
+    /// Input batches staged so far.
     pub batches: u64,
     /// Rows in the whole load, when known in advance.
     pub total_rows: Option<u64>,
@@ -122,6 +122,7 @@ pub struct LoadOptions {
     progress: Option<ProgressFn>,
     streams_per_device: Option<usize>,
     partitions: Option<usize>,
+    batch_rows: Option<usize>,
 }
 
 impl fmt::Debug for LoadOptions {
@@ -132,6 +133,7 @@ impl fmt::Debug for LoadOptions {
             .field("progress", &self.progress.is_some())
             .field("streams_per_device", &self.streams_per_device)
             .field("partitions", &self.partitions)
+            .field("batch_rows", &self.batch_rows)
             .finish()
     }
 }
@@ -162,7 +164,7 @@ impl LoadOptions {
         self
     }
 
-    /// Calls `f` after every staged batch.
+    /// Calls `f` after every device batch staged.
     pub fn with_progress(mut self, f: impl Fn(Progress) + Send + Sync + 'static) -> Self {
         self.progress = Some(Arc::new(f));
         self
@@ -182,6 +184,15 @@ impl LoadOptions {
         self
     }
 
+    /// Concatenates consecutive input batches of a partition on the host until a device batch
+    /// holds about `rows` rows (default [`DEFAULT_BATCH_ROWS`]; a larger input batch stays whole).
+    /// Every device batch costs a few kernel launches and synchronisations per scan, so few large
+    /// ones scan fastest; `1` keeps the input's batches as they are.
+    pub fn with_batch_rows(mut self, rows: usize) -> Self {
+        self.batch_rows = Some(rows.max(1));
+        self
+    }
+
     fn devices(&self) -> Vec<Device> {
         match &self.devices {
             Some(d) if !d.is_empty() => d.clone(),
@@ -189,6 +200,12 @@ impl LoadOptions {
         }
     }
 }
+
+/// The rows a device batch gathers by default (see [`LoadOptions::with_batch_rows`]).
+pub const DEFAULT_BATCH_ROWS: usize = 1 << 21;
+
+/// Input batches are also gathered only until they hold this many bytes.
+const MAX_GATHERED_BYTES: u64 = 1 << 30;
 
 /// Every visible CUDA device, or the CPU device when there is no GPU.
 pub fn default_devices() -> Vec<Device> {
@@ -445,6 +462,7 @@ fn host_bytes(batch: &RecordBatch) -> u64 {
 }
 
 /// Copies batches to their devices one at a time, keeping budgets, statistics and progress.
+/// Consecutive batches of a partition are gathered into one device batch first.
 struct Stager {
     schema: SchemaRef,
     devices: Vec<Device>,
@@ -455,6 +473,9 @@ struct Stager {
     progress: Option<ProgressFn>,
     done: Progress,
     streams_per_device: usize,
+    batch_rows: usize,
+    /// Input batches of each partition not staged yet, with their rows and bytes.
+    gathered: Vec<(Vec<RecordBatch>, usize, u64)>,
 }
 
 impl Stager {
@@ -496,6 +517,8 @@ impl Stager {
                 total_bytes: total.map(|t| t.1),
             },
             streams_per_device: options.streams_per_device.unwrap_or(2),
+            batch_rows: options.batch_rows.unwrap_or(DEFAULT_BATCH_ROWS),
+            gathered: vec![(Vec::new(), 0, 0); partitions.max(1)],
         })
     }
 
@@ -513,6 +536,8 @@ impl Stager {
         Ok(())
     }
 
+    /// Takes `batch` into `partition`, staging what the partition has gathered once it is large
+    /// enough.
     fn stage(&mut self, partition: usize, batch: &RecordBatch) -> DfResult<()> {
         if batch.schema().fields() != self.schema.fields() {
             return Err(DataFusionError::Plan(format!(
@@ -521,13 +546,35 @@ impl Stager {
                 self.schema
             )));
         }
-        let device = self.device_of(partition);
         let bytes = host_bytes(batch);
+        let (_, rows, gathered_bytes) = &self.gathered[partition];
+        if *rows > 0 && (rows + batch.num_rows() > self.batch_rows || gathered_bytes + bytes > MAX_GATHERED_BYTES) {
+            self.flush(partition)?;
+        }
+        let g = &mut self.gathered[partition];
+        g.0.push(batch.clone());
+        g.1 += batch.num_rows();
+        g.2 += bytes;
+        if g.1 >= self.batch_rows {
+            self.flush(partition)?;
+        }
+        Ok(())
+    }
+
+    /// Stages what `partition` has gathered as one device batch.
+    fn flush(&mut self, partition: usize) -> DfResult<()> {
+        let (batches, rows, bytes) = std::mem::take(&mut self.gathered[partition]);
+        let batch = match batches.as_slice() {
+            [] => return Ok(()),
+            [one] => one.clone(),
+            many => arrow_select::concat::concat_batches(&self.schema, many)?,
+        };
+        let device = self.device_of(partition);
         self.check_room(device, bytes)?;
         let stream = &self.streams[&device];
         // Statistics come from the host batch, before it is copied.
-        self.partition_stats[partition].update(batch);
-        let staged = crate::transfer::htod(batch, device, stream)?;
+        self.partition_stats[partition].update(&batch);
+        let staged = crate::transfer::htod(&batch, device, stream)?;
         // Keep the table's schema (with its metadata) on every batch.
         let staged = DeviceRecordBatch::try_new(
             self.schema.clone(),
@@ -539,16 +586,19 @@ impl Stager {
             *r = r.saturating_sub(bytes);
         }
         self.partitions[partition].push(staged);
-        self.done.rows += batch.num_rows() as u64;
+        self.done.rows += rows as u64;
         self.done.bytes += bytes;
-        self.done.batches += 1;
+        self.done.batches += batches.len() as u64;
         if let Some(p) = &self.progress {
             p(self.done);
         }
         Ok(())
     }
 
-    fn finish(self) -> DfResult<GpuTable> {
+    fn finish(mut self) -> DfResult<GpuTable> {
+        for p in 0..self.partitions.len() {
+            self.flush(p)?;
+        }
         let partition_devices = (0..self.partitions.len()).map(|i| self.device_of(i)).collect();
         let mut lanes = HashMap::new();
         for &d in &self.devices {
