@@ -24,6 +24,11 @@ pub struct DeviceArrayData {
     pub(crate) nulls: Option<DeviceBuffer>,
     pub(crate) buffers: Vec<DeviceBuffer>,
     pub(crate) children: Vec<DeviceArrayData>,
+    /// The bytes were written by this crate from an arrow-rs array (which arrow-rs had validated)
+    /// and cannot have changed since: buffers are immutable while shared, and the array holds
+    /// views of them. Downloads of such arrays skip arrow-rs's validation. Arrays assembled from
+    /// parts, imported or received are not trusted.
+    pub(crate) trusted: bool,
 }
 
 impl DeviceArrayData {
@@ -56,6 +61,7 @@ impl DeviceArrayData {
             nulls,
             buffers,
             children,
+            trusted: false,
         };
         let mismatch = {
             let mut devices = data.all_buffers().map(DeviceBuffer::device);

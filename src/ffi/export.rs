@@ -163,5 +163,6 @@ pub(crate) fn as_struct(batch: &DeviceRecordBatch) -> DeviceArrayData {
         nulls: None,
         buffers: vec![],
         children: batch.columns().to_vec(),
+        trusted: false,
     }
 }

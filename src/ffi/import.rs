@@ -378,6 +378,7 @@ fn build(node: Node, device: Device, owner: &Arc<Imported>, offsets: &[i64]) -> 
             .into_iter()
             .map(|c| build(c, device, owner, offsets))
             .collect::<Result<_>>()?,
+        trusted: false,
     })
 }
 

@@ -230,6 +230,7 @@ impl Decoder<'_, '_> {
             nulls,
             buffers,
             children,
+            trusted: false,
         })
     }
 

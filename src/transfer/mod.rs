@@ -190,7 +190,10 @@ pub fn dtoh_async(batch: &DeviceRecordBatch, stream: &Stream) -> Result<PendingB
     Ok(PendingBatch {
         schema: batch.schema().clone(),
         num_rows: batch.num_rows(),
-        memory,
+        copy: Some(InFlight {
+            memory,
+            _source: batch.columns().to_vec(),
+        }),
         layouts,
         event,
     })
@@ -203,33 +206,65 @@ pub fn dtoh_array(array: &DeviceArrayData, stream: &Stream) -> Result<ArrayRef> 
     Ok(make_array(layouts[0].to_host(&memory)?))
 }
 
-/// A device-to-host copy in flight.
+/// A device-to-host copy in flight. Dropping it without [`PendingBatch::wait`] is safe: what the
+/// copy reads and writes is kept until it has finished.
 #[derive(Debug)]
 pub struct PendingBatch {
     schema: SchemaRef,
     num_rows: usize,
-    memory: DeviceBuffer,
+    /// `None` only once `wait` has taken it.
+    copy: Option<InFlight>,
     layouts: Vec<Layout>,
     event: Event,
 }
 
+/// The two ends of a copy: the host block it writes and the device arrays it reads.
+#[derive(Debug)]
+struct InFlight {
+    memory: DeviceBuffer,
+    _source: Vec<DeviceArrayData>,
+}
+
+impl Drop for PendingBatch {
+    fn drop(&mut self) {
+        if let Some(copy) = self.copy.take()
+            && !self.event.is_complete().unwrap_or(false)
+        {
+            defer_release([(Box::new(copy) as Keep, self.event.clone())].into());
+        }
+    }
+}
+
 impl PendingBatch {
+    /// The number of rows the batch will have.
+    pub fn num_rows(&self) -> usize {
+        self.num_rows
+    }
+
     /// The event that completes when the bytes have arrived.
     pub fn event(&self) -> &Event {
         &self.event
     }
 
     /// Waits for the copy and builds the record batch, validating every array.
-    pub fn wait(self) -> Result<RecordBatch> {
+    pub fn wait(mut self) -> Result<RecordBatch> {
         self.event.synchronize()?;
-        // Validation reads every string: columns are validated on every core.
-        let columns = self
-            .layouts
-            .par_iter()
-            .map(|l| Ok(make_array(l.to_host(&self.memory)?)))
-            .collect::<Result<Vec<_>>>()?;
+        let copy = self.copy.take().expect("a pending batch is waited for once");
+        let build = |l: &Layout| Ok(make_array(l.to_host(&copy.memory)?));
+        // Validation reads every string: untrusted columns are validated on every core. Trusted
+        // ones only need their arrays built, which threads would slow down (they would all count
+        // references to the one host block).
+        let columns = if self.layouts.iter().all(|l| l.trusted) {
+            self.layouts.iter().map(build).collect::<Result<Vec<_>>>()?
+        } else {
+            self.layouts.par_iter().map(build).collect::<Result<Vec<_>>>()?
+        };
         let options = RecordBatchOptions::new().with_row_count(Some(self.num_rows));
-        Ok(RecordBatch::try_new_with_options(self.schema, columns, &options)?)
+        Ok(RecordBatch::try_new_with_options(
+            self.schema.clone(),
+            columns,
+            &options,
+        )?)
     }
 }
 
@@ -343,6 +378,7 @@ fn host_layout(a: &DeviceArrayData, place: &std::collections::HashMap<(u64, usiz
         nulls: a.nulls.as_ref().map(at),
         buffers: a.buffers.iter().map(at).collect(),
         children: a.children.iter().map(|c| host_layout(c, place)).collect(),
+        trusted: a.trusted,
     }
 }
 

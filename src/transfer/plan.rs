@@ -89,6 +89,9 @@ pub(crate) struct Layout {
     pub nulls: Option<Range<usize>>,
     pub buffers: Vec<Range<usize>>,
     pub children: Vec<Layout>,
+    /// The bytes are a copy of a valid arrow array (see `DeviceArrayData::trusted`): the host
+    /// array is built without validating them again.
+    pub trusted: bool,
 }
 
 impl Layout {
@@ -107,15 +110,18 @@ impl Layout {
                 .iter()
                 .map(|c| c.to_device(memory))
                 .collect::<Result<_>>()?,
+            trusted: true,
         })
     }
 
-    /// The arrow array these ranges of host-accessible `memory` hold, fully validated.
+    /// The arrow array these ranges of host-accessible `memory` hold, fully validated unless the
+    /// layout is trusted.
     pub fn to_host(&self, memory: &DeviceBuffer) -> Result<ArrayData> {
         self.host_window(memory, 0, self.len)
     }
 
-    /// Elements `start..start + len` of this layout as an arrow array, fully validated.
+    /// Elements `start..start + len` of this layout as an arrow array, fully validated unless the
+    /// layout is trusted.
     ///
     /// A struct's offset applies to its children here (as in the C Data Interface), but arrow-rs
     /// cannot take a struct `ArrayData` with an offset: `ArrayData::slice` slices a struct's
@@ -210,6 +216,9 @@ impl Layout {
             .buffers(buffers)
             .child_data(children)
             .nulls(nulls);
+        // SAFETY: a trusted layout holds the bytes of a valid arrow array, written by `Plan` (whose
+        // windows keep arrays valid) and unchanged since; the bounds above still hold for it.
+        let builder = unsafe { builder.skip_validation(self.trusted) };
         Ok(builder.build()?)
     }
 }
@@ -325,10 +334,10 @@ impl<'a> Plan<'a> {
         if first < 0 || last < first {
             return Err(Error::InvalidData(format!("offsets run from {first} to {last}")));
         }
-        let transform = if width == 4 {
-            Transform::Rebase32(first as i32)
-        } else {
-            Transform::Rebase64(first)
+        let transform = match (first, width) {
+            (0, _) => Transform::Copy,
+            (_, 4) => Transform::Rebase32(first as i32),
+            _ => Transform::Rebase64(first),
         };
         Ok((self.push(src, len, transform), first as usize, last as usize))
     }
@@ -356,6 +365,7 @@ impl<'a> Plan<'a> {
             nulls,
             buffers: vec![],
             children: vec![],
+            trusted: false,
         };
         let buffers = data.buffers();
         let child = |i: usize| {
@@ -480,9 +490,9 @@ impl<'a> Plan<'a> {
         out[cursor - start..].fill(0);
     }
 
-    /// [`Plan::fill`] on every thread of the pool, in pieces of at least 1 MiB.
+    /// [`Plan::fill`] on every thread of the pool, in pieces of at least 64 KiB.
     pub fn fill_parallel(&self, start: usize, out: &mut [u8]) {
-        const PIECE: usize = 1 << 20;
+        const PIECE: usize = 64 << 10;
         if out.len() <= PIECE {
             return self.fill(start, out);
         }
