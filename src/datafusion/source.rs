@@ -23,6 +23,7 @@ use super::predicate::Predicate;
 use super::{DfResult, TableData};
 use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Stream};
+use crate::transfer::PendingBatch;
 
 /// The scan of a GPU table: which partitions, which columns, which pushed-down filters, how many
 /// rows. Filters apply first, then the limit, then the projection; a column read only by a filter
@@ -122,10 +123,13 @@ impl DataSource for GpuScan {
                         return None;
                     }
                     let batch = batches.next()?;
+                    // The stream is held while the device works; the host waits for the copy and
+                    // validates the arrays without it.
                     let result = match lane.acquire().await {
                         Ok(lease) => scan_batch(&batch, &plan, remaining, lease.stream()),
                         Err(e) => Err(e),
                     };
+                    let result = result.and_then(|s| s.map(|s| s.finish(&plan)).transpose());
                     match result {
                         Ok(Some(out)) => {
                             remaining = remaining.map(|r| r.saturating_sub(out.num_rows()));
@@ -251,14 +255,36 @@ struct ScanPlan {
     predicate: Option<Arc<Predicate>>,
 }
 
-/// Filters, limits and projects one device batch and copies the result to the host; `None` when
-/// no row is left.
+/// What a scanned batch becomes: a host batch, or a copy to the host still in flight.
+enum Scanned {
+    Host(RecordBatch),
+    Copying(PendingBatch),
+}
+
+impl Scanned {
+    /// The host batch, with the scan's schema.
+    fn finish(self, plan: &ScanPlan) -> DfResult<RecordBatch> {
+        let batch = match self {
+            Scanned::Host(b) => b,
+            Scanned::Copying(pending) => pending.wait()?,
+        };
+        let options = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
+        Ok(RecordBatch::try_new_with_options(
+            plan.schema.clone(),
+            batch.columns().to_vec(),
+            &options,
+        )?)
+    }
+}
+
+/// Filters, limits and projects one device batch and starts copying the result to the host;
+/// `None` when no row is left.
 fn scan_batch(
     batch: &DeviceRecordBatch,
     plan: &ScanPlan,
     remaining: Option<usize>,
     stream: &Stream,
-) -> DfResult<Option<RecordBatch>> {
+) -> DfResult<Option<Scanned>> {
     let limit = remaining.unwrap_or(usize::MAX);
     let out = match &plan.predicate {
         None => {
@@ -272,33 +298,30 @@ fn scan_batch(
             }
             download(&projected, n, plan, stream)?
         }
-        Some(predicate) if batch.device().is_host_accessible() => host_filter(batch, predicate, plan, limit, stream)?,
+        Some(predicate) if batch.device().is_host_accessible() => {
+            Scanned::Host(host_filter(batch, predicate, plan, limit, stream)?)
+        }
         Some(predicate) => match super::kernels::filter_compact(batch, predicate, &plan.output, limit, stream)? {
             Filtered::Empty => return Ok(None),
             Filtered::Device(compacted) => download(&compacted, compacted.num_rows(), plan, stream)?,
-            Filtered::Host(host) => super::kernels::host_batch(host, plan.schema.clone())?,
+            Filtered::Host(host) => Scanned::Host(super::kernels::host_batch(host, plan.schema.clone())?),
         },
     };
-    Ok((out.num_rows() > 0).then_some(out))
+    let rows = match &out {
+        Scanned::Host(b) => b.num_rows(),
+        Scanned::Copying(p) => p.num_rows(),
+    };
+    Ok((rows > 0).then_some(out))
 }
 
-/// Copies a projected device batch of `rows` rows to the host, with the scan's schema.
-fn download(batch: &DeviceRecordBatch, rows: usize, plan: &ScanPlan, stream: &Stream) -> DfResult<RecordBatch> {
+/// Starts copying a projected device batch of `rows` rows to the host.
+fn download(batch: &DeviceRecordBatch, rows: usize, plan: &ScanPlan, stream: &Stream) -> DfResult<Scanned> {
     if batch.num_columns() == 0 {
         let options = RecordBatchOptions::new().with_row_count(Some(rows));
-        return Ok(RecordBatch::try_new_with_options(
-            plan.schema.clone(),
-            vec![],
-            &options,
-        )?);
+        let empty = RecordBatch::try_new_with_options(plan.schema.clone(), vec![], &options)?;
+        return Ok(Scanned::Host(empty));
     }
-    let host = crate::transfer::dtoh(batch, stream)?;
-    let options = RecordBatchOptions::new().with_row_count(Some(rows));
-    Ok(RecordBatch::try_new_with_options(
-        plan.schema.clone(),
-        host.columns().to_vec(),
-        &options,
-    )?)
+    Ok(Scanned::Copying(crate::transfer::dtoh_async(batch, stream)?))
 }
 
 /// The CPU device's filter: copies the columns the predicate and the projection need, evaluates
