@@ -1,7 +1,8 @@
 //! Device record batches between processes.
 //!
-//! - `ipc_latency/cached_100_columns`: a sender hands a 100-column batch to a consumer process and
-//!   waits for its acknowledgement; the consumer keeps its mappings, so this is the protocol's cost.
+//! - `ipc_latency/cached_100_columns`: one-way latency, from a sender's `send` of a 100-column
+//!   batch to the consumer process's `recv` returning it (one clock, `CLOCK_MONOTONIC`, read in
+//!   both processes); the consumer keeps its mappings, so this is the protocol's cost.
 //! - `ipc_latency/first_open_100_columns`: the same with a new allocation every time, so the
 //!   consumer opens (and closes) a mapping each time.
 //! - `stream_1GiB/device_ipc` beside `stream_1GiB/host_ipc`: a producer streams 1 GiB batches to a
@@ -16,7 +17,7 @@
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -61,6 +62,7 @@ fn consumer(role: &str, path: &Path, device: Device) -> Child {
         .env(ROLE, role)
         .env(SOCKET, path)
         .env(DEVICE, if device == Device::Cpu { "cpu" } else { "cuda" })
+        .stdout(Stdio::piped())
         .spawn()
         .expect("consumer process")
 }
@@ -70,6 +72,17 @@ fn stop(mut child: Child) {
     let _ = child.wait();
 }
 
+/// `CLOCK_MONOTONIC` in nanoseconds: one clock for every process of the machine.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid out-parameter; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// One-way latency: from the sender's `send` call to the moment the consumer's `recv` returns the
+/// batch, read from one clock in both processes. The consumer writes that moment to its stdout;
+/// each iteration then waits for the acknowledgement (not timed) before the next send.
 fn latency(c: &mut Criterion, device: Device, stream: &Stream) {
     let rows = 1024;
     let template = batch(100, rows);
@@ -81,25 +94,29 @@ fn latency(c: &mut Criterion, device: Device, stream: &Stream) {
     ] {
         let path = socket(name);
         let sender = Sender::bind(&path, template.schema(), SenderOptions::default()).expect("bind");
-        let child = consumer(role, &path, device);
+        let mut child = consumer(role, &path, device);
+        let mut stamps = child.stdout.take().expect("consumer stdout");
         sender.wait_for_receivers(1, Duration::from_secs(60)).expect("consumer");
         let on_device = upload(&template, device, stream);
-        let round_trip = |b: &DeviceRecordBatch| {
+        let mut one_way = |b: &DeviceRecordBatch| {
+            let sent = monotonic_ns();
             sender.send(b).expect("send");
+            let mut at = [0u8; 8];
+            stamps.read_exact(&mut at).expect("receive time");
             sender.wait_idle(Duration::from_secs(60)).expect("acknowledged");
+            Duration::from_nanos(u64::from_le_bytes(at).saturating_sub(sent))
         };
-        round_trip(&on_device);
-        if fresh {
-            g.bench_function(name, |b| {
-                b.iter_batched(
-                    || upload(&template, device, stream),
-                    |nb| round_trip(&nb),
-                    criterion::BatchSize::PerIteration,
-                )
-            });
-        } else {
-            g.bench_function(name, |b| b.iter(|| round_trip(&on_device)));
-        }
+        one_way(&on_device);
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                (0..iters)
+                    .map(|_| match fresh {
+                        true => one_way(&upload(&template, device, stream)),
+                        false => one_way(&on_device),
+                    })
+                    .sum()
+            })
+        });
         sender.finish().expect("finish");
         drop(sender);
         stop(child);
@@ -182,7 +199,13 @@ fn consume(role: &str) {
     };
     let mut receiver = Receiver::connect(&path, options).expect("connect");
     let mut scratch: Option<DeviceBuffer> = None;
+    let mut stamps = std::io::stdout().lock();
     while let Some(batch) = receiver.recv().expect("receive") {
+        if role != "device-reader" {
+            // The moment the batch arrived, for the latency benchmark.
+            stamps.write_all(&monotonic_ns().to_le_bytes()).expect("stamp");
+            stamps.flush().expect("stamp");
+        }
         if role == "device-reader" {
             // Read every byte on the device: copy each buffer into memory of our own.
             batch.ready().synchronize().expect("ready");
