@@ -24,8 +24,11 @@ struct Cli {
 enum Command {
     /// Devices, memory, driver, and the link's bandwidth measured in about a second.
     Info,
-    /// Transfer benchmarks beside the naive path, printed as one table.
+    /// Transfer, IPC and (with DataFusion) TPC-H benchmarks, each beside a comparison, as one table.
     Bench(bench::Args),
+    /// The consumer process of `bench`'s IPC rows (started by `bench` itself).
+    #[command(hide = true)]
+    BenchPeer(bench::PeerArgs),
     /// Stage TPC-H (generated here) or Parquet / CSV files on the GPU and run SQL through DataFusion.
     #[cfg(feature = "datafusion")]
     Query(query::Args),
@@ -74,6 +77,7 @@ fn main() -> ExitCode {
         }
         Some(Command::Info) => info::run().map_err(|e| e.to_string()),
         Some(Command::Bench(args)) => bench::run(&args).map_err(|e| e.to_string()),
+        Some(Command::BenchPeer(args)) => bench::peer(&args).map_err(|e| e.to_string()),
         #[cfg(feature = "datafusion")]
         Some(Command::Query(args)) => query::run(&args).map_err(|e| e.to_string()),
         #[cfg(not(feature = "datafusion"))]

@@ -4,7 +4,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use arrow_array::RecordBatch;
+use arrow_cuda::Device;
 use arrow_cuda::datafusion::{GpuTable, LoadOptions};
+use arrow_schema::SchemaRef;
 use datafusion::datasource::MemTable;
 use datafusion::error::DataFusionError;
 use datafusion::prelude::{CsvReadOptions, SessionConfig, SessionContext};
@@ -75,23 +77,7 @@ pub fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             Some(b) => b.schema(),
             None => continue,
         };
-        let total: u64 = partitions
-            .iter()
-            .flatten()
-            .map(|b| b.get_array_memory_size() as u64)
-            .sum();
-        let bar = ProgressBar::new(total).with_message(format!("staging {name}"));
-        bar.set_style(ProgressStyle::with_template(
-            "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}",
-        )?);
-        let progress = bar.clone();
-        let options = LoadOptions::new()
-            .with_device(device)
-            .with_progress(move |p| progress.set_position(p.bytes));
-        let t = Instant::now();
-        let table = GpuTable::try_new(schema.clone(), partitions.clone(), &options)?;
-        bar.finish_and_clear();
-        let secs = t.elapsed().as_secs_f64();
+        let (table, secs) = stage(&name, schema.clone(), partitions.clone(), device)?;
         println!(
             "staged {name}: {} rows, {:.1} MB on {device} in {:.3} s ({:.1} GB/s)",
             table.num_rows(),
@@ -127,6 +113,33 @@ pub fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     Ok(())
+}
+
+/// Stages the batches of table `name` on `device` as a [`GpuTable`], with a progress bar (on stderr,
+/// when it is a terminal) while it copies; returns the table and the seconds staging took.
+pub(crate) fn stage(
+    name: &str,
+    schema: SchemaRef,
+    partitions: Vec<Vec<RecordBatch>>,
+    device: Device,
+) -> Result<(GpuTable, f64), Box<dyn std::error::Error>> {
+    let total: u64 = partitions
+        .iter()
+        .flatten()
+        .map(|b| b.get_array_memory_size() as u64)
+        .sum();
+    let bar = ProgressBar::new(total).with_message(format!("staging {name}"));
+    bar.set_style(ProgressStyle::with_template(
+        "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}",
+    )?);
+    let progress = bar.clone();
+    let options = LoadOptions::new()
+        .with_device(device)
+        .with_progress(move |p| progress.set_position(p.bytes));
+    let t = Instant::now();
+    let table = GpuTable::try_new(schema, partitions, &options)?;
+    bar.finish_and_clear();
+    Ok((table, t.elapsed().as_secs_f64()))
 }
 
 /// Runs `sql` `runs` times; returns the last result and the best time in seconds.

@@ -1,0 +1,103 @@
+//! The `arrow-cuda` binary as a new user meets it: help, clear messages without a GPU, a query on
+//! the CPU device, and the benchmark table (on the CPU device through `ARROW_CUDA_BENCH_CPU` when
+//! there is no GPU; on a GPU machine the real one).
+#![cfg(all(feature = "cli", feature = "datafusion"))]
+
+use std::process::{Command, Output};
+
+fn arrow_cuda(args: &[&str], envs: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_arrow-cuda"));
+    c.args(args).env_remove("ARROW_CUDA_BENCH_CPU");
+    for (k, v) in envs {
+        c.env(k, v);
+    }
+    c.output().expect("run arrow-cuda")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn gpu() -> bool {
+    arrow_cuda::device::cuda_available()
+}
+
+#[test]
+fn help_lists_every_command() {
+    let o = arrow_cuda(&[], &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    for command in ["info", "bench", "query", "send", "recv"] {
+        assert!(text(&o).contains(command), "{command}: {}", text(&o));
+    }
+}
+
+/// `info` and `bench` need a GPU: without one they say so in one line and fail.
+#[test]
+fn gpu_commands_without_a_gpu_fail_in_one_line() {
+    if gpu() {
+        eprintln!("skipped: this machine has a GPU");
+        return;
+    }
+    for args in [&["info"][..], &["bench"]] {
+        let o = arrow_cuda(args, &[]);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{args:?}: {}", text(&o));
+        assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.contains("CUDA"), "{args:?}: {stderr}");
+    }
+}
+
+/// `query` runs TPC-H Q6 against MemTable on the CPU device (on a GPU too, with `--device cpu`)
+/// and both give the same revenue.
+#[test]
+fn query_runs_on_the_cpu_device() {
+    let o = arrow_cuda(
+        &[
+            "query",
+            "--tpch",
+            "0.01",
+            "--device",
+            "cpu",
+            "--compare",
+            "--runs",
+            "1",
+            "q6",
+        ],
+        &[],
+    );
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    assert!(out.contains("staged lineitem"), "{out}");
+    assert!(out.contains("revenue"), "{out}");
+    assert!(out.contains("MemTable"), "{out}");
+}
+
+/// `bench` prints one table with transfer (GPU only), IPC and TPC-H rows.
+#[test]
+fn bench_prints_one_table() {
+    let mut args = vec!["bench", "--seconds", "0.05", "--sf", "0.01"];
+    if !gpu() {
+        args.extend(["--rows", "4096"]);
+    }
+    let o = arrow_cuda(&args, &[("ARROW_CUDA_BENCH_CPU", "1")]);
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        stdout.starts_with("| what | arrow-cuda | comparison | unit |"),
+        "{stdout}"
+    );
+    let rows: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| what"))
+        .collect();
+    let expected = if gpu() { 8 } else { 4 };
+    assert_eq!(rows.len(), expected, "{stdout}");
+    for label in ["IPC one-way latency", "IPC streaming", "TPC-H Q6", "TPC-H Q1"] {
+        assert!(rows.iter().any(|r| r.contains(label)), "{label}: {stdout}");
+    }
+    assert!(!stdout.contains("results differ"), "{stdout}");
+}
