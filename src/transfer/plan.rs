@@ -490,9 +490,10 @@ impl<'a> Plan<'a> {
         out[cursor - start..].fill(0);
     }
 
-    /// [`Plan::fill`] on every thread of the pool, in pieces of at least 64 KiB.
+    /// [`Plan::fill`] on the threads of the pool, in pieces of at least 256 KiB (on the H100
+    /// machine a 1.3 MB batch packed faster on 4 threads than on 16).
     pub fn fill_parallel(&self, start: usize, out: &mut [u8]) {
-        const PIECE: usize = 64 << 10;
+        const PIECE: usize = 256 << 10;
         if out.len() <= PIECE {
             return self.fill(start, out);
         }
