@@ -3,8 +3,10 @@
 //! - `ipc_latency/cached_100_columns`: one-way latency, from a sender's `send` of a 100-column
 //!   batch to the consumer process's `recv` returning it (one clock, `CLOCK_MONOTONIC`, read in
 //!   both processes); the consumer keeps its mappings, so this is the protocol's cost.
-//! - `ipc_latency/first_open_100_columns`: the same with a new allocation every time, so the
-//!   consumer opens (and closes) a mapping each time.
+//! - `ipc_latency/cached_100_columns_polling`: the same with a consumer that polls its socket for
+//!   up to 2 ms before it sleeps (`ReceiverOptions::poll`), so no thread wake-up is timed.
+//! - `ipc_latency/first_open_100_columns_polling`: the same with a new allocation every time, so
+//!   the consumer opens (and closes) a mapping each time.
 //! - `stream_1GiB/device_ipc` beside `stream_1GiB/host_ipc`: a producer streams 1 GiB batches to a
 //!   consumer process that reads them on the device (a device-to-device copy of every buffer), through
 //!   CUDA IPC, and through the host: device to host, arrow-ipc over a Unix socket, host to device.
@@ -32,6 +34,8 @@ use criterion::{Criterion, SamplingMode, Throughput};
 const ROLE: &str = "ARROW_CUDA_IPC_BENCH";
 const SOCKET: &str = "ARROW_CUDA_IPC_BENCH_SOCKET";
 const DEVICE: &str = "ARROW_CUDA_IPC_BENCH_DEVICE";
+/// How long the polling consumers poll before they sleep.
+const POLL: Duration = Duration::from_millis(2);
 
 /// A batch of `columns` int64 columns of `rows` rows.
 fn batch(columns: usize, rows: usize) -> RecordBatch {
@@ -90,7 +94,8 @@ fn latency(c: &mut Criterion, device: Device, stream: &Stream) {
     g.measurement_time(Duration::from_secs(3));
     for (name, role, fresh) in [
         ("cached_100_columns", "retain", false),
-        ("first_open_100_columns", "drop", true),
+        ("cached_100_columns_polling", "retain-poll", false),
+        ("first_open_100_columns_polling", "drop-poll", true),
     ] {
         let path = socket(name);
         let sender = Sender::bind(&path, template.schema(), SenderOptions::default()).expect("bind");
@@ -194,7 +199,11 @@ fn consume(role: &str) {
         return;
     }
     let options = ReceiverOptions {
-        retain_mappings: role != "drop",
+        retain_mappings: role.starts_with("retain"),
+        poll: match role.ends_with("-poll") {
+            true => POLL,
+            false => Duration::ZERO,
+        },
         ..ReceiverOptions::default()
     };
     let mut receiver = Receiver::connect(&path, options).expect("connect");

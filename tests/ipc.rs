@@ -701,8 +701,12 @@ fn peer() {
     let count: usize = std::env::var(PEER_COUNT).unwrap().parse().unwrap();
     let stream = Stream::new(device).unwrap();
     match role.as_str() {
-        "verify" => {
-            let mut r = Receiver::connect(&socket, patient()).unwrap();
+        "verify" | "verify-polling" => {
+            let poll = match role.as_str() {
+                "verify-polling" => Duration::from_millis(5),
+                _ => Duration::ZERO,
+            };
+            let mut r = Receiver::connect(&socket, ReceiverOptions { poll, ..patient() }).unwrap();
             assert_eq!(r.schema(), &corpus().schema());
             for i in 0..count {
                 let batch = r.recv().unwrap().expect("a batch");
@@ -757,10 +761,17 @@ fn peer() {
 
 #[test]
 fn batches_cross_processes() {
+    for role in ["verify", "verify-polling"] {
+        cross_processes(role);
+    }
+}
+
+/// A stream of batches to a `role` peer (a receiver that sleeps in reads, or one that polls).
+fn cross_processes(role: &str) {
     each_device(|device, stream| {
-        let path = socket_path(&format!("cross-{}", device_name(device)));
+        let path = socket_path(&format!("cross-{role}-{}", device_name(device)));
         let sender = Sender::bind(&path, corpus().schema(), SenderOptions::default()).unwrap();
-        let peer = Peer::spawn("verify", &path, device, STREAM);
+        let peer = Peer::spawn(role, &path, device, STREAM);
         sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
         for i in 0..STREAM {
             assert_ne!(
