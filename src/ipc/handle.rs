@@ -74,20 +74,21 @@ impl IpcMemHandle {
             return Err(Error::Unsupported("an empty allocation has no CUDA IPC handle".into()));
         }
         let base = buffer.address() - buffer.offset() as u64;
-        let ctx = device::context(ordinal)?;
-        ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
-        let mut handle = sys::CUipcMemHandle {
-            reserved: [0; HANDLE_BYTES],
-        };
-        // SAFETY: `base` is the start of a live cuMemAlloc allocation of this context (the buffer
-        // holds it), and `handle` is a valid out-parameter.
-        unsafe { sys::cuIpcGetMemHandle(&mut handle, base) }
-            .result()
-            .map_err(Error::driver("cuIpcGetMemHandle"))?;
-        Ok(IpcMemHandle {
-            size,
-            bytes: handle.reserved.map(|c| c as u8),
-        })
+        // One handle per allocation: peers cache their mappings by handle.
+        let bytes = buffer.ipc_handle(|| {
+            let ctx = device::context(ordinal)?;
+            ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
+            let mut handle = sys::CUipcMemHandle {
+                reserved: [0; HANDLE_BYTES],
+            };
+            // SAFETY: `base` is the start of a live cuMemAlloc allocation of this context (the
+            // buffer holds it), and `handle` is a valid out-parameter.
+            unsafe { sys::cuIpcGetMemHandle(&mut handle, base) }
+                .result()
+                .map_err(Error::driver("cuIpcGetMemHandle"))?;
+            Ok(handle.reserved.map(|c| c as u8))
+        })?;
+        Ok(IpcMemHandle { size, bytes })
     }
 
     /// The size of the allocation in bytes.

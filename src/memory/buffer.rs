@@ -121,6 +121,12 @@ impl DeviceBuffer {
         })
     }
 
+    /// The CUDA IPC handle of the allocation this buffer views: `export` makes it the first time,
+    /// later calls (through any view) return the same bytes.
+    pub(crate) fn ipc_handle(&self, export: impl FnOnce() -> Result<[u8; 64]>) -> Result<[u8; 64]> {
+        self.alloc.ipc_handle(export)
+    }
+
     /// Whether two buffers view the same allocation.
     pub fn shares_allocation(&self, other: &DeviceBuffer) -> bool {
         Arc::ptr_eq(&self.alloc, &other.alloc)

@@ -3,7 +3,7 @@
 use std::alloc::Layout;
 use std::any::Any;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaContext, result, sys};
 
@@ -79,6 +79,7 @@ impl MemoryResource {
                 size,
                 resource: self,
                 release: Release::Nothing,
+                ipc_handle: OnceLock::new(),
             });
         }
         let ctx = device.context()?;
@@ -147,6 +148,7 @@ impl MemoryResource {
             size,
             resource: self,
             release,
+            ipc_handle: OnceLock::new(),
         })
     }
 }
@@ -167,6 +169,10 @@ pub(crate) struct Allocation {
     size: usize,
     resource: MemoryResource,
     release: Release,
+    /// The CUDA IPC handle of the allocation, once exported: the driver may hand out different
+    /// bytes for each `cuIpcGetMemHandle` of one allocation, and a peer that caches mappings by
+    /// handle would then open it again every time.
+    ipc_handle: OnceLock<[u8; 64]>,
 }
 
 impl Allocation {
@@ -180,6 +186,7 @@ impl Allocation {
             size,
             resource: MemoryResource::Foreign(device),
             release: Release::Owner(owner),
+            ipc_handle: OnceLock::new(),
         }
     }
 
@@ -198,11 +205,22 @@ impl Allocation {
             size,
             resource,
             release: Release::Owner(owner),
+            ipc_handle: OnceLock::new(),
         }
     }
 
     pub(crate) fn ptr(&self) -> u64 {
         self.ptr
+    }
+
+    /// The allocation's CUDA IPC handle: `export` makes it the first time, later calls return the
+    /// same bytes.
+    pub(crate) fn ipc_handle(&self, export: impl FnOnce() -> Result<[u8; 64]>) -> Result<[u8; 64]> {
+        if let Some(h) = self.ipc_handle.get() {
+            return Ok(*h);
+        }
+        let h = export()?;
+        Ok(*self.ipc_handle.get_or_init(|| h))
     }
 
     pub(crate) fn size(&self) -> usize {
