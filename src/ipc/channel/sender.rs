@@ -1,7 +1,7 @@
 //! The producing end of a channel.
 
 use std::any::Any;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::io;
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -122,8 +122,8 @@ struct State {
     events: Vec<SenderEvent>,
     /// The last frame, once sent (`End` or `Abort`): late receivers get it after `Hello`.
     last: Option<Frame>,
-    /// Interprocess events no batch uses now, by device ordinal.
-    event_pool: HashMap<usize, Vec<(IpcEvent, IpcEventHandle)>>,
+    /// Interprocess events no batch uses now, by device ordinal, oldest first.
+    event_pool: HashMap<usize, VecDeque<(IpcEvent, IpcEventHandle)>>,
 }
 
 impl State {
@@ -142,9 +142,12 @@ impl State {
     /// Keeps an event no batch uses for the next batch on its device.
     fn recycle(&mut self, event: (IpcEvent, IpcEventHandle)) {
         let ordinal = event.0.device().ordinal().unwrap_or(0);
-        self.event_pool.entry(ordinal).or_default().push(event);
+        self.event_pool.entry(ordinal).or_default().push_back(event);
     }
 }
+
+/// Released interprocess events kept resting before one is recorded again.
+const SPARE_EVENTS: usize = 4;
 
 struct Shared {
     state: Mutex<State>,
@@ -529,8 +532,18 @@ impl Sender {
         })
     }
 
+    /// An interprocess event for a batch: the one released longest ago, once the pool holds
+    /// [`SPARE_EVENTS`], else a new one. Recording an event again while a receiver's stream may
+    /// still be waiting on its last record can stall the sender, so recent ones rest.
     fn take_event(&self, ordinal: usize) -> Result<(IpcEvent, IpcEventHandle)> {
-        if let Some(e) = self.shared.lock().event_pool.get_mut(&ordinal).and_then(Vec::pop) {
+        let spare = self
+            .shared
+            .lock()
+            .event_pool
+            .get_mut(&ordinal)
+            .filter(|pool| pool.len() >= SPARE_EVENTS)
+            .and_then(VecDeque::pop_front);
+        if let Some(e) = spare {
             return Ok(e);
         }
         let e = IpcEvent::new(Device::Cuda(ordinal))?;
