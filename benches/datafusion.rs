@@ -6,7 +6,7 @@
 //!
 //! The scale factor comes from `ARROW_CUDA_BENCH_SF` (default 10), the sweep's rows from
 //! `ARROW_CUDA_BENCH_ROWS` (default 100,000,000), the streams per device from
-//! `ARROW_CUDA_BENCH_STREAMS` (default 2). `target_partitions` is the number of cores.
+//! `ARROW_CUDA_BENCH_STREAMS` (default 4, the library's default). `target_partitions` is the number of cores.
 //! Without a GPU it prints `skipped: no CUDA device` and exits.
 //!
 //! Run with `cargo bench --bench datafusion --features datafusion`.
@@ -81,7 +81,7 @@ fn bytes(p: &Partitions) -> usize {
 
 fn gpu(p: &Partitions) -> (GpuTable, Duration) {
     let t = Instant::now();
-    let options = LoadOptions::new().with_streams_per_device(env("ARROW_CUDA_BENCH_STREAMS", 2));
+    let options = LoadOptions::new().with_streams_per_device(env("ARROW_CUDA_BENCH_STREAMS", 4));
     let table = GpuTable::try_new(p.0.clone(), p.1.clone(), &options).expect("stage");
     (table, t.elapsed())
 }

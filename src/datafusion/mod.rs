@@ -42,7 +42,7 @@
 //!
 //! # Concurrency
 //!
-//! Each device has a small pool of streams (two by default) guarded by a semaphore: partitions on
+//! Each device has a small pool of streams (four by default) guarded by a semaphore: partitions on
 //! one device share it whatever DataFusion's `target_partitions` is, and partitions on different
 //! devices run concurrently.
 
@@ -139,7 +139,7 @@ impl fmt::Debug for LoadOptions {
 }
 
 impl LoadOptions {
-    /// Default options: every visible GPU (the CPU device when there is none), two streams per
+    /// Default options: every visible GPU (the CPU device when there is none), four streams per
     /// device, the input's partitioning, no progress callback, no memory limit beyond the
     /// devices' free memory.
     pub fn new() -> Self {
@@ -170,7 +170,7 @@ impl LoadOptions {
         self
     }
 
-    /// How many batches each device works on at once during scans (default 2), whatever the
+    /// How many batches each device works on at once during scans (default 4), whatever the
     /// number of DataFusion partitions.
     pub fn with_streams_per_device(mut self, n: usize) -> Self {
         self.streams_per_device = Some(n.max(1));
@@ -202,7 +202,7 @@ impl LoadOptions {
 }
 
 /// The rows a device batch gathers by default (see [`LoadOptions::with_batch_rows`]).
-pub const DEFAULT_BATCH_ROWS: usize = 1 << 21;
+pub const DEFAULT_BATCH_ROWS: usize = 1 << 22;
 
 /// Input batches are also gathered only until they hold this many bytes.
 const MAX_GATHERED_BYTES: u64 = 1 << 30;
@@ -516,7 +516,7 @@ impl Stager {
                 total_rows: total.map(|t| t.0),
                 total_bytes: total.map(|t| t.1),
             },
-            streams_per_device: options.streams_per_device.unwrap_or(2),
+            streams_per_device: options.streams_per_device.unwrap_or(4),
             batch_rows: options.batch_rows.unwrap_or(DEFAULT_BATCH_ROWS),
             gathered: vec![(Vec::new(), 0, 0); partitions.max(1)],
         })
