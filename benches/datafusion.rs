@@ -19,30 +19,10 @@ use arrow_cuda::datafusion::{GpuTable, LoadOptions};
 use arrow_schema::SchemaRef;
 use datafusion::datasource::MemTable;
 use datafusion::prelude::{SessionConfig, SessionContext};
+use workloads::{Q1, Q6, Q12, Q14};
 
-const Q1: &str = "select l_returnflag, l_linestatus, sum(l_quantity) as sum_qty, \
-    sum(l_extendedprice) as sum_base_price, sum(l_extendedprice * (1 - l_discount)) as sum_disc_price, \
-    sum(l_extendedprice * (1 - l_discount) * (1 + l_tax)) as sum_charge, avg(l_quantity) as avg_qty, \
-    avg(l_extendedprice) as avg_price, avg(l_discount) as avg_disc, count(*) as count_order \
-    from lineitem where l_shipdate <= date '1998-12-01' - interval '90' day \
-    group by l_returnflag, l_linestatus order by l_returnflag, l_linestatus";
-
-const Q6: &str = "select sum(l_extendedprice * l_discount) as revenue from lineitem \
-    where l_shipdate >= date '1994-01-01' and l_shipdate < date '1994-01-01' + interval '1' year \
-    and l_discount between 0.06 - 0.01 and 0.06 + 0.01 and l_quantity < 24";
-
-const Q12: &str = "select l_shipmode, \
-    sum(case when o_orderpriority = '1-URGENT' or o_orderpriority = '2-HIGH' then 1 else 0 end) as high_line_count, \
-    sum(case when o_orderpriority <> '1-URGENT' and o_orderpriority <> '2-HIGH' then 1 else 0 end) as low_line_count \
-    from orders, lineitem where o_orderkey = l_orderkey and l_shipmode in ('MAIL', 'SHIP') \
-    and l_commitdate < l_receiptdate and l_shipdate < l_commitdate \
-    and l_receiptdate >= date '1994-01-01' and l_receiptdate < date '1994-01-01' + interval '1' year \
-    group by l_shipmode order by l_shipmode";
-
-const Q14: &str = "select 100.00 * sum(case when p_type like 'PROMO%' then l_extendedprice * (1 - l_discount) else 0 end) \
-    / sum(l_extendedprice * (1 - l_discount)) as promo_revenue from lineitem, part \
-    where l_partkey = p_partkey and l_shipdate >= date '1995-09-01' \
-    and l_shipdate < date '1995-09-01' + interval '1' month";
+#[path = "../src/bin/arrow-cuda/workloads.rs"]
+mod workloads;
 
 type Partitions = (SchemaRef, Vec<Vec<RecordBatch>>);
 

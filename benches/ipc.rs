@@ -30,6 +30,10 @@ use arrow_cuda::{Device, DeviceBuffer, DeviceRecordBatch, MemoryResource, Stream
 use arrow_ipc::reader::StreamReader;
 use arrow_ipc::writer::StreamWriter;
 use criterion::{Criterion, SamplingMode, Throughput};
+use workloads::monotonic_ns;
+
+#[path = "../src/bin/arrow-cuda/workloads.rs"]
+mod workloads;
 
 const ROLE: &str = "ARROW_CUDA_IPC_BENCH";
 const SOCKET: &str = "ARROW_CUDA_IPC_BENCH_SOCKET";
@@ -74,14 +78,6 @@ fn consumer(role: &str, path: &Path, device: Device) -> Child {
 fn stop(mut child: Child) {
     let _ = child.kill();
     let _ = child.wait();
-}
-
-/// `CLOCK_MONOTONIC` in nanoseconds: one clock for every process of the machine.
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: `ts` is a valid out-parameter; CLOCK_MONOTONIC always exists on Linux.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// One-way latency: from the sender's `send` call to the moment the consumer's `recv` returns the

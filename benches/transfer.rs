@@ -6,14 +6,17 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use arrow_array::{ArrayRef, Float64Array, Int64Array, RecordBatch, StringArray};
+use arrow_array::{ArrayRef, Int64Array, RecordBatch};
 use arrow_buffer::ScalarBuffer;
 use arrow_cuda::memory::pinned::PinnedPool;
 use arrow_cuda::transfer::{dtoh, htod};
 use arrow_cuda::{Device, MemoryResource, Stream};
-use arrow_data::ArrayData;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use cudarc::driver::{CudaSlice, CudaStream};
+use workloads::{buffers, small_batch};
+
+#[path = "../src/bin/arrow-cuda/workloads.rs"]
+mod workloads;
 
 const GIB_ROWS: usize = (1 << 30) / 16 / 8;
 
@@ -40,26 +43,6 @@ fn pinned_gib_batch(ordinal: usize) -> RecordBatch {
     RecordBatch::try_from_iter(columns).unwrap()
 }
 
-/// 100 columns x 1,000 rows with nulls and strings: about 300 small buffers.
-fn small_batch() -> RecordBatch {
-    let rows = 1000;
-    let columns = (0..100).map(|c| {
-        let array: ArrayRef = match c % 3 {
-            0 => Arc::new(Int64Array::from_iter(
-                (0..rows).map(|i| (i % 7 != 0).then_some(i as i64 * c)),
-            )),
-            1 => Arc::new(Float64Array::from_iter(
-                (0..rows).map(|i| (i % 5 != 0).then_some(i as f64 / 3.0)),
-            )),
-            _ => Arc::new(StringArray::from_iter(
-                (0..rows).map(|i| (i % 11 != 0).then(|| format!("value {i} of column {c}"))),
-            )),
-        };
-        (format!("c{c}"), array)
-    });
-    RecordBatch::try_from_iter(columns).unwrap()
-}
-
 /// TPC-H lineitem, 1M rows (strings, decimals, dates).
 fn lineitem() -> RecordBatch {
     let generator = tpchgen::generators::LineItemGenerator::new(1.0, 1, 1);
@@ -68,17 +51,6 @@ fn lineitem() -> RecordBatch {
         .next()
         .unwrap()
         .unwrap()
-}
-
-fn buffers(batch: &RecordBatch) -> Vec<arrow_buffer::Buffer> {
-    fn walk(d: &ArrayData, out: &mut Vec<arrow_buffer::Buffer>) {
-        out.extend(d.nulls().map(|n| n.buffer().clone()));
-        out.extend(d.buffers().iter().cloned());
-        d.child_data().iter().for_each(|c| walk(c, out));
-    }
-    let mut out = vec![];
-    batch.columns().iter().for_each(|c| walk(&c.to_data(), &mut out));
-    out
 }
 
 fn bytes(batch: &RecordBatch) -> u64 {

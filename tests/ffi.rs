@@ -19,7 +19,7 @@ use arrow_cuda::transfer::{dtoh, dtoh_array, htod, htod_array};
 use arrow_cuda::{Device, DeviceArrayData, DeviceBuffer, DeviceRecordBatch, Error, Event, Stream};
 use arrow_schema::{DataType, Field, Fields, Schema, SchemaRef};
 use common::corpus::{every_type, every_type_batch, slice_cuts, sliced};
-use common::each_device;
+use common::{check_batch, each_device};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers.
@@ -78,24 +78,6 @@ fn check_array(what: &str, back: &ArrayRef, expected: &ArrayRef) {
         expected.as_ref(),
         "{what}: the round trip changed the array"
     );
-}
-
-fn check_batch(what: &str, back: &RecordBatch, expected: &RecordBatch) {
-    assert_eq!(back.num_rows(), expected.num_rows(), "{what}: rows");
-    assert_eq!(back.schema(), expected.schema(), "{what}: schema");
-    assert_eq!(
-        back.schema().metadata(),
-        expected.schema().metadata(),
-        "{what}: schema metadata"
-    );
-    for (i, (b, e)) in back.columns().iter().zip(expected.columns()).enumerate() {
-        let name = expected.schema().field(i).name().clone();
-        b.to_data()
-            .validate_full()
-            .unwrap_or_else(|err| panic!("{what}: column {name} is invalid: {err}"));
-        assert_eq!(b.as_ref(), e.as_ref(), "{what}: column {name} differs");
-    }
-    assert_eq!(back, expected, "{what}");
 }
 
 /// Exports a batch, checks the header, imports it with the exported schema and downloads it.

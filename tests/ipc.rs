@@ -26,7 +26,7 @@ use arrow_cuda::{Device, DeviceBuffer, DeviceRecordBatch, Error, Event, MemoryRe
 use arrow_ipc::writer::{DictionaryTracker, IpcDataGenerator, IpcWriteContext, IpcWriteOptions};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use common::corpus::{ROWS, every_type_batch};
-use common::each_device;
+use common::{check_batch, each_device};
 use proptest::prelude::*;
 
 // ---------------------------------------------------------------------------------------------
@@ -52,18 +52,6 @@ fn upload(batch: &RecordBatch, resource: MemoryResource, stream: &Stream) -> Dev
     let b = htod_async(batch, resource, stream).unwrap();
     b.ready().synchronize().unwrap();
     b
-}
-
-fn check(what: &str, back: &RecordBatch, expected: &RecordBatch) {
-    assert_eq!(back.schema(), expected.schema(), "{what}: schema");
-    for (i, (b, e)) in back.columns().iter().zip(expected.columns()).enumerate() {
-        let name = expected.schema().field(i).name().clone();
-        b.to_data()
-            .validate_full()
-            .unwrap_or_else(|err| panic!("{what}: column {name} is invalid: {err}"));
-        assert_eq!(b.as_ref(), e.as_ref(), "{what}: column {name} differs");
-    }
-    assert_eq!(back, expected, "{what}");
 }
 
 fn is_invalid_data(e: &Error) -> bool {
@@ -92,7 +80,7 @@ fn messages_round_trip_every_type() {
                     "{what}: a buffer that is not a view of the message"
                 );
             }
-            check(&what, &dtoh(&read, stream).unwrap(), &batch);
+            check_batch(&what, &dtoh(&read, stream).unwrap(), &batch);
         }
     });
 }
@@ -138,7 +126,7 @@ fn messages_are_ordinary_arrow_ipc_messages() {
         let on_device = upload(&batch, exportable(device), stream);
         let message = ipc::write_message(&on_device, stream).unwrap();
         let bytes = host_bytes(&message, stream);
-        check(
+        check_batch(
             &format!("{device}: arrow-ipc reads the message"),
             &read_with_arrow_ipc(&bytes, batch.schema()),
             &batch,
@@ -162,8 +150,8 @@ fn sliced_batches_take_the_host_path() {
             assert!(ipc::needs_normalising(&slice).unwrap(), "{what}");
             let message = ipc::write_message(&slice, stream).unwrap();
             let read = ipc::read_message(message.buffer(), &batch.schema(), stream).unwrap();
-            check(&what, &dtoh(&read, stream).unwrap(), &batch.slice(offset, len));
-            check(
+            check_batch(&what, &dtoh(&read, stream).unwrap(), &batch.slice(offset, len));
+            check_batch(
                 &what,
                 &read_with_arrow_ipc(&host_bytes(&message, stream), batch.schema()),
                 &batch.slice(offset, len),
@@ -180,7 +168,7 @@ fn empty_batches_round_trip() {
             let on_device = upload(&b, exportable(device), stream);
             let message = ipc::write_message(&on_device, stream).unwrap();
             let read = ipc::read_message(message.buffer(), &b.schema(), stream).unwrap();
-            check(&format!("{device}: empty"), &dtoh(&read, stream).unwrap(), &b);
+            check_batch(&format!("{device}: empty"), &dtoh(&read, stream).unwrap(), &b);
         }
     });
 }
@@ -435,7 +423,7 @@ fn descriptors_describe_batches_without_a_copy() {
     let read = received
         .import(&batch.schema(), Event::completed(), DropFlag(dropped.clone()))
         .unwrap();
-    check("imported", &dtoh(&read, &stream).unwrap(), &batch);
+    check_batch("imported", &dtoh(&read, &stream).unwrap(), &batch);
     // The imported buffers are views of the mapped region, not copies.
     let mapped = read.column(1).buffers()[0].clone();
     drop(read);
@@ -467,7 +455,7 @@ fn descriptors_of_messages_and_their_refusals() {
         } else {
             batch.slice(3, 10)
         };
-        check("message descriptor", &dtoh(&read, &stream).unwrap(), &expected);
+        check_batch("message descriptor", &dtoh(&read, &stream).unwrap(), &expected);
     }
 }
 
@@ -711,7 +699,7 @@ fn peer() {
             for i in 0..count {
                 let batch = r.recv().unwrap().expect("a batch");
                 assert_eq!(batch.device(), device);
-                check(&format!("batch {i}"), &dtoh(&batch, &stream).unwrap(), &stream_batch(i));
+                check_batch(&format!("batch {i}"), &dtoh(&batch, &stream).unwrap(), &stream_batch(i));
             }
             assert!(r.recv().unwrap().is_none(), "the end of the stream");
             assert!(r.recv().unwrap().is_none(), "the end stays the end");
@@ -730,7 +718,7 @@ fn peer() {
             // One mapping: the sender exports an allocation's handle once and sends the same bytes
             // every time (the driver may hand out new bytes for each export).
             assert_eq!(open, 1, "{open} mappings");
-            check("shared", &dtoh(&a, &stream).unwrap(), &stream_batch(0));
+            check_batch("shared", &dtoh(&a, &stream).unwrap(), &stream_batch(0));
             drop((a, b));
             let open = match device {
                 Device::Cpu => SharedMapping::open_count(),
@@ -911,7 +899,7 @@ fn a_killed_sender_makes_the_receiver_fail() {
         if device == Device::Cpu {
             // Shared memory outlives its creator.
             for (i, b) in got.iter().enumerate() {
-                check("after the sender died", &dtoh(b, stream).unwrap(), &stream_batch(i));
+                check_batch("after the sender died", &dtoh(b, stream).unwrap(), &stream_batch(i));
             }
         }
     });
@@ -952,7 +940,7 @@ fn acknowledgements_free_room_for_more() {
     sender.send(&shared).unwrap();
     drop(shared);
     let got = r.recv().unwrap().unwrap();
-    check("received", &dtoh(&got, &stream).unwrap(), &batch);
+    check_batch("received", &dtoh(&got, &stream).unwrap(), &batch);
     assert_eq!(sender.status().in_flight_batches, 1);
     // Only one byte may be in flight: the next batch waits for room, and times out.
     let other = upload(&batch, MemoryResource::SharedHost, &stream);
@@ -978,7 +966,7 @@ fn acknowledgements_free_room_for_more() {
     sender.wait_idle(Duration::from_secs(10)).unwrap();
     sender.send(&plain).unwrap();
     let got = r.recv().unwrap().unwrap();
-    check("copied", &dtoh(&got, &stream).unwrap(), &batch);
+    check_batch("copied", &dtoh(&got, &stream).unwrap(), &batch);
     drop(got);
     sender.wait_idle(Duration::from_secs(10)).unwrap();
     sender.finish().unwrap();
@@ -999,8 +987,8 @@ fn two_receivers_release_a_batch_when_both_are_done() {
     sender.send(&shared).unwrap();
     drop(shared);
     let (g1, g2) = (r1.recv().unwrap().unwrap(), r2.recv().unwrap().unwrap());
-    check("first", &dtoh(&g1, &stream).unwrap(), &batch);
-    check("second", &dtoh(&g2, &stream).unwrap(), &batch);
+    check_batch("first", &dtoh(&g1, &stream).unwrap(), &batch);
+    check_batch("second", &dtoh(&g2, &stream).unwrap(), &batch);
     drop(g1);
     assert!(
         sender.wait_idle(Duration::from_millis(200)).is_err(),
@@ -1043,7 +1031,7 @@ fn late_receivers_start_with_the_next_batch_and_still_see_the_end() {
     sender
         .send(&upload(&second, MemoryResource::SharedHost, &stream))
         .unwrap();
-    check("second", &dtoh(&r.recv().unwrap().unwrap(), &stream).unwrap(), &second);
+    check_batch("second", &dtoh(&r.recv().unwrap().unwrap(), &stream).unwrap(), &second);
     sender.finish().unwrap();
     assert!(
         sender
@@ -1272,6 +1260,6 @@ fn corrupt_frames_from_a_receiver_cost_only_that_receiver() {
     sender
         .send(&upload(&batch, MemoryResource::SharedHost, &stream))
         .unwrap();
-    check("good", &dtoh(&good.recv().unwrap().unwrap(), &stream).unwrap(), &batch);
+    check_batch("good", &dtoh(&good.recv().unwrap().unwrap(), &stream).unwrap(), &batch);
     sender.wait_idle(Duration::from_secs(10)).unwrap();
 }

@@ -14,7 +14,7 @@ use arrow_cuda::transfer::{dtoh, dtoh_array, dtoh_async, htod, htod_array, htod_
 use arrow_cuda::{Device, DeviceArrayData, DeviceRecordBatch, MemoryResource, Stream};
 use arrow_schema::{DataType, Field, FieldRef, Fields, Schema};
 use common::corpus::{ROWS, every_type, every_type_batch, slice_cuts, sliced};
-use common::each_device;
+use common::{check_batch, each_device};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -71,24 +71,6 @@ fn round_trip_batch(what: &str, batch: &RecordBatch, device: Device, stream: &St
     let back = dtoh(&on_device, stream).unwrap_or_else(|e| panic!("{what}: dtoh: {e}"));
     check_batch(what, &back, batch);
     on_device
-}
-
-fn check_batch(what: &str, back: &RecordBatch, expected: &RecordBatch) {
-    assert_eq!(back.num_rows(), expected.num_rows(), "{what}: rows");
-    assert_eq!(back.schema(), expected.schema(), "{what}: schema");
-    assert_eq!(
-        back.schema().metadata(),
-        expected.schema().metadata(),
-        "{what}: schema metadata"
-    );
-    for (i, (b, e)) in back.columns().iter().zip(expected.columns()).enumerate() {
-        let name = expected.schema().field(i).name().clone();
-        b.to_data()
-            .validate_full()
-            .unwrap_or_else(|err| panic!("{what}: column {name} is invalid: {err}"));
-        assert_eq!(b.as_ref(), e.as_ref(), "{what}: column {name} differs");
-    }
-    assert_eq!(back, expected, "{what}");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -206,7 +206,9 @@ __device__ u64 block_sum(u64 c, u64* s) {
     return s[0];
 }
 
-extern "C" __global__ void tile_count_u8(const unsigned char* v, u64 n, u64* tiles) {
+/* The sum of each tile of TILE values of v. */
+template <typename T>
+__device__ void tile_sums(const T* v, u64 n, u64* tiles) {
     __shared__ u64 s[BLOCK];
     u64 base = (u64)blockIdx.x * TILE + (u64)threadIdx.x * RPT;
     u64 c = 0;
@@ -215,14 +217,9 @@ extern "C" __global__ void tile_count_u8(const unsigned char* v, u64 n, u64* til
     if (threadIdx.x == 0) tiles[blockIdx.x] = t;
 }
 
-extern "C" __global__ void tile_sum_u64(const u64* v, u64 n, u64* tiles) {
-    __shared__ u64 s[BLOCK];
-    u64 base = (u64)blockIdx.x * TILE + (u64)threadIdx.x * RPT;
-    u64 c = 0;
-    for (int r = 0; r < RPT; r++) { u64 i = base + r; if (i < n) c += v[i]; }
-    u64 t = block_sum(c, s);
-    if (threadIdx.x == 0) tiles[blockIdx.x] = t;
-}
+extern "C" __global__ void tile_count_u8(const unsigned char* v, u64 n, u64* tiles) { tile_sums(v, n, tiles); }
+
+extern "C" __global__ void tile_sum_u64(const u64* v, u64 n, u64* tiles) { tile_sums(v, n, tiles); }
 
 /* One block: exclusive prefix sum of ntiles values in place; the total goes to t[ntiles]. */
 extern "C" __global__ void scan_tiles(u64* t, u64 ntiles) {

@@ -107,19 +107,15 @@ pub fn write_message_to(batch: &DeviceRecordBatch, resource: MemoryResource, str
     // kept by the message, which callers keep until its ready event completes.
     unsafe { copy(dst, dst_device, head.as_ptr() as u64, Device::Cpu, head.len(), &stream)? };
     let zeroed = matches!(resource, MemoryResource::Host | MemoryResource::SharedHost);
+    // Zeroes body bytes `from..to` (the padding between runs), unless the memory came zeroed.
+    let pad = |from: usize, to: usize| match zeroed {
+        true => Ok(()),
+        // SAFETY: `from..to` lies inside the new allocation's body.
+        false => unsafe { zero(dst + (body_offset + from) as u64, dst_device, to - from, &stream) },
+    };
     let mut written = 0;
     for run in runs(&layout) {
-        if !zeroed {
-            // SAFETY: the gap lies inside the new allocation.
-            unsafe {
-                zero(
-                    dst + (body_offset + written) as u64,
-                    dst_device,
-                    run.dst - written,
-                    &stream,
-                )?
-            };
-        }
+        pad(written, run.dst)?;
         // SAFETY: the run lies inside one live allocation of the batch (its buffers view it, and
         // the batch is kept by the message until it drops) and inside the new allocation.
         unsafe {
@@ -134,17 +130,7 @@ pub fn write_message_to(batch: &DeviceRecordBatch, resource: MemoryResource, str
         };
         written = run.dst + run.len;
     }
-    if !zeroed {
-        // SAFETY: the tail padding lies inside the new allocation.
-        unsafe {
-            zero(
-                dst + (body_offset + written) as u64,
-                dst_device,
-                layout.body_len - written,
-                &stream,
-            )?
-        };
-    }
+    pad(written, layout.body_len)?;
     let ready = stream.record()?;
     let sources = stream.cuda().is_some().then(|| batch.clone());
     Ok(DeviceMessage {

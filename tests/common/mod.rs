@@ -3,6 +3,7 @@
 
 pub mod corpus;
 
+use arrow_array::RecordBatch;
 use arrow_cuda::{Device, Stream};
 
 /// Whether this machine has an NVIDIA GPU, whatever the driver says: on such a machine CUDA cases
@@ -42,4 +43,24 @@ pub fn cuda() -> Option<Device> {
 /// run in the plain pass.
 pub fn under_sanitizer() -> bool {
     std::env::var_os("ARROW_CUDA_SANITIZER").is_some()
+}
+
+/// Checks that `back` equals `expected` (schema and metadata included) and that every column
+/// passes arrow-rs's full validation.
+pub fn check_batch(what: &str, back: &RecordBatch, expected: &RecordBatch) {
+    assert_eq!(back.num_rows(), expected.num_rows(), "{what}: rows");
+    assert_eq!(back.schema(), expected.schema(), "{what}: schema");
+    assert_eq!(
+        back.schema().metadata(),
+        expected.schema().metadata(),
+        "{what}: schema metadata"
+    );
+    for (i, (b, e)) in back.columns().iter().zip(expected.columns()).enumerate() {
+        let name = expected.schema().field(i).name().clone();
+        b.to_data()
+            .validate_full()
+            .unwrap_or_else(|err| panic!("{what}: column {name} is invalid: {err}"));
+        assert_eq!(b.as_ref(), e.as_ref(), "{what}: column {name} differs");
+    }
+    assert_eq!(back, expected, "{what}");
 }

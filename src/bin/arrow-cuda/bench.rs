@@ -20,14 +20,15 @@ use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arrow_array::{ArrayRef, Float64Array, Int64Array, RecordBatch, StringArray};
+use arrow_array::{ArrayRef, Int64Array, RecordBatch};
 use arrow_cuda::ipc::{Receiver, ReceiverOptions, Sender, SenderOptions, default_message_resource, io_error_kind};
 use arrow_cuda::transfer::{dtoh, htod, htod_async};
 use arrow_cuda::{Device, DeviceBuffer, DeviceRecordBatch, MemoryResource, Result, Stream};
-use arrow_data::ArrayData;
 use arrow_ipc::reader::StreamReader;
 use arrow_ipc::writer::StreamWriter;
 use arrow_schema::SchemaRef;
+
+use crate::workloads::{buffers, monotonic_ns, small_batch};
 
 /// A result whose error is anything printable.
 type BoxResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
@@ -458,14 +459,6 @@ fn upload(batch: &RecordBatch, device: Device, stream: &Stream) -> Result<Device
     Ok(b)
 }
 
-/// `CLOCK_MONOTONIC` in nanoseconds: one clock for every process of the machine.
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: `ts` is a valid out-parameter; CLOCK_MONOTONIC always exists on Linux.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 /// `arrow-cuda bench-peer`: one consumer of the IPC rows, until the stream ends or it is killed.
 pub fn peer(args: &PeerArgs) -> BoxResult<()> {
     let device = args.device.resolve()?;
@@ -601,35 +594,6 @@ fn int64_batch(columns: usize, rows: usize) -> RecordBatch {
         )
     });
     RecordBatch::try_from_iter(columns).expect("valid batch")
-}
-
-/// 100 columns of 1,000 rows: Int64, Float64 and strings, with nulls.
-fn small_batch() -> RecordBatch {
-    let columns = (0..100).map(|c| {
-        let array: ArrayRef = match c % 3 {
-            0 => Arc::new(Int64Array::from_iter((0..1000).map(|i| (i % 7 != 0).then_some(i * c)))),
-            1 => Arc::new(Float64Array::from_iter(
-                (0..1000).map(|i| (i % 5 != 0).then_some(i as f64)),
-            )),
-            _ => Arc::new(StringArray::from_iter(
-                (0..1000).map(|i| (i % 11 != 0).then(|| format!("row {i}"))),
-            )),
-        };
-        (format!("c{c}"), array)
-    });
-    RecordBatch::try_from_iter(columns).expect("valid batch")
-}
-
-/// Every Arrow buffer of `batch`, validity included.
-fn buffers(batch: &RecordBatch) -> Vec<arrow_buffer::Buffer> {
-    fn walk(d: &ArrayData, out: &mut Vec<arrow_buffer::Buffer>) {
-        out.extend(d.nulls().map(|n| n.buffer().clone()));
-        out.extend(d.buffers().iter().cloned());
-        d.child_data().iter().for_each(|c| walk(c, out));
-    }
-    let mut out = vec![];
-    batch.columns().iter().for_each(|c| walk(&c.to_data(), &mut out));
-    out
 }
 
 /// Device buffers for the naive path: one per arrow buffer.

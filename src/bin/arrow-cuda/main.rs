@@ -7,6 +7,7 @@ mod ipc;
 mod query;
 #[cfg(feature = "datafusion")]
 mod tpch;
+mod workloads;
 
 use std::process::ExitCode;
 

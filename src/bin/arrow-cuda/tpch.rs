@@ -51,34 +51,9 @@ where
 
 /// The SQL of a TPC-H query the tool knows by name.
 pub fn query(name: &str) -> Option<&'static str> {
-    Some(match name.to_ascii_lowercase().as_str() {
-        "q1" => {
-            "select l_returnflag, l_linestatus, sum(l_quantity) as sum_qty, sum(l_extendedprice) as sum_base_price, \
-             sum(l_extendedprice * (1 - l_discount)) as sum_disc_price, \
-             sum(l_extendedprice * (1 - l_discount) * (1 + l_tax)) as sum_charge, avg(l_quantity) as avg_qty, \
-             avg(l_extendedprice) as avg_price, avg(l_discount) as avg_disc, count(*) as count_order \
-             from lineitem where l_shipdate <= date '1998-12-01' - interval '90' day \
-             group by l_returnflag, l_linestatus order by l_returnflag, l_linestatus"
-        }
-        "q6" => {
-            "select sum(l_extendedprice * l_discount) as revenue from lineitem \
-             where l_shipdate >= date '1994-01-01' and l_shipdate < date '1995-01-01' \
-             and l_discount between 0.05 and 0.07 and l_quantity < 24"
-        }
-        "q12" => {
-            "select l_shipmode, \
-             sum(case when o_orderpriority = '1-URGENT' or o_orderpriority = '2-HIGH' then 1 else 0 end) as high_line_count, \
-             sum(case when o_orderpriority <> '1-URGENT' and o_orderpriority <> '2-HIGH' then 1 else 0 end) as low_line_count \
-             from orders, lineitem where o_orderkey = l_orderkey and l_shipmode in ('MAIL', 'SHIP') \
-             and l_commitdate < l_receiptdate and l_shipdate < l_commitdate \
-             and l_receiptdate >= date '1994-01-01' and l_receiptdate < date '1995-01-01' \
-             group by l_shipmode order by l_shipmode"
-        }
-        "q14" => {
-            "select 100.00 * sum(case when p_type like 'PROMO%' then l_extendedprice * (1 - l_discount) else 0 end) \
-             / sum(l_extendedprice * (1 - l_discount)) as promo_revenue from lineitem, part \
-             where l_partkey = p_partkey and l_shipdate >= date '1995-09-01' and l_shipdate < date '1995-10-01'"
-        }
-        _ => return None,
-    })
+    let name = name.to_ascii_lowercase();
+    crate::workloads::QUERIES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, sql)| *sql)
 }
