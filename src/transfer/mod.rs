@@ -31,6 +31,10 @@ use plan::{Layout, Plan};
 
 /// Bytes packed and sent per DMA on large uploads.
 const CHUNK: usize = 32 << 20;
+/// Smaller uploads go in about this many chunks, so that packing one overlaps the DMA of the last.
+const PIPELINE_DEPTH: usize = 4;
+/// The smallest chunk worth its own DMA and event.
+const MIN_CHUNK: usize = 256 << 10;
 /// Chunks whose DMA may be in flight while the next is packed.
 const IN_FLIGHT: usize = 4;
 
@@ -111,9 +115,10 @@ fn pack(plan: &Plan<'_>, resource: MemoryResource, stream: &Stream) -> Result<(D
             };
             in_flight.push_back((Box::new(d.owner.clone()), stream.record()?));
         }
+        let chunk = (plan.size() / PIPELINE_DEPTH).next_multiple_of(ALIGNMENT).clamp(MIN_CHUNK, CHUNK);
         for range in &packed {
-            for start in range.clone().step_by(CHUNK) {
-                let len = CHUNK.min(range.end - start);
+            for start in range.clone().step_by(chunk) {
+                let len = chunk.min(range.end - start);
                 if in_flight.len() >= IN_FLIGHT
                     && let Some((_, done)) = in_flight.pop_front()
                 {
@@ -203,7 +208,7 @@ pub fn dtoh_async(batch: &DeviceRecordBatch, stream: &Stream) -> Result<PendingB
 pub fn dtoh_array(array: &DeviceArrayData, stream: &Stream) -> Result<ArrayRef> {
     let (memory, layouts, event) = gather(std::slice::from_ref(array), array.device(), None, stream)?;
     event.synchronize()?;
-    Ok(make_array(layouts[0].to_host(&memory)?))
+    Ok(make_array(layouts[0].to_host(&memory.to_arrow_buffer()?)?))
 }
 
 /// A device-to-host copy in flight. Dropping it without [`PendingBatch::wait`] is safe: what the
@@ -250,7 +255,8 @@ impl PendingBatch {
     pub fn wait(mut self) -> Result<RecordBatch> {
         self.event.synchronize()?;
         let copy = self.copy.take().expect("a pending batch is waited for once");
-        let build = |l: &Layout| Ok(make_array(l.to_host(&copy.memory)?));
+        let memory = copy.memory.to_arrow_buffer()?;
+        let build = |l: &Layout| Ok(make_array(l.to_host(&memory)?));
         // Validation reads every string: untrusted columns are validated on every core. Trusted
         // ones only need their arrays built, which threads would slow down (they would all count
         // references to the one host block).
@@ -288,8 +294,10 @@ fn gather(
         stream.wait(ready)?;
     }
     // Group buffers by allocation, in address order; nearby buffers of one allocation share a span.
-    let mut buffers: Vec<&DeviceBuffer> = arrays.iter().flat_map(|a| a.all_buffers()).collect();
-    buffers.sort_by_key(|b| b.address());
+    let all: Vec<&DeviceBuffer> = arrays.iter().flat_map(|a| a.all_buffers()).collect();
+    let mut order: Vec<usize> = (0..all.len()).collect();
+    order.sort_by_key(|&i| all[i].address());
+    let buffers: Vec<&DeviceBuffer> = order.iter().map(|&i| all[i]).collect();
     let mut spans: Vec<Span> = Vec::new();
     let mut span_of = Vec::with_capacity(buffers.len());
     let mut size = 0usize;
@@ -348,14 +356,15 @@ fn gather(
         }
     }
     let event = stream.record()?;
-    // Where each buffer landed, by address.
-    let mut place = std::collections::HashMap::with_capacity(buffers.len());
-    for (b, &si) in buffers.iter().zip(&span_of) {
+    // Where each buffer landed, in the order of `all_buffers`, which `host_layout` walks too.
+    let mut place = vec![0..0; buffers.len()];
+    for ((b, &si), &i) in buffers.iter().zip(&span_of).zip(&order) {
         let s = &spans[si];
         let start = s.dst + (b.address() - s.src) as usize;
-        place.insert((b.address(), b.len()), start..start + b.len());
+        place[i] = start..start + b.len();
     }
-    let layouts = arrays.iter().map(|a| host_layout(a, &place)).collect();
+    let mut place = place.into_iter();
+    let layouts = arrays.iter().map(|a| host_layout(a, &mut place)).collect();
     Ok((memory, layouts, event))
 }
 
@@ -368,15 +377,18 @@ fn copy_spans_on_host(spans: &[Span], out: &mut [u8]) {
     });
 }
 
-fn host_layout(a: &DeviceArrayData, place: &std::collections::HashMap<(u64, usize), std::ops::Range<usize>>) -> Layout {
-    let at = |b: &DeviceBuffer| place[&(b.address(), b.len())].clone();
+/// The layout of `a` in the host block, taking its buffers' places (in `all_buffers` order).
+fn host_layout(a: &DeviceArrayData, place: &mut impl Iterator<Item = std::ops::Range<usize>>) -> Layout {
+    let mut at = || place.next().unwrap_or_default();
+    let nulls = a.nulls.as_ref().map(|_| at());
+    let buffers = a.buffers.iter().map(|_| at()).collect();
     Layout {
         data_type: a.data_type.clone(),
         len: a.len,
         offset: a.offset,
         null_count: a.null_count,
-        nulls: a.nulls.as_ref().map(at),
-        buffers: a.buffers.iter().map(at).collect(),
+        nulls,
+        buffers,
         children: a.children.iter().map(|c| host_layout(c, place)).collect(),
         trusted: a.trusted,
     }

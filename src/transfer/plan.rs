@@ -114,9 +114,9 @@ impl Layout {
         })
     }
 
-    /// The arrow array these ranges of host-accessible `memory` hold, fully validated unless the
-    /// layout is trusted.
-    pub fn to_host(&self, memory: &DeviceBuffer) -> Result<ArrayData> {
+    /// The arrow array these ranges of `memory` (a host block wrapped as one arrow buffer) hold,
+    /// fully validated unless the layout is trusted. Its buffers are slices of `memory`.
+    pub fn to_host(&self, memory: &Buffer) -> Result<ArrayData> {
         self.host_window(memory, 0, self.len)
     }
 
@@ -130,7 +130,7 @@ impl Layout {
     /// lists and sparse unions reach that path by slicing their children. So structs,
     /// fixed-size lists and unions are built with offset 0: their offset moves into their
     /// children's windows and their own buffers are cut.
-    fn host_window(&self, memory: &DeviceBuffer, start: usize, len: usize) -> Result<ArrayData> {
+    fn host_window(&self, memory: &Buffer, start: usize, len: usize) -> Result<ArrayData> {
         if start.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(Error::InvalidData(format!(
                 "{} window {start}..+{len} of an array of {} elements",
@@ -141,7 +141,16 @@ impl Layout {
         let bits = offset
             .checked_add(len)
             .ok_or_else(|| Error::InvalidData("length overflows".into()))?;
-        let buffer = |r: &Range<usize>| memory.slice(r.start, r.len())?.to_arrow_buffer();
+        let buffer = |r: &Range<usize>| {
+            if r.start > r.end || r.end > memory.len() {
+                return Err(Error::OutOfBounds {
+                    offset: r.start,
+                    len: r.len(),
+                    size: memory.len(),
+                });
+            }
+            Ok(memory.slice_with_length(r.start, r.len()))
+        };
         // `n` bytes from byte `from` of the buffer at `r`.
         let cut = |r: &Range<usize>, from: usize, n: usize| {
             if from.checked_add(n).is_none_or(|end| end > r.len()) {
@@ -151,7 +160,7 @@ impl Layout {
                     self.data_type
                 )));
             }
-            memory.slice(r.start + from, n)?.to_arrow_buffer()
+            buffer(&(r.start + from..r.start + from + n))
         };
         let nulls = match &self.nulls {
             None => None,
