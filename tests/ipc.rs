@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
@@ -15,8 +14,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
-use arrow_array::{ArrayRef, Int64Array, RecordBatch, StringArray};
-use arrow_buffer::Buffer;
+use arrow_array::types::Int16Type;
+use arrow_array::{
+    Array, ArrayRef, DictionaryArray, Int16Array, Int64Array, ListArray, RecordBatch, StringArray, StructArray,
+};
 use arrow_cuda::ipc::{
     self, BatchDescriptor, BufferLocation, DeviceMessage, IpcMemHandle, Receiver, ReceiverOptions, Sender, SenderEvent,
     SenderOptions, SharedMapping, SharedMemHandle,
@@ -32,14 +33,9 @@ use proptest::prelude::*;
 // ---------------------------------------------------------------------------------------------
 // Batches.
 
-/// The corpus of every type, without its dictionary columns (which IPC would send as separate
-/// dictionary batches).
+/// The corpus of every type (its dictionary columns travel as dictionary batches).
 fn corpus() -> RecordBatch {
-    let batch = every_type_batch();
-    let keep: Vec<usize> = (0..batch.num_columns())
-        .filter(|&i| !matches!(batch.schema().field(i).data_type(), DataType::Dictionary(..)))
-        .collect();
-    batch.project(&keep).unwrap()
+    every_type_batch()
 }
 
 /// Memory another process can open.
@@ -90,33 +86,75 @@ fn host_bytes(message: &DeviceMessage, stream: &Stream) -> Vec<u8> {
     message.buffer().to_vec(stream).unwrap()
 }
 
-/// Reads an encapsulated message with arrow-ipc's own reader.
-fn read_with_arrow_ipc(bytes: &[u8], schema: SchemaRef) -> RecordBatch {
-    assert_eq!(&bytes[..4], &[0xff; 4]);
-    let meta_len = i32::from_le_bytes(bytes[4..8].try_into().unwrap()) as usize;
-    assert_eq!((8 + meta_len) % 8, 0, "the metadata is padded to 8 bytes");
-    let message = arrow_ipc::root_as_message(&bytes[8..8 + meta_len]).unwrap();
-    let body_len = message.bodyLength() as usize;
-    assert_eq!(bytes.len(), 8 + meta_len + body_len);
-    let body = Buffer::from(bytes[8 + meta_len..].to_vec());
-    let rb = message.header_as_record_batch().unwrap();
-    arrow_ipc::reader::read_record_batch(&body, rb, schema, &HashMap::new(), None, &message.version()).unwrap()
+/// Where each encapsulated message in `bytes` starts; requires that the last ends where the bytes
+/// end.
+fn message_starts(bytes: &[u8]) -> Vec<usize> {
+    let mut starts = vec![];
+    let mut start = 0;
+    while start < bytes.len() {
+        starts.push(start);
+        assert_eq!(&bytes[start..start + 4], &[0xff; 4]);
+        let meta_len = i32::from_le_bytes(bytes[start + 4..start + 8].try_into().unwrap()) as usize;
+        assert_eq!((8 + meta_len) % 8, 0, "the metadata is padded to 8 bytes");
+        let message = arrow_ipc::root_as_message(&bytes[start + 8..start + 8 + meta_len]).unwrap();
+        start += 8 + meta_len + message.bodyLength() as usize;
+    }
+    assert_eq!(start, bytes.len(), "the last message ends where the bytes end");
+    starts
 }
 
-/// The message arrow-rs writes for `batch` (64-byte alignment, metadata version V5).
+/// Reads the messages of one batch (its dictionaries', then its own) with arrow-ipc's stream
+/// reader, after the schema message.
+fn read_with_arrow_ipc(bytes: &[u8], schema: SchemaRef) -> RecordBatch {
+    message_starts(bytes);
+    let mut stream = ipc::encode_schema(&schema);
+    stream.extend_from_slice(bytes);
+    stream.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0]);
+    let mut reader = arrow_ipc::reader::StreamReader::try_new(std::io::Cursor::new(stream), None).unwrap();
+    let batch = reader.next().unwrap().unwrap();
+    assert!(reader.next().is_none(), "one batch");
+    batch
+}
+
+/// The messages arrow-rs writes for `batch`, its dictionaries' first (64-byte alignment, metadata
+/// version V5).
 fn arrow_rs_message(batch: &RecordBatch) -> Vec<u8> {
     let options = IpcWriteOptions::default();
-    let (_, encoded) = IpcDataGenerator::default()
-        .encode(
-            batch,
-            &mut DictionaryTracker::new(false),
-            &options,
-            &mut IpcWriteContext::default(),
-        )
+    let generator = IpcDataGenerator::default();
+    let mut tracker = DictionaryTracker::new(false);
+    generator.schema_to_bytes_with_dictionary_tracker(&batch.schema(), &mut tracker, &options);
+    let (dictionaries, encoded) = generator
+        .encode(batch, &mut tracker, &options, &mut IpcWriteContext::default())
         .unwrap();
     let mut out = Vec::new();
-    arrow_ipc::writer::write_message(&mut out, encoded, &options).unwrap();
+    for e in dictionaries.into_iter().chain([encoded]) {
+        arrow_ipc::writer::write_message(&mut out, e, &options).unwrap();
+    }
     out
+}
+
+/// Requires the same messages, byte for byte, in `ours` and `theirs`.
+fn same_messages(what: &str, ours: &[u8], theirs: &[u8]) {
+    let starts = message_starts(ours);
+    assert_eq!(starts, message_starts(theirs), "{what}: where the messages start");
+    for (i, &s) in starts.iter().enumerate() {
+        let end = starts.get(i + 1).copied().unwrap_or(ours.len());
+        let meta_len = i32::from_le_bytes(ours[s + 4..s + 8].try_into().unwrap()) as usize;
+        assert!(
+            ours[s..s + 8 + meta_len] == theirs[s..s + 8 + meta_len],
+            "{what}: the metadata of message {i} differs from arrow-rs's"
+        );
+        let diff: Vec<_> = (s..end)
+            .filter(|&j| ours[j] != theirs[j])
+            .map(|j| (j - s, ours[j], theirs[j]))
+            .take(10)
+            .collect();
+        assert!(
+            ours[s..end] == theirs[s..end],
+            "{what}: the body of message {i} differs from arrow-rs's {diff:?}"
+        );
+    }
+    assert_eq!(ours.len(), theirs.len());
 }
 
 #[test]
@@ -131,11 +169,9 @@ fn messages_are_ordinary_arrow_ipc_messages() {
             &read_with_arrow_ipc(&bytes, batch.schema()),
             &batch,
         );
-        assert_eq!(&bytes[8..8 + message.metadata().len()], message.metadata());
-        assert!(
-            bytes == arrow_rs_message(&batch),
-            "{device}: the message differs from arrow-rs's bytes for the batch"
-        );
+        let at = message_starts(&bytes).last().unwrap() + 8;
+        assert_eq!(&bytes[at..at + message.metadata().len()], message.metadata());
+        same_messages(&format!("{device}"), &bytes, &arrow_rs_message(&batch));
     });
 }
 
@@ -173,19 +209,154 @@ fn empty_batches_round_trip() {
     });
 }
 
+/// Dictionaries inside a struct and a list, a dictionary whose values hold another, two
+/// dictionaries in one struct, and a plain column between them.
+fn nested_dictionaries(rows: usize) -> RecordBatch {
+    let words = |n: usize, seed: usize| -> ArrayRef {
+        Arc::new(StringArray::from_iter(
+            (0..n).map(|i| (i % 5 != seed % 5).then(|| format!("w{}", i * seed))),
+        ))
+    };
+    let keys = |n: usize, of: usize| {
+        Int16Array::from_iter((0..rows).map(|i| (i % 7 != 3).then_some(((i * 3 + n) % of) as i16)))
+    };
+    let dict = |n: usize, values: ArrayRef| -> ArrayRef {
+        let of = values.len();
+        Arc::new(DictionaryArray::<Int16Type>::try_new(keys(n, of), values).unwrap())
+    };
+    let pair = StructArray::from(vec![
+        (
+            Arc::new(Field::new("a", dict(1, words(6, 1)).data_type().clone(), true)),
+            dict(1, words(6, 1)),
+        ),
+        (
+            Arc::new(Field::new("b", dict(2, words(4, 2)).data_type().clone(), true)),
+            dict(2, words(4, 2)),
+        ),
+    ]);
+    let inner = dict(3, words(9, 3));
+    // Values that hold a dictionary: structs of 11 keys into 9 words (arrow-rs's IPC writer
+    // cannot describe a dictionary directly inside another's values).
+    let keyed: ArrayRef = Arc::new(
+        DictionaryArray::<Int16Type>::try_new(
+            Int16Array::from_iter((0..11).map(|i| Some((i % 9) as i16))),
+            words(9, 4),
+        )
+        .unwrap(),
+    );
+    let middle: ArrayRef = Arc::new(StructArray::from(vec![(
+        Arc::new(Field::new("x", keyed.data_type().clone(), true)),
+        keyed,
+    )]));
+    let outer = dict(4, middle);
+    let offsets = arrow_buffer::OffsetBuffer::from_lengths((0..rows).map(|i| i % 3));
+    let listed = dict(5, words(5, 5)).slice(0, 0);
+    let list_values = dict(5, words(5, 5));
+    let total = offsets.last().copied().unwrap_or(0) as usize;
+    let list = ListArray::new(
+        Arc::new(Field::new_list_field(list_values.data_type().clone(), true)),
+        offsets,
+        list_values.slice(0, total.min(list_values.len())),
+        None,
+    );
+    drop(listed);
+    let plain: ArrayRef = Arc::new(Int64Array::from_iter_values((0..rows as i64).map(|i| i * 11)));
+    RecordBatch::try_from_iter([
+        ("pair", Arc::new(pair) as ArrayRef),
+        ("plain", plain),
+        ("inner", inner),
+        ("outer", outer),
+        ("list", Arc::new(list) as ArrayRef),
+    ])
+    .unwrap()
+}
+
 #[test]
-fn dictionary_columns_are_unsupported() {
-    let batch = every_type_batch();
-    let stream = Stream::cpu();
-    let on_device = upload(&batch, MemoryResource::SharedHost, &stream);
-    assert!(matches!(
-        ipc::write_message(&on_device, &stream),
-        Err(Error::Unsupported(_))
-    ));
-    assert!(matches!(
-        BatchDescriptor::describe(&on_device),
-        Err(Error::Unsupported(_))
-    ));
+fn dictionaries_travel_as_dictionary_batches() {
+    let batch = nested_dictionaries(40);
+    each_device(|device, stream| {
+        let on_device = upload(&batch, exportable(device), stream);
+        let message = ipc::write_message(&on_device, stream).unwrap();
+        // pair.a, pair.b, inner, the dictionary in outer's values, outer, the list's values.
+        assert_eq!(message.dictionaries(), 6, "{device}");
+        let read = ipc::read_message(message.buffer(), &batch.schema(), stream).unwrap();
+        check_batch(&format!("{device}: read"), &dtoh(&read, stream).unwrap(), &batch);
+        let bytes = host_bytes(&message, stream);
+        same_messages(&format!("{device}"), &bytes, &arrow_rs_message(&batch));
+        check_batch(
+            &format!("{device}: arrow-ipc reads the messages"),
+            &read_with_arrow_ipc(&bytes, batch.schema()),
+            &batch,
+        );
+        for d in [
+            BatchDescriptor::describe(&on_device).unwrap(),
+            BatchDescriptor::of_message(&message).unwrap(),
+        ] {
+            if device != Device::Cpu {
+                // Descriptors of CUDA memory are opened by other processes (see the channel tests).
+                continue;
+            }
+            assert_eq!(d.dictionaries.len(), 6);
+            let read = through_bytes(&d)
+                .import(&batch.schema(), Event::completed(), ())
+                .unwrap();
+            check_batch("descriptor", &dtoh(&read, stream).unwrap(), &batch);
+        }
+        // A slice takes the host path, dictionaries and all.
+        let slice = on_device.slice(5, 20).unwrap();
+        let message = ipc::write_message(&slice, stream).unwrap();
+        let read = ipc::read_message(message.buffer(), &batch.schema(), stream).unwrap();
+        check_batch(
+            &format!("{device}: slice"),
+            &dtoh(&read, stream).unwrap(),
+            &batch.slice(5, 20),
+        );
+    });
+}
+
+#[test]
+fn missing_or_delta_dictionaries_are_errors() {
+    let batch = nested_dictionaries(10);
+    let schema = batch.schema();
+    let (bytes, _) = host_message(&batch);
+    read_host(&bytes, &schema).unwrap();
+    // Only the record batch message: its dictionaries were never sent.
+    let batch_start = *message_starts(&bytes).last().unwrap();
+    let e = read_host(&bytes[batch_start..], &schema).unwrap_err();
+    assert!(is_invalid_data(&e), "{e}");
+    assert!(e.to_string().contains("was not sent"), "{e}");
+    // A dictionary message alone.
+    let e = read_host(&bytes[..batch_start], &schema).unwrap_err();
+    assert!(is_invalid_data(&e), "{e}");
+    // A delta dictionary: arrow-rs writes one when a dictionary grows.
+    let column = |values: Vec<&str>| -> RecordBatch {
+        let keys = Int16Array::from_iter_values((0..values.len() as i16).rev());
+        let dict: ArrayRef =
+            Arc::new(DictionaryArray::<Int16Type>::try_new(keys, Arc::new(StringArray::from(values))).unwrap());
+        RecordBatch::try_from_iter([("d", dict)]).unwrap()
+    };
+    let (first, grown) = (column(vec!["a", "b"]), column(vec!["a", "b", "c"]));
+    let schema = first.schema();
+    let options = IpcWriteOptions::default().with_dictionary_handling(arrow_ipc::writer::DictionaryHandling::Delta);
+    let generator = IpcDataGenerator::default();
+    let mut tracker = DictionaryTracker::new(false);
+    generator.schema_to_bytes_with_dictionary_tracker(&schema, &mut tracker, &options);
+    let mut out = Vec::new();
+    for b in [&first, &grown] {
+        let (dictionaries, encoded) = generator
+            .encode(b, &mut tracker, &options, &mut IpcWriteContext::default())
+            .unwrap();
+        out.clear();
+        for e in dictionaries.into_iter().chain([encoded]) {
+            arrow_ipc::writer::write_message(&mut out, e, &options).unwrap();
+        }
+    }
+    let delta = arrow_ipc::root_as_message(&out[8..]).unwrap();
+    assert!(
+        delta.header_as_dictionary_batch().unwrap().isDelta(),
+        "arrow-rs wrote a delta"
+    );
+    assert!(matches!(read_host(&out, &schema).unwrap_err(), Error::Unsupported(_)));
 }
 
 #[test]
@@ -284,11 +455,12 @@ proptest! {
     #[test]
     fn mutated_messages_are_read_or_refused(
         rows in 0usize..40,
+        dictionaries in any::<bool>(),
         flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..8),
         cut in any::<prop::sample::Index>(),
         truncate in any::<bool>(),
     ) {
-        let batch = small_batch(rows);
+        let batch = if dictionaries { nested_dictionaries(rows) } else { small_batch(rows) };
         let (mut bytes, body_offset) = host_message(&batch);
         for (at, value) in flips {
             // Mostly the metadata, where the structure is.
@@ -532,9 +704,10 @@ proptest! {
     #[test]
     fn mutated_descriptors_are_refused_or_read(
         rows in 0usize..40,
+        dictionaries in any::<bool>(),
         flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
     ) {
-        let batch = small_batch(rows);
+        let batch = if dictionaries { nested_dictionaries(rows) } else { small_batch(rows) };
         let stream = Stream::cpu();
         let on_device = upload(&batch, MemoryResource::SharedHost, &stream);
         let d = BatchDescriptor::describe(&on_device).unwrap();

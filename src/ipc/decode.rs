@@ -7,16 +7,22 @@
 //! process), which checks that it lies inside that memory. What can be checked without reading the
 //! device is checked: node and buffer counts, null counts, the sizes of every fixed-size buffer,
 //! children's lengths. What depends on the data (string and list offsets, view indices, union type
-//! ids) is checked when the batch is copied to the host ([`crate::transfer::dtoh`] validates every
-//! array); device code that reads a received batch must treat those as untrusted.
+//! ids, dictionary keys) is checked when the batch is copied to the host ([`crate::transfer::dtoh`]
+//! validates every array); device code that reads a received batch must treat those as untrusted.
+//!
+//! Dictionaries come first, one `DictionaryBatch` message each ([`dictionary`]); the batch's
+//! dictionary-encoded arrays then take their values from them by id ([`crate::ipc::layout`] says
+//! how ids are numbered).
+
+use std::collections::HashMap;
 
 use arrow_ipc::{MessageHeader, MetadataVersion};
-use arrow_schema::{DataType, Field, Fields, SchemaRef, UnionMode};
+use arrow_schema::{DataType, Field, Fields, Schema, SchemaRef, UnionMode};
 
 use crate::array::{DeviceArrayData, DeviceRecordBatch};
 use crate::device::{Device, Event};
 use crate::error::{Error, Result};
-use crate::ipc::layout::{dictionary_unsupported, fixed_sizes, has_validity};
+use crate::ipc::layout::{dictionaries_in, fixed_sizes, has_validity};
 use crate::memory::{ALIGNMENT, DeviceBuffer};
 
 /// Nesting deeper than this is refused.
@@ -39,23 +45,40 @@ pub(crate) fn empty_buffer(device: Device) -> DeviceBuffer {
 /// Resolves IPC buffer `index` with the metadata's `(offset, length)` to device memory.
 pub(crate) type Resolve<'r> = dyn FnMut(usize, usize, usize) -> Result<DeviceBuffer> + 'r;
 
-/// The checked header of a `RecordBatch` message.
+/// The dictionaries received so far, by id.
+pub(crate) type Dictionaries = HashMap<i64, DeviceArrayData>;
+
+/// The checked header of a `RecordBatch` message, or of the record batch in a `DictionaryBatch`.
 pub(crate) struct Header<'m> {
     pub version: MetadataVersion,
+    /// The dictionary id, for a `DictionaryBatch` message.
+    pub dictionary: Option<i64>,
     pub batch: arrow_ipc::RecordBatch<'m>,
     pub body_len: usize,
 }
 
-/// Checks that `message` is an uncompressed `RecordBatch` message of a version this crate reads.
+/// Checks that `message` is an uncompressed `RecordBatch` or (replacing, not delta)
+/// `DictionaryBatch` message of a version this crate reads.
 pub(crate) fn header<'m>(message: &arrow_ipc::Message<'m>) -> Result<Header<'m>> {
     let version = message.version();
     if version != MetadataVersion::V4 && version != MetadataVersion::V5 {
         return Err(invalid(format!("IPC metadata version {version:?}; V4 and V5 are read")));
     }
-    if message.header_type() == MessageHeader::DictionaryBatch {
-        return Err(dictionary_unsupported());
-    }
-    let batch = message.header_as_record_batch().ok_or_else(|| {
+    let (dictionary, batch) = match message.header_type() {
+        MessageHeader::DictionaryBatch => {
+            let d = message
+                .header_as_dictionary_batch()
+                .ok_or_else(|| invalid("a DictionaryBatch message without its header"))?;
+            if d.isDelta() {
+                return Err(Error::Unsupported(
+                    "delta dictionaries cannot be read on a device".into(),
+                ));
+            }
+            (Some(d.id()), d.data())
+        }
+        _ => (None, message.header_as_record_batch()),
+    };
+    let batch = batch.ok_or_else(|| {
         invalid(format!(
             "an IPC message with a {:?} header, not a RecordBatch",
             message.header_type()
@@ -69,6 +92,7 @@ pub(crate) fn header<'m>(message: &arrow_ipc::Message<'m>) -> Result<Header<'m>>
     let body_len = count(message.bodyLength(), "body length")?;
     Ok(Header {
         version,
+        dictionary,
         batch,
         body_len,
     })
@@ -79,57 +103,89 @@ pub(crate) fn parse(metadata: &[u8]) -> Result<arrow_ipc::Message<'_>> {
     arrow_ipc::root_as_message(metadata).map_err(|e| invalid(format!("IPC metadata is not a valid Message: {e}")))
 }
 
-/// Builds the batch a `RecordBatch` header describes, on `device`, with `ready` as its event.
+/// Builds the batch a `RecordBatch` header describes, on `device`, with `ready` as its event. Its
+/// buffers are numbered from `first_buffer` when resolved; its dictionary-encoded arrays take their
+/// values from `dictionaries`.
 pub(crate) fn batch(
     schema: &SchemaRef,
     header: &Header<'_>,
     device: Device,
     resolve: &mut Resolve<'_>,
+    first_buffer: usize,
+    dictionaries: &Dictionaries,
     ready: Event,
 ) -> Result<DeviceRecordBatch> {
+    if let Some(id) = header.dictionary {
+        return Err(invalid(format!(
+            "dictionary {id} where a RecordBatch message was expected"
+        )));
+    }
     let num_rows = count(header.batch.length(), "batch length")?;
-    let mut d = Decoder {
-        version: header.version,
-        nodes: header
-            .batch
-            .nodes()
-            .map(|n| n.iter().map(|n| (n.length(), n.null_count())).collect())
-            .unwrap_or_default(),
-        buffers: header
-            .batch
-            .buffers()
-            .map(|b| b.iter().map(|b| (b.offset(), b.length())).collect())
-            .unwrap_or_default(),
-        variadic: header
-            .batch
-            .variadicBufferCounts()
-            .map(|v| v.iter().collect())
-            .unwrap_or_default(),
-        next_node: 0,
-        next_buffer: 0,
-        next_variadic: 0,
-        device,
-        resolve,
-    };
+    let mut d = Decoder::new(header, device, resolve, first_buffer, 0, dictionaries);
     let columns = schema
         .fields()
         .iter()
         .map(|f| d.array(f, 0))
         .collect::<Result<Vec<_>>>()?;
-    let unread = [
-        (d.nodes.len() - d.next_node, "field nodes"),
-        (d.buffers.len() - d.next_buffer, "buffers"),
-        (d.variadic.len() - d.next_variadic, "variadic buffer counts"),
-    ];
-    if let Some((n, what)) = unread.iter().find(|(n, _)| *n > 0) {
-        return Err(invalid(format!(
-            "{n} {what} in the IPC metadata beyond those the schema describes"
-        )));
-    }
+    d.finish()?;
     DeviceRecordBatch::try_new(schema.clone(), columns, num_rows, ready)
 }
 
-struct Decoder<'r, 'f> {
+/// Builds the dictionary a `DictionaryBatch` header describes and adds it to `dictionaries`
+/// (replacing one of the same id). Its buffers are numbered from `first_buffer` when resolved.
+pub(crate) fn dictionary(
+    schema: &Schema,
+    header: &Header<'_>,
+    device: Device,
+    resolve: &mut Resolve<'_>,
+    first_buffer: usize,
+    dictionaries: &mut Dictionaries,
+) -> Result<()> {
+    let id = header
+        .dictionary
+        .ok_or_else(|| invalid("a RecordBatch message where a dictionary was expected"))?;
+    let values = value_type(schema.fields(), id, &mut 0)
+        .ok_or_else(|| invalid(format!("dictionary id {id}: the schema has no such dictionary")))?;
+    let len = count(header.batch.length(), "dictionary length")?;
+    let first_id = id - dictionaries_in(&values) as i64;
+    let mut d = Decoder::new(header, device, resolve, first_buffer, first_id, dictionaries);
+    let array = d.array(&Field::new("dictionary", values, true), 0)?;
+    d.finish()?;
+    if array.len() != len {
+        return Err(invalid(format!(
+            "dictionary {id} says {len} values and its field node {}",
+            array.len()
+        )));
+    }
+    dictionaries.insert(id, array);
+    Ok(())
+}
+
+/// The value type of the dictionary numbered `id` among `fields`, counting from `*next`.
+fn value_type(fields: &Fields, id: i64, next: &mut i64) -> Option<DataType> {
+    fields.iter().find_map(|f| value_type_in(f.data_type(), id, next))
+}
+
+fn value_type_in(dt: &DataType, id: i64, next: &mut i64) -> Option<DataType> {
+    match dt {
+        DataType::Dictionary(_, values) => value_type_in(values, id, next).or_else(|| {
+            *next += 1;
+            (*next - 1 == id).then(|| values.as_ref().clone())
+        }),
+        DataType::List(f)
+        | DataType::LargeList(f)
+        | DataType::ListView(f)
+        | DataType::LargeListView(f)
+        | DataType::FixedSizeList(f, _)
+        | DataType::Map(f, _) => value_type_in(f.data_type(), id, next),
+        DataType::Struct(fields) => value_type(fields, id, next),
+        DataType::Union(fields, _) => fields.iter().find_map(|(_, f)| value_type_in(f.data_type(), id, next)),
+        DataType::RunEndEncoded(_, values) => value_type_in(values.data_type(), id, next),
+        _ => None,
+    }
+}
+
+struct Decoder<'r, 'f, 'd> {
     version: MetadataVersion,
     nodes: Vec<(i64, i64)>,
     buffers: Vec<(i64, i64)>,
@@ -137,11 +193,67 @@ struct Decoder<'r, 'f> {
     next_node: usize,
     next_buffer: usize,
     next_variadic: usize,
+    /// The number given to this message's first buffer.
+    first_buffer: usize,
+    /// The id of the next dictionary-encoded array met.
+    next_dictionary: i64,
+    dictionaries: &'d Dictionaries,
     device: Device,
     resolve: &'r mut Resolve<'f>,
 }
 
-impl Decoder<'_, '_> {
+impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
+    fn new(
+        header: &Header<'_>,
+        device: Device,
+        resolve: &'r mut Resolve<'f>,
+        first_buffer: usize,
+        first_dictionary: i64,
+        dictionaries: &'d Dictionaries,
+    ) -> Self {
+        Decoder {
+            version: header.version,
+            nodes: header
+                .batch
+                .nodes()
+                .map(|n| n.iter().map(|n| (n.length(), n.null_count())).collect())
+                .unwrap_or_default(),
+            buffers: header
+                .batch
+                .buffers()
+                .map(|b| b.iter().map(|b| (b.offset(), b.length())).collect())
+                .unwrap_or_default(),
+            variadic: header
+                .batch
+                .variadicBufferCounts()
+                .map(|v| v.iter().collect())
+                .unwrap_or_default(),
+            next_node: 0,
+            next_buffer: 0,
+            next_variadic: 0,
+            first_buffer,
+            next_dictionary: first_dictionary,
+            dictionaries,
+            device,
+            resolve,
+        }
+    }
+
+    /// Checks that every node, buffer and count of the metadata was used.
+    fn finish(&self) -> Result<()> {
+        let unread = [
+            (self.nodes.len() - self.next_node, "field nodes"),
+            (self.buffers.len() - self.next_buffer, "buffers"),
+            (self.variadic.len() - self.next_variadic, "variadic buffer counts"),
+        ];
+        match unread.iter().find(|(n, _)| *n > 0) {
+            Some((n, what)) => Err(invalid(format!(
+                "{n} {what} in the IPC metadata beyond those the schema describes"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     fn node(&mut self, field: &Field) -> Result<(usize, usize)> {
         let &(len, nulls) = self
             .nodes
@@ -167,7 +279,7 @@ impl Decoder<'_, '_> {
         if len == 0 {
             return Ok(empty_buffer(self.device));
         }
-        let buffer = (self.resolve)(index, offset, len)?;
+        let buffer = (self.resolve)(self.first_buffer + index, offset, len)?;
         // A fixed-size buffer is cut to its size: the bytes past it belong to no element, and
         // arrow-rs refuses (panics on) typed buffers whose length is not a multiple of the width.
         match min {
@@ -181,9 +293,6 @@ impl Decoder<'_, '_> {
             return Err(invalid(format!("nesting deeper than {MAX_DEPTH}")));
         }
         let dt = field.data_type();
-        if matches!(dt, DataType::Dictionary(..)) {
-            return Err(dictionary_unsupported());
-        }
         let (len, node_nulls) = self.node(field)?;
         let mut null_count = 0;
         let mut nulls = None;
@@ -221,7 +330,10 @@ impl Decoder<'_, '_> {
                 buffers.push(self.buffer(dt, None)?);
             }
         }
-        let children = self.children(dt, len, depth)?;
+        let children = match dt {
+            DataType::Dictionary(_, values) => vec![self.dictionary_values(values)?],
+            _ => self.children(dt, len, depth)?,
+        };
         Ok(DeviceArrayData {
             data_type: dt.clone(),
             len,
@@ -232,6 +344,23 @@ impl Decoder<'_, '_> {
             children,
             trusted: false,
         })
+    }
+
+    /// The values of the next dictionary-encoded array, whose values have type `values`.
+    fn dictionary_values(&mut self, values: &DataType) -> Result<DeviceArrayData> {
+        let id = self.next_dictionary + dictionaries_in(values) as i64;
+        self.next_dictionary = id + 1;
+        let array = self
+            .dictionaries
+            .get(&id)
+            .ok_or_else(|| invalid(format!("dictionary {id} was not sent before the batch that uses it")))?;
+        if array.data_type() != values {
+            return Err(invalid(format!(
+                "dictionary {id} holds {}; the schema says {values}",
+                array.data_type()
+            )));
+        }
+        Ok(array.clone())
     }
 
     fn children(&mut self, dt: &DataType, len: usize, depth: usize) -> Result<Vec<DeviceArrayData>> {

@@ -10,7 +10,8 @@
 //! checking every location against its region.
 //!
 //! The metadata is the `RecordBatch` message the batch would have as an ordinary IPC message (its
-//! buffer offsets are those of a contiguous body); the locations say where each buffer really is.
+//! buffer offsets are those of a contiguous body), after a `DictionaryBatch` message for each of its
+//! dictionaries; the locations say where each buffer really is, the dictionaries' first.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -80,6 +81,9 @@ impl BufferLocation {
 pub struct BatchDescriptor {
     /// The device the batch lives on (in the exporting process).
     pub device: Device,
+    /// The flatbuffer `Message`s with the `DictionaryBatch` headers of the batch's dictionaries,
+    /// in id order.
+    pub dictionaries: Vec<Vec<u8>>,
     /// The flatbuffer `Message` with the batch's `RecordBatch` header.
     pub metadata: Vec<u8>,
     /// The exported allocations.
@@ -101,12 +105,12 @@ impl BatchDescriptor {
             ));
         }
         let device = batch.device();
-        let layout = BodyLayout::of(batch)?;
+        let mut layouts = BodyLayout::of(batch)?;
         let mut regions = Vec::new();
         // Region index by the region's address in this process.
         let mut index: HashMap<u64, u32> = HashMap::new();
-        let mut locations = Vec::with_capacity(layout.buffers.len());
-        for b in &layout.buffers {
+        let mut locations = Vec::with_capacity(layouts.iter().map(|l| l.buffers.len()).sum());
+        for b in layouts.iter().flat_map(|l| &l.buffers) {
             let Some(src) = b.source else {
                 locations.push(BufferLocation::EMPTY);
                 continue;
@@ -143,9 +147,11 @@ impl BatchDescriptor {
                 len: b.len as u64,
             });
         }
+        let batch = layouts.pop().expect("a batch's layout");
         Ok(BatchDescriptor {
             device,
-            metadata: layout.metadata(),
+            dictionaries: layouts.iter().map(BodyLayout::metadata).collect(),
+            metadata: batch.metadata(),
             regions,
             locations,
         })
@@ -169,28 +175,26 @@ impl BatchDescriptor {
             }
             other => return Err(Error::Unsupported(format!("IPC of {other} memory"))),
         };
-        let parsed = decode::parse(message.metadata())?;
-        let header = decode::header(&parsed)?;
-        let body = (base + message.body_offset()) as u64;
-        let locations = header
-            .batch
-            .buffers()
-            .map(|bs| {
-                bs.iter()
-                    .map(|b| match b.length() {
-                        0 => BufferLocation::EMPTY,
-                        len => BufferLocation {
-                            region: 0,
-                            offset: body + b.offset() as u64,
-                            len: len as u64,
-                        },
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
+        let mut locations = Vec::new();
+        for part in message.parts() {
+            let parsed = decode::parse(part.metadata())?;
+            let header = decode::header(&parsed)?;
+            let body = (base + part.body_offset()) as u64;
+            let buffers = header.batch.buffers().into_iter().flatten();
+            locations.extend(buffers.map(|b| match b.length() {
+                0 => BufferLocation::EMPTY,
+                len => BufferLocation {
+                    region: 0,
+                    offset: body + b.offset() as u64,
+                    len: len as u64,
+                },
+            }));
+        }
+        let (batch, dictionaries) = message.parts().split_last().expect("a message holds a batch");
         Ok(BatchDescriptor {
             device,
-            metadata: message.metadata().to_vec(),
+            dictionaries: dictionaries.iter().map(|p| p.metadata().to_vec()).collect(),
+            metadata: batch.metadata().to_vec(),
             regions: vec![region],
             locations,
         })
@@ -239,8 +243,17 @@ impl BatchDescriptor {
         });
         let regions: Vec<DeviceBuffer> = mappings.iter().map(|m| m.buffer(lease.clone())).collect();
         drop(lease);
+        let dictionaries = self
+            .dictionaries
+            .iter()
+            .map(|d| decode::parse(d))
+            .collect::<Result<Vec<_>>>()?;
         let message = decode::parse(&self.metadata)?;
-        let header = decode::header(&message)?;
+        let headers = dictionaries
+            .iter()
+            .chain([&message])
+            .map(decode::header)
+            .collect::<Result<Vec<_>>>()?;
         let locations = self.locations;
         let mut resolve = |index: usize, _offset: usize, len: usize| {
             let loc = locations
@@ -273,14 +286,21 @@ impl BatchDescriptor {
             }
             region.slice(loc.offset as usize, len)
         };
-        let n_buffers = header.batch.buffers().map_or(0, |b| b.len());
+        let n_buffers: usize = headers.iter().map(|h| h.batch.buffers().map_or(0, |b| b.len())).sum();
         if n_buffers != locations.len() {
             return Err(Error::InvalidData(format!(
                 "{} locations for {n_buffers} IPC buffers",
                 locations.len()
             )));
         }
-        let batch = decode::batch(schema, &header, device, &mut resolve, ready)?;
+        let (header, dictionary_headers) = headers.split_last().expect("a batch's header");
+        let mut values = decode::Dictionaries::new();
+        let mut first = 0;
+        for h in dictionary_headers {
+            decode::dictionary(schema, h, device, &mut resolve, first, &mut values)?;
+            first += h.batch.buffers().map_or(0, |b| b.len());
+        }
+        let batch = decode::batch(schema, header, device, &mut resolve, first, &values, ready)?;
         Ok((batch, mappings))
     }
 
@@ -302,6 +322,10 @@ impl BatchDescriptor {
                     fds.push(h.fd());
                 }
             }
+        }
+        w.u32(self.dictionaries.len() as u32);
+        for d in &self.dictionaries {
+            w.bytes(d);
         }
         w.bytes(&self.metadata);
         w.u32(self.locations.len() as u32);
@@ -342,6 +366,14 @@ impl BatchDescriptor {
             };
             regions.push(region);
         }
+        let n = r.u32()? as usize;
+        if n > r.remaining() / 4 {
+            return Err(invalid(format!(
+                "{n} dictionaries in a frame of {} bytes",
+                r.remaining()
+            )));
+        }
+        let dictionaries = (0..n).map(|_| Ok(r.bytes()?.to_vec())).collect::<Result<Vec<_>>>()?;
         let metadata = r.bytes()?.to_vec();
         let n = r.u32()? as usize;
         if n > r.remaining() / 20 {
@@ -361,6 +393,7 @@ impl BatchDescriptor {
             .collect::<Result<Vec<_>>>()?;
         Ok(BatchDescriptor {
             device,
+            dictionaries,
             metadata,
             regions,
             locations,

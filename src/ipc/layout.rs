@@ -10,8 +10,15 @@
 //! The IPC format has no array offsets: every array starts at element 0. Arrays with an offset or an
 //! unknown null count (slices) have no direct IPC layout ([`needs_normalising`]); the writer takes a
 //! slow path for them.
+//!
+//! A dictionary-encoded array contributes its keys (node, validity, keys buffer); its values travel
+//! in a `DictionaryBatch` message of their own, sent before the `RecordBatch` message. Dictionary
+//! ids are numbered as arrow-rs numbers them when it writes a schema: in the order the fields'
+//! descriptions complete, depth first, so a dictionary nested in another's values comes first.
 
-use arrow_ipc::{FieldNode, MessageBuilder, MessageHeader, MetadataVersion, RecordBatchBuilder};
+use arrow_ipc::{
+    DictionaryBatchBuilder, FieldNode, MessageBuilder, MessageHeader, MetadataVersion, RecordBatchBuilder,
+};
 use arrow_schema::{DataType, UnionMode};
 use flatbuffers::FlatBufferBuilder;
 
@@ -71,7 +78,10 @@ pub(crate) fn fixed_sizes(data_type: &DataType, len: usize) -> Result<Vec<Option
         DataType::LargeListView(_) => vec![Some(times(dt, len, 8)?); 2],
         DataType::Union(_, UnionMode::Sparse) => vec![Some(len)],
         DataType::Union(_, UnionMode::Dense) => vec![Some(len), Some(times(dt, len, 4)?)],
-        DataType::Dictionary(..) => return Err(dictionary_unsupported()),
+        DataType::Dictionary(key, _) => match key.primitive_width() {
+            Some(w) if key.is_dictionary_key_type() => vec![Some(times(dt, len, w)?)],
+            _ => return Err(Error::InvalidData(format!("{dt} has an invalid key type"))),
+        },
         other => match other.primitive_width() {
             Some(w) => vec![Some(times(dt, len, w)?)],
             None => return Err(Error::Unsupported(format!("data type {other} in Arrow IPC"))),
@@ -79,32 +89,32 @@ pub(crate) fn fixed_sizes(data_type: &DataType, len: usize) -> Result<Vec<Option
     })
 }
 
-pub(crate) fn dictionary_unsupported() -> Error {
-    Error::Unsupported(
-        "dictionary-encoded columns cannot travel as device IPC messages yet: their dictionaries would \
-         travel as separate DictionaryBatch messages"
-            .into(),
-    )
+/// The number of dictionary-encoded types in `data_type`, itself included.
+pub(crate) fn dictionaries_in(data_type: &DataType) -> usize {
+    let own = matches!(data_type, DataType::Dictionary(..)) as usize;
+    let nested = match data_type {
+        DataType::Dictionary(_, values) => dictionaries_in(values),
+        DataType::List(f)
+        | DataType::LargeList(f)
+        | DataType::ListView(f)
+        | DataType::LargeListView(f)
+        | DataType::FixedSizeList(f, _)
+        | DataType::Map(f, _) => dictionaries_in(f.data_type()),
+        DataType::Struct(fields) => fields.iter().map(|f| dictionaries_in(f.data_type())).sum(),
+        DataType::Union(fields, _) => fields.iter().map(|(_, f)| dictionaries_in(f.data_type())).sum(),
+        DataType::RunEndEncoded(_, values) => dictionaries_in(values.data_type()),
+        _ => 0,
+    };
+    own + nested
 }
 
 /// Whether the batch has arrays the IPC format cannot describe as they are (an offset, an unknown
-/// null count); an error for types it cannot carry at all (dictionaries).
+/// null count).
 pub fn needs_normalising(batch: &DeviceRecordBatch) -> Result<bool> {
-    fn walk(a: &DeviceArrayData) -> Result<bool> {
-        if matches!(a.data_type(), DataType::Dictionary(..)) {
-            return Err(dictionary_unsupported());
-        }
-        let mut needs = a.offset() != 0 || a.null_count().is_none();
-        for c in a.children() {
-            needs |= walk(c)?;
-        }
-        Ok(needs)
+    fn walk(a: &DeviceArrayData) -> bool {
+        a.offset() != 0 || a.null_count().is_none() || a.children().iter().any(walk)
     }
-    let mut needs = false;
-    for c in batch.columns() {
-        needs |= walk(c)?;
-    }
-    Ok(needs)
+    Ok(batch.columns().iter().any(walk))
 }
 
 /// One IPC buffer: the bytes it is cut from (none for an empty buffer), and its place in a
@@ -116,9 +126,12 @@ pub(crate) struct BodyBuffer<'a> {
     pub len: usize,
 }
 
-/// A batch in IPC order.
+/// One message of a batch in IPC order: the `RecordBatch` message, or the `DictionaryBatch` message
+/// of one dictionary's values.
 #[derive(Debug)]
 pub(crate) struct BodyLayout<'a> {
+    /// The id of the dictionary whose values this is, for a `DictionaryBatch` message.
+    pub dictionary: Option<i64>,
     pub num_rows: usize,
     pub nodes: Vec<FieldNode>,
     pub buffers: Vec<BodyBuffer<'a>>,
@@ -128,19 +141,27 @@ pub(crate) struct BodyLayout<'a> {
 }
 
 impl<'a> BodyLayout<'a> {
-    /// The layout of a batch that does not need normalising ([`needs_normalising`]).
-    pub fn of(batch: &'a DeviceRecordBatch) -> Result<Self> {
-        let mut layout = BodyLayout {
-            num_rows: batch.num_rows(),
+    /// The messages of a batch that does not need normalising ([`needs_normalising`]): one
+    /// `DictionaryBatch` per dictionary, in id order, then the `RecordBatch`.
+    pub fn of(batch: &'a DeviceRecordBatch) -> Result<Vec<Self>> {
+        let mut messages = vec![];
+        let mut layout = BodyLayout::new(batch.num_rows());
+        for c in batch.columns() {
+            layout.array(c, &mut messages)?;
+        }
+        messages.push(layout);
+        Ok(messages)
+    }
+
+    fn new(num_rows: usize) -> Self {
+        BodyLayout {
+            dictionary: None,
+            num_rows,
             nodes: vec![],
             buffers: vec![],
             variadic_counts: vec![],
             body_len: 0,
-        };
-        for c in batch.columns() {
-            layout.array(c)?;
         }
-        Ok(layout)
     }
 
     fn push(&mut self, source: Option<&'a DeviceBuffer>, len: usize) {
@@ -153,7 +174,8 @@ impl<'a> BodyLayout<'a> {
         self.body_len = (offset + len).next_multiple_of(ALIGNMENT);
     }
 
-    fn array(&mut self, a: &'a DeviceArrayData) -> Result<()> {
+    /// Lays out `a`; the values of its dictionaries go to `dictionaries`, numbered by their place.
+    fn array(&mut self, a: &'a DeviceArrayData, dictionaries: &mut Vec<BodyLayout<'a>>) -> Result<()> {
         let dt = a.data_type();
         let (len, null_count) = match (a.offset(), a.null_count()) {
             (0, Some(n)) => (a.len(), n),
@@ -206,8 +228,21 @@ impl<'a> BodyLayout<'a> {
             };
             self.push(Some(b), len);
         }
+        if let DataType::Dictionary(..) = dt {
+            let [values] = a.children() else {
+                return Err(Error::InvalidData(format!(
+                    "a {dt} array with {} children; expected its values",
+                    a.children().len()
+                )));
+            };
+            let mut message = BodyLayout::new(values.len());
+            message.array(values, dictionaries)?;
+            message.dictionary = Some(dictionaries.len() as i64);
+            dictionaries.push(message);
+            return Ok(());
+        }
         for c in a.children() {
-            self.array(c)?;
+            self.array(c, dictionaries)?;
         }
         Ok(())
     }
@@ -220,8 +255,8 @@ impl<'a> BodyLayout<'a> {
             .collect()
     }
 
-    /// The flatbuffer `Message` with this batch's `RecordBatch` header (metadata version V5), built
-    /// as arrow-rs builds it.
+    /// The flatbuffer `Message` (metadata version V5) with this layout's `RecordBatch` header, or a
+    /// `DictionaryBatch` header holding it, built as arrow-rs builds them.
     pub fn metadata(&self) -> Vec<u8> {
         let mut fbb = FlatBufferBuilder::new();
         let buffers = fbb.create_vector(&self.ipc_buffers());
@@ -235,11 +270,21 @@ impl<'a> BodyLayout<'a> {
             if let Some(v) = variadic {
                 b.add_variadicBufferCounts(v);
             }
-            b.finish().as_union_value()
+            b.finish()
+        };
+        let (header_type, header) = match self.dictionary {
+            None => (MessageHeader::RecordBatch, header.as_union_value()),
+            Some(id) => {
+                let mut b = DictionaryBatchBuilder::new(&mut fbb);
+                b.add_id(id);
+                b.add_data(header);
+                b.add_isDelta(false);
+                (MessageHeader::DictionaryBatch, b.finish().as_union_value())
+            }
         };
         let mut m = MessageBuilder::new(&mut fbb);
         m.add_version(MetadataVersion::V5);
-        m.add_header_type(MessageHeader::RecordBatch);
+        m.add_header_type(header_type);
         m.add_bodyLength(self.body_len as i64);
         m.add_header(header);
         let root = m.finish();

@@ -14,8 +14,12 @@
 //! Slow path: arrays with an offset or an unknown null count (slices) have no IPC layout as they
 //! stand. Such a batch is copied to the host ([`crate::transfer::dtoh`]), encoded there by arrow-rs
 //! (which cuts every buffer to the slice) and the message uploaded in one copy: a round trip
-//! through host memory. Dictionary-encoded columns are refused ([`Error::Unsupported`]): their
-//! dictionaries would travel as separate `DictionaryBatch` messages.
+//! through host memory.
+//!
+//! Dictionary-encoded columns: their values travel as `DictionaryBatch` messages, one per
+//! dictionary, written into the same allocation before the `RecordBatch` message, in the order an
+//! Arrow IPC stream lists them. Reading takes them first. (Arrow C++'s `ReadRecordBatch` reads one
+//! `RecordBatch` message and has no dictionaries to resolve its keys with.)
 //!
 //! Schemas travel as ordinary host IPC schema messages ([`encode_schema`], [`decode_schema`]).
 
@@ -31,32 +35,78 @@ use crate::ipc::decode;
 use crate::ipc::layout::{BodyLayout, CONTINUATION, encapsulate, needs_normalising};
 use crate::memory::{DeviceBuffer, MemoryResource, copy, stream_for};
 
-/// An encapsulated IPC message in one allocation.
+/// An encapsulated IPC message in one allocation: a batch's `RecordBatch` message, preceded by a
+/// `DictionaryBatch` message for each dictionary it has.
 #[derive(Debug)]
 pub struct DeviceMessage {
     buffer: DeviceBuffer,
-    /// The prefix, metadata and padding, as uploaded (kept while the upload may be running).
-    head: Vec<u8>,
-    metadata_len: usize,
+    /// The messages in the buffer: the dictionaries', then the batch's.
+    parts: Vec<Part>,
     ready: Event,
     /// The source batch, kept until the message drops because copies from it may still be running.
     _sources: Option<DeviceRecordBatch>,
 }
 
-impl DeviceMessage {
-    /// The whole message: prefix, metadata, padding and body.
-    pub fn buffer(&self) -> &DeviceBuffer {
-        &self.buffer
+/// One encapsulated message in a [`DeviceMessage`]'s buffer.
+#[derive(Debug)]
+pub(crate) struct Part {
+    /// Where the message starts in the buffer.
+    start: usize,
+    /// The prefix, metadata and padding, as uploaded (kept while the upload may be running).
+    head: Vec<u8>,
+    metadata_len: usize,
+}
+
+impl Part {
+    fn new(start: usize, metadata: &[u8]) -> Part {
+        Part {
+            start,
+            head: encapsulate(metadata),
+            metadata_len: metadata.len(),
+        }
     }
 
-    /// The flatbuffer `Message` (a host copy of the metadata in the buffer, without the prefix).
+    /// The flatbuffer `Message`.
     pub fn metadata(&self) -> &[u8] {
         &self.head[8..8 + self.metadata_len]
     }
 
-    /// Where the body starts in [`DeviceMessage::buffer`] (a multiple of 64).
+    /// Where the body starts in the buffer (a multiple of 64).
     pub fn body_offset(&self) -> usize {
-        self.head.len()
+        self.start + self.head.len()
+    }
+}
+
+impl DeviceMessage {
+    /// The whole message: prefix, metadata, padding and body (after the messages of the
+    /// dictionaries, if the batch has any).
+    pub fn buffer(&self) -> &DeviceBuffer {
+        &self.buffer
+    }
+
+    /// The flatbuffer `Message` of the batch (a host copy of the metadata in the buffer, without
+    /// the prefix).
+    pub fn metadata(&self) -> &[u8] {
+        self.batch_part().metadata()
+    }
+
+    /// Where the batch's body starts in [`DeviceMessage::buffer`] (a multiple of 64).
+    pub fn body_offset(&self) -> usize {
+        self.batch_part().body_offset()
+    }
+
+    /// The number of dictionaries written before the batch.
+    pub fn dictionaries(&self) -> usize {
+        self.parts.len() - 1
+    }
+
+    /// Every message in the buffer: the dictionaries', then the batch's.
+    pub(crate) fn parts(&self) -> &[Part] {
+        &self.parts
+    }
+
+    fn batch_part(&self) -> &Part {
+        self.parts.last().expect("a message holds a batch")
     }
 
     /// The body.
@@ -95,48 +145,65 @@ pub fn write_message_to(batch: &DeviceRecordBatch, resource: MemoryResource, str
     if needs_normalising(batch)? {
         return write_through_host(batch, resource, stream);
     }
-    let layout = BodyLayout::of(batch)?;
-    let metadata = layout.metadata();
-    let head = encapsulate(&metadata);
-    let body_offset = head.len();
+    let layouts = BodyLayout::of(batch)?;
+    let mut parts = Vec::with_capacity(layouts.len());
+    let mut size = 0;
+    for layout in &layouts {
+        let part = Part::new(size, &layout.metadata());
+        size = part.body_offset() + layout.body_len;
+        parts.push(part);
+    }
     let stream = stream_for(stream, resource.device(), batch.device())?;
     stream.wait(batch.ready())?;
-    let out = DeviceBuffer::alloc(resource, body_offset + layout.body_len, &stream)?;
+    let out = DeviceBuffer::alloc(resource, size, &stream)?;
     let (dst, dst_device) = (out.address(), out.device());
-    // SAFETY: `head` fits at the start of the new allocation, which nothing else sees yet; it is
-    // kept by the message, which callers keep until its ready event completes.
-    unsafe { copy(dst, dst_device, head.as_ptr() as u64, Device::Cpu, head.len(), &stream)? };
     let zeroed = matches!(resource, MemoryResource::Host | MemoryResource::SharedHost);
-    // Zeroes body bytes `from..to` (the padding between runs), unless the memory came zeroed.
+    // Zeroes bytes `from..to` of the new allocation (the padding between runs), unless the memory
+    // came zeroed.
     let pad = |from: usize, to: usize| match zeroed {
         true => Ok(()),
-        // SAFETY: `from..to` lies inside the new allocation's body.
-        false => unsafe { zero(dst + (body_offset + from) as u64, dst_device, to - from, &stream) },
+        // SAFETY: `from..to` lies inside the new allocation.
+        false => unsafe { zero(dst + from as u64, dst_device, to - from, &stream) },
     };
-    let mut written = 0;
-    for run in runs(&layout) {
-        pad(written, run.dst)?;
-        // SAFETY: the run lies inside one live allocation of the batch (its buffers view it, and
-        // the batch is kept by the message until it drops) and inside the new allocation.
+    for (layout, part) in layouts.iter().zip(&parts) {
+        let head = &part.head;
+        // SAFETY: `head` fits at the part's start in the new allocation, which nothing else sees
+        // yet; it is kept by the message, which callers keep until its ready event completes.
         unsafe {
             copy(
-                dst + (body_offset + run.dst) as u64,
+                dst + part.start as u64,
                 dst_device,
-                run.src,
-                run.device,
-                run.len,
+                head.as_ptr() as u64,
+                Device::Cpu,
+                head.len(),
                 &stream,
             )?
         };
-        written = run.dst + run.len;
+        let body = part.body_offset();
+        let mut written = body;
+        for run in runs(layout) {
+            pad(written, body + run.dst)?;
+            // SAFETY: the run lies inside one live allocation of the batch (its buffers view it,
+            // and the batch is kept by the message until it drops) and inside the new allocation.
+            unsafe {
+                copy(
+                    dst + (body + run.dst) as u64,
+                    dst_device,
+                    run.src,
+                    run.device,
+                    run.len,
+                    &stream,
+                )?
+            };
+            written = body + run.dst + run.len;
+        }
+        pad(written, body + layout.body_len)?;
     }
-    pad(written, layout.body_len)?;
     let ready = stream.record()?;
     let sources = stream.cuda().is_some().then(|| batch.clone());
     Ok(DeviceMessage {
         buffer: out,
-        metadata_len: metadata.len(),
-        head,
+        parts,
         ready,
         _sources: sources,
     })
@@ -150,21 +217,31 @@ fn write_through_host(batch: &DeviceRecordBatch, resource: MemoryResource, strea
         // of 0); empty arrays of the same types say the same.
         host = arrow_array::RecordBatch::new_empty(host.schema());
     }
-    let (_, encoded) = IpcDataGenerator::default().encode(
-        &host,
-        &mut DictionaryTracker::new(false),
-        &IpcWriteOptions::default(),
-        &mut IpcWriteContext::default(),
-    )?;
-    let head = encapsulate(&encoded.ipc_message);
+    let generator = IpcDataGenerator::default();
+    let options = IpcWriteOptions::default();
+    // Writing the schema numbers its dictionaries, as `encode_schema` does.
+    let mut tracker = DictionaryTracker::new(false);
+    generator.schema_to_bytes_with_dictionary_tracker(&host.schema(), &mut tracker, &options);
+    let (dictionaries, encoded) = generator.encode(&host, &mut tracker, &options, &mut IpcWriteContext::default())?;
+    // The messages one after another, each body padded to the length its metadata gives.
+    let mut bytes = Vec::new();
+    let mut parts = Vec::with_capacity(dictionaries.len() + 1);
+    for e in dictionaries.iter().chain([&encoded]) {
+        let part = Part::new(bytes.len(), &e.ipc_message);
+        let body_len = usize::try_from(decode::parse(&e.ipc_message)?.bodyLength())
+            .ok()
+            .filter(|n| *n >= e.arrow_data.len())
+            .ok_or_else(|| Error::InvalidData("arrow-ipc wrote a body longer than its metadata says".into()))?;
+        bytes.extend_from_slice(&part.head);
+        bytes.extend_from_slice(&e.arrow_data);
+        bytes.resize(part.body_offset() + body_len, 0);
+        parts.push(part);
+    }
     let stream = stream_for(stream, resource.device(), Device::Cpu)?;
-    let mut buffer = DeviceBuffer::alloc(resource, head.len() + encoded.arrow_data.len(), &stream)?;
-    buffer.copy_from_host(0, &head, &stream)?;
-    buffer.copy_from_host(head.len(), &encoded.arrow_data, &stream)?;
+    let buffer = DeviceBuffer::from_host(&bytes, resource, &stream)?;
     Ok(DeviceMessage {
         buffer,
-        metadata_len: encoded.ipc_message.len(),
-        head,
+        parts,
         ready: Event::completed(),
         _sources: None,
     })
@@ -230,56 +307,69 @@ unsafe fn zero(address: u64, device: Device, len: usize, stream: &Stream) -> Res
 }
 
 /// Reads the encapsulated IPC message at the start of `buffer` as a batch of `schema` whose
-/// buffers are views of the body: only the prefix and then the metadata are copied to the host
-/// (two small copies on `stream`, which must be ordered after the message's writer); no byte of
-/// the body is. Malformed messages are
-/// [`Error::InvalidData`]; compressed bodies and dictionary batches are [`Error::Unsupported`]. The
-/// legacy encapsulation without the continuation marker is read too.
+/// buffers are views of the body: only each message's prefix and then its metadata are copied to
+/// the host (small copies on `stream`, which must be ordered after the message's writer); no byte
+/// of a body is. `DictionaryBatch` messages before the `RecordBatch` message give the values of
+/// its dictionary-encoded columns. Malformed messages are [`Error::InvalidData`]; compressed bodies
+/// and delta dictionaries are [`Error::Unsupported`]. The legacy encapsulation without the
+/// continuation marker is read too.
 pub fn read_message(buffer: &DeviceBuffer, schema: &SchemaRef, stream: &Stream) -> Result<DeviceRecordBatch> {
-    let mut host = vec![0u8; buffer.len().min(8)];
-    buffer.copy_to_host(0, &mut host, stream)?;
-    let (prefix, meta_len) = prefix(&host)?;
-    let meta_end = prefix
-        .checked_add(meta_len)
-        .filter(|end| *end <= buffer.len())
-        .ok_or_else(|| {
-            Error::InvalidData(format!(
-                "IPC metadata of {meta_len} bytes overruns a message of {} bytes",
-                buffer.len()
-            ))
-        })?;
-    if meta_end > host.len() {
-        let start = host.len();
-        host.resize(meta_end, 0);
-        buffer.copy_to_host(start, &mut host[start..], stream)?;
-    }
-    let message = decode::parse(&host[prefix..meta_end])?;
-    let header = decode::header(&message)?;
-    let body = meta_end
-        .checked_add(header.body_len)
-        .filter(|end| *end <= buffer.len())
-        .map(|_| buffer.slice(meta_end, header.body_len))
-        .ok_or_else(|| {
+    let mut dictionaries = decode::Dictionaries::new();
+    let mut start = 0;
+    loop {
+        let (host, meta_start, body) = read_part(buffer, start, stream)?;
+        let message = decode::parse(&host[meta_start..])?;
+        let header = decode::header(&message)?;
+        let body = buffer.slice(body, header.body_len).map_err(|_| {
             Error::InvalidData(format!(
                 "an IPC body of {} bytes overruns a message of {} bytes",
                 header.body_len,
                 buffer.len()
             ))
-        })??;
-    let mut resolve = |index: usize, offset: usize, len: usize| {
-        offset
-            .checked_add(len)
-            .filter(|end| *end <= body.len())
-            .map(|_| body.slice(offset, len))
-            .ok_or_else(|| {
-                Error::InvalidData(format!(
-                    "IPC buffer {index} ({offset}..+{len}) overruns a body of {} bytes",
-                    body.len()
-                ))
-            })?
-    };
-    let stream = stream_for(stream, buffer.device(), buffer.device())?;
-    decode::batch(schema, &header, buffer.device(), &mut resolve, stream.record()?)
+        })?;
+        let mut resolve = |index: usize, offset: usize, len: usize| {
+            offset
+                .checked_add(len)
+                .filter(|end| *end <= body.len())
+                .map(|_| body.slice(offset, len))
+                .ok_or_else(|| {
+                    Error::InvalidData(format!(
+                        "IPC buffer {index} ({offset}..+{len}) overruns a body of {} bytes",
+                        body.len()
+                    ))
+                })?
+        };
+        if header.dictionary.is_none() {
+            let stream = stream_for(stream, buffer.device(), buffer.device())?;
+            let ready = stream.record()?;
+            return decode::batch(schema, &header, buffer.device(), &mut resolve, 0, &dictionaries, ready);
+        }
+        decode::dictionary(schema, &header, buffer.device(), &mut resolve, 0, &mut dictionaries)?;
+        start = body.offset() - buffer.offset() + body.len();
+    }
+}
+
+/// Copies the prefix and metadata of the message at `start` of `buffer` to the host: returns them,
+/// where the metadata starts in them and where the body starts in `buffer`.
+fn read_part(buffer: &DeviceBuffer, start: usize, stream: &Stream) -> Result<(Vec<u8>, usize, usize)> {
+    let mut host = vec![0u8; buffer.len().saturating_sub(start).min(8)];
+    buffer.copy_to_host(start, &mut host, stream)?;
+    let (prefix, meta_len) = prefix(&host)?;
+    let meta_end = prefix
+        .checked_add(meta_len)
+        .filter(|end| start + *end <= buffer.len())
+        .ok_or_else(|| {
+            Error::InvalidData(format!(
+                "IPC metadata of {meta_len} bytes at {start} overruns a message of {} bytes",
+                buffer.len()
+            ))
+        })?;
+    if meta_end > host.len() {
+        let at = host.len();
+        host.resize(meta_end, 0);
+        buffer.copy_to_host(start + at, &mut host[at..], stream)?;
+    }
+    Ok((host, prefix, start + meta_end))
 }
 
 /// The prefix length and metadata length of an encapsulated message starting with `head`.

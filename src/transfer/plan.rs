@@ -22,8 +22,10 @@ use crate::memory::{ALIGNMENT, DeviceBuffer};
 pub(crate) enum Transform {
     /// A plain copy.
     Copy,
-    /// A bitmap whose first bit is bit `n` (1..=7) of the first source byte, moved to bit 0.
-    ShiftBits(u8),
+    /// A bitmap of `bits` bits whose first bit is bit `shift` (1..=7) of the first source byte,
+    /// moved to bit 0. The bits past the last are zeroed, as arrow-rs zeroes them when it shifts a
+    /// bitmap.
+    ShiftBits { shift: u8, bits: usize },
     /// Little-endian `i32` offsets minus a base.
     Rebase32(i32),
     /// Little-endian `i64` offsets minus a base.
@@ -48,11 +50,18 @@ impl PackOp<'_> {
         let src = &self.src[at.min(self.src.len())..];
         match self.transform {
             Transform::Copy => out.copy_from_slice(&src[..out.len()]),
-            Transform::ShiftBits(s) => {
+            Transform::ShiftBits { shift, bits } => {
                 for (j, o) in out.iter_mut().enumerate() {
-                    let lo = src[j] >> s;
-                    let hi = src.get(j + 1).map_or(0, |h| h << (8 - s));
+                    let lo = src[j] >> shift;
+                    let hi = src.get(j + 1).map_or(0, |h| h << (8 - shift));
                     *o = lo | hi;
+                }
+                let tail = bits % 8;
+                if tail != 0
+                    && at + out.len() == self.len
+                    && let Some(last) = out.last_mut()
+                {
+                    *last &= (1u8 << tail) - 1;
                 }
             }
             Transform::Rebase32(base) => {
@@ -312,7 +321,7 @@ impl<'a> Plan<'a> {
             0 => self.bytes(buffer, first, len),
             shift => {
                 let src = source(buffer, first, needed)?;
-                Ok(self.push(src, len, Transform::ShiftBits(shift)))
+                Ok(self.push(src, len, Transform::ShiftBits { shift, bits }))
             }
         }
     }
