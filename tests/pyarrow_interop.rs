@@ -3,7 +3,10 @@
 //! - through the C Device Data Interface: builds the `ffi-helper` C library and runs
 //!   `tests/pyarrow_interop.py` against it;
 //! - through Arrow IPC: Arrow C++ reads the device messages of every type (dictionaries included),
-//!   copied to the host, as it reads arrow-rs's stream of the same batch.
+//!   copied to the host, as it reads arrow-rs's stream of the same batch;
+//! - through CUDA IPC: another process (Python with CuPy) reads a serialized handle as Arrow C++'s
+//!   `CudaIpcMemHandle::FromBuffer` does, opens the allocation, copies the message out of it, and
+//!   pyarrow reads it. It needs a GPU and CuPy; elsewhere it says why it is skipped.
 //!
 //! Without pyarrow each test says `skipped: pyarrow not installed` and passes, except in CI (the
 //! `CI` variable set), where it fails.
@@ -13,8 +16,9 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use arrow_cuda::ipc;
+use arrow_cuda::ipc::{self, IpcMemHandle};
 use arrow_cuda::transfer::htod_async;
+use arrow_cuda::{Device, Stream};
 use common::corpus::every_type_batch;
 use common::each_device;
 
@@ -106,6 +110,46 @@ fn pyarrow_round_trips_through_arrow_cuda() {
     );
 }
 
+/// A fresh directory for a test's files.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("arrow-cuda-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// arrow-rs's IPC stream of `batch`, written to `path`.
+fn write_reference(batch: &arrow_array::RecordBatch, path: &Path) {
+    let file = std::fs::File::create(path).unwrap();
+    let mut writer = arrow_ipc::writer::StreamWriter::try_new(file, &batch.schema()).unwrap();
+    writer.write(batch).unwrap();
+    writer.finish().unwrap();
+}
+
+/// Runs a Python script with `args`; panics with its output if it fails, returns its stdout.
+fn python(script: &str, args: &[&Path]) -> String {
+    let output = Command::new("python3")
+        .args(["-c", script])
+        .args(args)
+        .output()
+        .expect("run python3");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "python failed:\n{stdout}\n{stderr}");
+    stdout
+}
+
+/// Python that reads the stream at argv[1] and requires the batch of the stream at argv[2].
+const SAME_AS_REFERENCE: &str = "def same(stream):\n    \
+    import sys, pyarrow as pa\n    \
+    ours = pa.ipc.open_stream(stream).read_all()\n    \
+    ref = pa.ipc.open_stream(sys.argv[2]).read_all()\n    \
+    ours.validate(full=True)\n    \
+    assert ours.num_rows == ref.num_rows > 0, (ours.num_rows, ref.num_rows)\n    \
+    assert ours.schema.equals(ref.schema, check_metadata=True)\n    \
+    for name in ref.column_names:\n        \
+        assert ours[name].equals(ref[name]), name\n    \
+    print(len(ref.column_names), 'columns equal')\n";
+
 /// Arrow C++ reads a stream made of the schema message, the device message's bytes and the
 /// end-of-stream marker, and finds the batch arrow-rs's own stream writer writes.
 #[test]
@@ -114,13 +158,9 @@ fn pyarrow_reads_device_ipc_messages() {
         return;
     }
     let batch = every_type_batch();
-    let dir = std::env::temp_dir().join(format!("arrow-cuda-pyarrow-ipc-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch("pyarrow-ipc");
     let reference = dir.join("arrow-rs.arrows");
-    let mut writer =
-        arrow_ipc::writer::StreamWriter::try_new(std::fs::File::create(&reference).unwrap(), &batch.schema()).unwrap();
-    writer.write(&batch).unwrap();
-    writer.finish().unwrap();
+    write_reference(&batch, &reference);
     each_device(|device, stream| {
         let on_device = htod_async(&batch, ipc::default_message_resource(device), stream).unwrap();
         let message = ipc::write_message(&on_device, stream).unwrap();
@@ -130,25 +170,58 @@ fn pyarrow_reads_device_ipc_messages() {
         bytes.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0]);
         let ours = dir.join(format!("{device}.arrows"));
         std::fs::write(&ours, bytes).unwrap();
-        let script = "import sys, pyarrow as pa\n\
-            ours = pa.ipc.open_stream(sys.argv[1]).read_all()\n\
-            ref = pa.ipc.open_stream(sys.argv[2]).read_all()\n\
-            ours.validate(full=True)\n\
-            assert ours.num_rows == ref.num_rows > 0, (ours.num_rows, ref.num_rows)\n\
-            assert ours.schema.equals(ref.schema, check_metadata=True)\n\
-            for name in ref.column_names:\n    \
-                assert ours[name].equals(ref[name]), name\n\
-            print(len(ref.column_names), 'columns equal')\n";
-        let output = Command::new("python3")
-            .args(["-c", script])
-            .arg(&ours)
-            .arg(&reference)
-            .output()
-            .expect("run python3");
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(output.status.success(), "{device}: pyarrow failed:\n{stdout}\n{stderr}");
+        let script = format!("{SAME_AS_REFERENCE}import sys\nsame(sys.argv[1])\n");
+        let stdout = python(&script, &[&ours, &reference]);
         eprintln!("{device}: {stdout}");
     });
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Another process opens the allocation of a device message by its serialized CUDA IPC handle,
+/// read as Arrow C++ reads one (an `int64` size, then the 64-byte `CUipcMemHandle`), copies the
+/// message out, and pyarrow reads it.
+#[test]
+fn another_process_opens_messages_by_cuda_ipc_handle() {
+    if !arrow_cuda::device::cuda_device_count().is_ok_and(|n| n > 0) {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let has_cupy = Command::new("python3")
+        .args(["-c", "import cupy, pyarrow"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_cupy {
+        eprintln!("skipped: CuPy and pyarrow are not installed");
+        return;
+    }
+    let device = Device::Cuda(0);
+    let stream = Stream::new(device).unwrap();
+    let batch = every_type_batch();
+    let on_device = htod_async(&batch, ipc::default_message_resource(device), &stream).unwrap();
+    let message = ipc::write_message(&on_device, &stream).unwrap();
+    message.ready().synchronize().unwrap();
+    let handle = IpcMemHandle::export(message.buffer()).unwrap();
+    let dir = scratch("cuda-ipc");
+    let (handle_file, schema_file, reference) = (dir.join("handle"), dir.join("schema"), dir.join("arrow-rs.arrows"));
+    std::fs::write(&handle_file, handle.serialize()).unwrap();
+    std::fs::write(&schema_file, ipc::encode_schema(&batch.schema())).unwrap();
+    write_reference(&batch, &reference);
+    let (offset, len) = (message.buffer().offset(), message.buffer().len());
+    let script = format!(
+        "{SAME_AS_REFERENCE}import struct, sys, numpy, cupy\n\
+         raw = open(sys.argv[1], 'rb').read()\n\
+         assert len(raw) == 72, len(raw)\n\
+         size, handle = struct.unpack('<q', raw[:8])[0], raw[8:]\n\
+         assert size >= {offset} + {len}, size\n\
+         ptr = cupy.cuda.runtime.ipcOpenMemHandle(handle)\n\
+         host = numpy.empty({len}, numpy.uint8)\n\
+         cupy.cuda.runtime.memcpy(host.ctypes.data, ptr + {offset}, {len}, cupy.cuda.runtime.memcpyDeviceToHost)\n\
+         cupy.cuda.runtime.ipcCloseMemHandle(ptr)\n\
+         eos = bytes([255, 255, 255, 255, 0, 0, 0, 0])\n\
+         same(open(sys.argv[3], 'rb').read() + host.tobytes() + eos)\n"
+    );
+    let stdout = python(&script, &[&handle_file, &reference, &schema_file]);
+    eprintln!("{stdout}");
+    assert!(stdout.contains("columns equal"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
