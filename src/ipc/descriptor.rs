@@ -110,11 +110,29 @@ impl BatchDescriptor {
         // Region index by the region's address in this process.
         let mut index: HashMap<u64, u32> = HashMap::new();
         let mut locations = Vec::with_capacity(layouts.iter().map(|l| l.buffers.len()).sum());
+        // The last buffer placed, its region and its offset there: the next buffer is most often a
+        // view of the same allocation, which needs no lookup.
+        let mut last: Option<(&DeviceBuffer, u32, u64)> = None;
         for b in layouts.iter().flat_map(|l| &l.buffers) {
             let Some(src) = b.source else {
                 locations.push(BufferLocation::EMPTY);
                 continue;
             };
+            if let Some((prev, region, prev_offset)) = last
+                && src.shares_allocation(prev)
+            {
+                // Views of one allocation lie in one region at the distance they lie apart.
+                let offset = prev_offset
+                    .wrapping_add(src.offset() as u64)
+                    .wrapping_sub(prev.offset() as u64);
+                locations.push(BufferLocation {
+                    region,
+                    offset,
+                    len: b.len as u64,
+                });
+                last = Some((src, region, offset));
+                continue;
+            }
             let (key, offset, shared) = match (device, src.resource()) {
                 (Device::Cuda(o), MemoryResource::Device(r)) if r == o => {
                     (src.address() - src.offset() as u64, src.offset(), None)
@@ -146,6 +164,7 @@ impl BatchDescriptor {
                 offset: offset as u64,
                 len: b.len as u64,
             });
+            last = Some((src, region, offset as u64));
         }
         let batch = layouts.pop().expect("a batch's layout");
         Ok(BatchDescriptor {
@@ -382,15 +401,16 @@ impl BatchDescriptor {
                 r.remaining()
             )));
         }
-        let locations = (0..n)
-            .map(|_| {
-                Ok(BufferLocation {
-                    region: r.u32()?,
-                    offset: r.u64()?,
-                    len: r.u64()?,
-                })
+        let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
+        let locations = r
+            .take(n * 20)?
+            .chunks_exact(20)
+            .map(|l| BufferLocation {
+                region: u32::from_le_bytes(l[..4].try_into().expect("4 bytes")),
+                offset: word(&l[4..12]),
+                len: word(&l[12..]),
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect();
         Ok(BatchDescriptor {
             device,
             dictionaries,

@@ -60,33 +60,57 @@ fn offsets(data_type: &DataType, len: usize, width: usize) -> Result<usize> {
 /// The exact size of each fixed-size data buffer (validity excluded) of an array of `len` elements,
 /// in IPC order; `None` for buffers whose size depends on the data (string values, the data
 /// buffers of views). The writer cuts buffers to these sizes; the reader requires at least them.
-pub(crate) fn fixed_sizes(data_type: &DataType, len: usize) -> Result<Vec<Option<usize>>> {
+pub(crate) fn fixed_sizes(data_type: &DataType, len: usize) -> Result<Sizes> {
     let dt = data_type;
     Ok(match dt {
-        DataType::Null | DataType::Struct(_) | DataType::FixedSizeList(..) | DataType::RunEndEncoded(..) => vec![],
-        DataType::Boolean => vec![Some(len.div_ceil(8))],
+        DataType::Null | DataType::Struct(_) | DataType::FixedSizeList(..) | DataType::RunEndEncoded(..) => Sizes::from([]),
+        DataType::Boolean => Sizes::from([Some(len.div_ceil(8))]),
         DataType::FixedSizeBinary(w) => {
             let w = usize::try_from(*w).map_err(|_| Error::InvalidData(format!("{dt} has a negative width")))?;
-            vec![Some(times(dt, len, w)?)]
+            Sizes::from([Some(times(dt, len, w)?)])
         }
-        DataType::Utf8 | DataType::Binary => vec![Some(offsets(dt, len, 4)?), None],
-        DataType::LargeUtf8 | DataType::LargeBinary => vec![Some(offsets(dt, len, 8)?), None],
-        DataType::Utf8View | DataType::BinaryView => vec![Some(times(dt, len, 16)?)],
-        DataType::List(_) | DataType::Map(..) => vec![Some(offsets(dt, len, 4)?)],
-        DataType::LargeList(_) => vec![Some(offsets(dt, len, 8)?)],
-        DataType::ListView(_) => vec![Some(times(dt, len, 4)?); 2],
-        DataType::LargeListView(_) => vec![Some(times(dt, len, 8)?); 2],
-        DataType::Union(_, UnionMode::Sparse) => vec![Some(len)],
-        DataType::Union(_, UnionMode::Dense) => vec![Some(len), Some(times(dt, len, 4)?)],
+        DataType::Utf8 | DataType::Binary => Sizes::from([Some(offsets(dt, len, 4)?), None]),
+        DataType::LargeUtf8 | DataType::LargeBinary => Sizes::from([Some(offsets(dt, len, 8)?), None]),
+        DataType::Utf8View | DataType::BinaryView => Sizes::from([Some(times(dt, len, 16)?)]),
+        DataType::List(_) | DataType::Map(..) => Sizes::from([Some(offsets(dt, len, 4)?)]),
+        DataType::LargeList(_) => Sizes::from([Some(offsets(dt, len, 8)?)]),
+        DataType::ListView(_) => Sizes::from([Some(times(dt, len, 4)?); 2]),
+        DataType::LargeListView(_) => Sizes::from([Some(times(dt, len, 8)?); 2]),
+        DataType::Union(_, UnionMode::Sparse) => Sizes::from([Some(len)]),
+        DataType::Union(_, UnionMode::Dense) => Sizes::from([Some(len), Some(times(dt, len, 4)?)]),
         DataType::Dictionary(key, _) => match key.primitive_width() {
-            Some(w) if key.is_dictionary_key_type() => vec![Some(times(dt, len, w)?)],
+            Some(w) if key.is_dictionary_key_type() => Sizes::from([Some(times(dt, len, w)?)]),
             _ => return Err(Error::InvalidData(format!("{dt} has an invalid key type"))),
         },
         other => match other.primitive_width() {
-            Some(w) => vec![Some(times(dt, len, w)?)],
+            Some(w) => Sizes::from([Some(times(dt, len, w)?)]),
             None => return Err(Error::Unsupported(format!("data type {other} in Arrow IPC"))),
         },
     })
+}
+
+/// The sizes [`fixed_sizes`] gives: at most two, kept inline, as they are asked for once per array
+/// on every send and receive.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Sizes {
+    sizes: [Option<usize>; 2],
+    len: usize,
+}
+
+impl<const N: usize> From<[Option<usize>; N]> for Sizes {
+    fn from(given: [Option<usize>; N]) -> Sizes {
+        let mut sizes = [None; 2];
+        sizes[..N].copy_from_slice(&given);
+        Sizes { sizes, len: N }
+    }
+}
+
+impl std::ops::Deref for Sizes {
+    type Target = [Option<usize>];
+
+    fn deref(&self) -> &[Option<usize>] {
+        &self.sizes[..self.len]
+    }
 }
 
 /// The number of dictionary-encoded types in `data_type`, itself included.
@@ -258,7 +282,8 @@ impl<'a> BodyLayout<'a> {
     /// The flatbuffer `Message` (metadata version V5) with this layout's `RecordBatch` header, or a
     /// `DictionaryBatch` header holding it, built as arrow-rs builds them.
     pub fn metadata(&self) -> Vec<u8> {
-        let mut fbb = FlatBufferBuilder::new();
+        // Room for the vectors of buffers (16 bytes each) and nodes (16 each) and the tables.
+        let mut fbb = FlatBufferBuilder::with_capacity(256 + 16 * (self.buffers.len() + self.nodes.len()));
         let buffers = fbb.create_vector(&self.ipc_buffers());
         let nodes = fbb.create_vector(&self.nodes);
         let variadic = (!self.variadic_counts.is_empty()).then(|| fbb.create_vector(&self.variadic_counts));

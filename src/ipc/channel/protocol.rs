@@ -18,7 +18,7 @@ use crate::ipc::handle::HANDLE_BYTES;
 use crate::ipc::wire::{self, Reader, Writer};
 
 const MAGIC: &[u8; 8] = b"ACUDAIPC";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 
 const HELLO: u8 = 1;
 const BATCH: u8 = 2;
