@@ -1265,6 +1265,9 @@ fn hello(magic: &[u8; 8], version: u32, schema: &Schema) -> Vec<u8> {
 
 /// A fake sender: accepts one receiver, writes `greeting`, then runs `script` on the socket in a
 /// thread of its own while the receiver is returned.
+/// The channel protocol's version (`src/ipc/channel/protocol.rs`).
+const PROTOCOL: u32 = 2;
+
 fn with_fake_sender(
     name: &str,
     greeting: Vec<u8>,
@@ -1300,15 +1303,34 @@ fn fake_sender(
 #[test]
 fn corrupt_frames_from_a_sender_are_errors() {
     let schema = small_batch(1).schema();
-    let good = || hello(b"ACUDAIPC", 1, &schema);
-    let e = fake_sender("bad-magic", hello(b"NOTARROW", 1, &schema), |_| {}).unwrap_err();
+    let good = || hello(b"ACUDAIPC", PROTOCOL, &schema);
+    let e = fake_sender("bad-magic", hello(b"NOTARROW", PROTOCOL, &schema), |_| {}).unwrap_err();
     assert!(is_invalid_data(&e), "{e}");
     let e = fake_sender("bad-version", hello(b"ACUDAIPC", 99, &schema), |_| {}).unwrap_err();
     assert!(matches!(e, Error::Unsupported(_)), "{e}");
     let e = fake_sender(
         "bad-schema",
         raw_frame(&[
-            1, b'A', b'C', b'U', b'D', b'A', b'I', b'P', b'C', 1, 0, 0, 0, 3, 0, 0, 0, 1, 2, 3,
+            1,
+            b'A',
+            b'C',
+            b'U',
+            b'D',
+            b'A',
+            b'I',
+            b'P',
+            b'C',
+            PROTOCOL as u8,
+            0,
+            0,
+            0,
+            3,
+            0,
+            0,
+            0,
+            1,
+            2,
+            3,
         ]),
         |_| {},
     )

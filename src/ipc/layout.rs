@@ -63,7 +63,9 @@ fn offsets(data_type: &DataType, len: usize, width: usize) -> Result<usize> {
 pub(crate) fn fixed_sizes(data_type: &DataType, len: usize) -> Result<Sizes> {
     let dt = data_type;
     Ok(match dt {
-        DataType::Null | DataType::Struct(_) | DataType::FixedSizeList(..) | DataType::RunEndEncoded(..) => Sizes::from([]),
+        DataType::Null | DataType::Struct(_) | DataType::FixedSizeList(..) | DataType::RunEndEncoded(..) => {
+            Sizes::from([])
+        }
         DataType::Boolean => Sizes::from([Some(len.div_ceil(8))]),
         DataType::FixedSizeBinary(w) => {
             let w = usize::try_from(*w).map_err(|_| Error::InvalidData(format!("{dt} has a negative width")))?;
