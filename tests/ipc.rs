@@ -278,7 +278,7 @@ fn dictionaries_travel_as_dictionary_batches() {
         let on_device = upload(&batch, exportable(device), stream);
         let message = ipc::write_message(&on_device, stream).unwrap();
         // pair.a, pair.b, inner, the dictionary in outer's values, outer, the list's values.
-        assert_eq!(message.dictionaries(), 6, "{device}");
+        assert_eq!(message.num_dictionaries(), 6, "{device}");
         let read = ipc::read_message(message.buffer(), &batch.schema(), stream).unwrap();
         check_batch(&format!("{device}: read"), &dtoh(&read, stream).unwrap(), &batch);
         let bytes = host_bytes(&message, stream);

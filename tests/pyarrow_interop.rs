@@ -164,7 +164,7 @@ fn pyarrow_reads_device_ipc_messages() {
     each_device(|device, stream| {
         let on_device = htod_async(&batch, ipc::default_message_resource(device), stream).unwrap();
         let message = ipc::write_message(&on_device, stream).unwrap();
-        assert!(message.dictionaries() > 0, "the corpus has dictionary columns");
+        assert!(message.num_dictionaries() > 0, "the corpus has dictionary columns");
         let mut bytes = ipc::encode_schema(&batch.schema());
         bytes.extend_from_slice(&message.buffer().to_vec(stream).unwrap());
         bytes.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0]);

@@ -96,7 +96,7 @@ impl DeviceMessage {
     }
 
     /// The number of dictionaries written before the batch.
-    pub fn dictionaries(&self) -> usize {
+    pub fn num_dictionaries(&self) -> usize {
         self.parts.len() - 1
     }
 
