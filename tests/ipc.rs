@@ -328,6 +328,10 @@ fn missing_or_delta_dictionaries_are_errors() {
     // A dictionary message alone.
     let e = read_host(&bytes[..batch_start], &schema).unwrap_err();
     assert!(is_invalid_data(&e), "{e}");
+    // Dictionaries that a schema without dictionary columns has no place for.
+    let plain = Arc::new(Schema::new(vec![Field::new("plain", DataType::Int64, false)]));
+    let e = read_host(&bytes, &plain).unwrap_err();
+    assert!(e.to_string().contains("no such dictionary"), "{e}");
     // A delta dictionary: arrow-rs writes one when a dictionary grows.
     let column = |values: Vec<&str>| -> RecordBatch {
         let keys = Int16Array::from_iter_values((0..values.len() as i16).rev());
