@@ -99,7 +99,7 @@ impl BatchDescriptor {
     /// ([`Error::Unsupported`] otherwise; write a message instead). The caller must keep the batch
     /// alive and unchanged until the receivers are done with it.
     pub fn describe(batch: &DeviceRecordBatch) -> Result<BatchDescriptor> {
-        if needs_normalising(batch)? {
+        if needs_normalising(batch) {
             return Err(Error::Unsupported(
                 "a batch with sliced arrays cannot be described without a copy".into(),
             ));

@@ -136,11 +136,11 @@ pub(crate) fn dictionaries_in(data_type: &DataType) -> usize {
 
 /// Whether the batch has arrays the IPC format cannot describe as they are (an offset, an unknown
 /// null count).
-pub fn needs_normalising(batch: &DeviceRecordBatch) -> Result<bool> {
+pub fn needs_normalising(batch: &DeviceRecordBatch) -> bool {
     fn walk(a: &DeviceArrayData) -> bool {
         a.offset() != 0 || a.null_count().is_none() || a.children().iter().any(walk)
     }
-    Ok(batch.columns().iter().any(walk))
+    batch.columns().iter().any(walk)
 }
 
 /// One IPC buffer: the bytes it is cut from (none for an empty buffer), and its place in a

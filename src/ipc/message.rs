@@ -142,7 +142,7 @@ pub fn write_message(batch: &DeviceRecordBatch, stream: &Stream) -> Result<Devic
 /// on the batch's ready event and run on `stream`; the message's [`DeviceMessage::ready`] event
 /// completes when they are done.
 pub fn write_message_to(batch: &DeviceRecordBatch, resource: MemoryResource, stream: &Stream) -> Result<DeviceMessage> {
-    if needs_normalising(batch)? {
+    if needs_normalising(batch) {
         return write_through_host(batch, resource, stream);
     }
     let layouts = BodyLayout::of(batch)?;
