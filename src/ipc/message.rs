@@ -317,10 +317,10 @@ pub fn read_message(buffer: &DeviceBuffer, schema: &SchemaRef, stream: &Stream) 
     let mut dictionaries = decode::Dictionaries::new();
     let mut start = 0;
     loop {
-        let (host, meta_start, body) = read_part(buffer, start, stream)?;
+        let (host, meta_start, body_start) = read_part(buffer, start, stream)?;
         let message = decode::parse(&host[meta_start..])?;
         let header = decode::header(&message)?;
-        let body = buffer.slice(body, header.body_len).map_err(|_| {
+        let body = buffer.slice(body_start, header.body_len).map_err(|_| {
             Error::InvalidData(format!(
                 "an IPC body of {} bytes overruns a message of {} bytes",
                 header.body_len,
@@ -345,7 +345,7 @@ pub fn read_message(buffer: &DeviceBuffer, schema: &SchemaRef, stream: &Stream) 
             return decode::batch(schema, &header, buffer.device(), &mut resolve, 0, &dictionaries, ready);
         }
         decode::dictionary(schema, &header, buffer.device(), &mut resolve, 0, &mut dictionaries)?;
-        start = body.offset() - buffer.offset() + body.len();
+        start = body_start + header.body_len;
     }
 }
 
