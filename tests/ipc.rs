@@ -945,6 +945,35 @@ fn cross_processes(role: &str) {
     });
 }
 
+/// A batch the device is still writing when it is sent travels with an IPC event, which the
+/// receiver's reads wait on (a sender whose writes are done sends none).
+#[test]
+fn batches_still_being_written_are_ordered_by_an_ipc_event() {
+    let Some(device) = common::cuda() else { return };
+    let stream = Stream::new(device).unwrap();
+    let path = socket_path("unfinished");
+    let sender = Sender::bind(&path, corpus().schema(), SenderOptions::default()).unwrap();
+    let peer = Peer::spawn("verify", &path, device, 1);
+    sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
+    // Copies of 8 GiB ahead of the upload on its stream keep it unfinished for milliseconds.
+    let busy = 1 << 30;
+    let from = DeviceBuffer::alloc(MemoryResource::default_for(device), busy, &stream).unwrap();
+    let mut to = DeviceBuffer::alloc(MemoryResource::default_for(device), busy, &stream).unwrap();
+    for _ in 0..8 {
+        // SAFETY: both buffers outlive the copies (the stream is synchronised below).
+        unsafe { to.copy_from_async(0, &from, &stream) }.unwrap();
+    }
+    let batch = htod_async(&stream_batch(0), exportable(device), &stream).unwrap();
+    assert!(
+        !batch.ready().is_complete().unwrap(),
+        "the upload is still queued behind the copies"
+    );
+    assert_ne!(sender.send(&batch).unwrap(), 0);
+    sender.finish().unwrap();
+    peer.passed();
+    stream.synchronize().unwrap();
+}
+
 #[test]
 fn one_allocation_is_opened_once_per_process() {
     each_device(|device, stream| {

@@ -200,6 +200,8 @@ struct Decoder<'r, 'f, 'd> {
     dictionaries: &'d Dictionaries,
     device: Device,
     resolve: &'r mut Resolve<'f>,
+    /// The zero-length buffer every empty buffer shares, once one is met.
+    empty: Option<DeviceBuffer>,
 }
 
 impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
@@ -236,6 +238,7 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
             dictionaries,
             device,
             resolve,
+            empty: None,
         }
     }
 
@@ -277,7 +280,8 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
             )));
         }
         if len == 0 {
-            return Ok(empty_buffer(self.device));
+            let device = self.device;
+            return Ok(self.empty.get_or_insert_with(|| empty_buffer(device)).clone());
         }
         let buffer = (self.resolve)(self.first_buffer + index, offset, len)?;
         // A fixed-size buffer is cut to its size: the bytes past it belong to no element, and

@@ -13,7 +13,7 @@
 mod plan;
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use arrow_array::{ArrayRef, RecordBatch, RecordBatchOptions, make_array};
 use arrow_data::ArrayData;
@@ -27,10 +27,12 @@ use crate::error::{Error, Result};
 use crate::memory::pinned::PinnedPool;
 use crate::memory::{ALIGNMENT, DeviceBuffer, MemoryResource, copy, stream_for};
 
-use plan::{Layout, Plan};
+use plan::{Layout, Part, Plan};
 
 /// Bytes packed and sent per DMA on large uploads.
 const CHUNK: usize = 32 << 20;
+/// Bytes of a small upload packed by one pool thread while the rest is planned.
+const SEGMENT: usize = 256 << 10;
 /// Chunks whose DMA may be in flight while the next is packed.
 const IN_FLIGHT: usize = 4;
 
@@ -45,60 +47,112 @@ pub fn htod(batch: &RecordBatch, device: Device, stream: &Stream) -> Result<Devi
 /// then); the result's [`DeviceRecordBatch::ready`] event completes when the data is in place.
 pub fn htod_async(batch: &RecordBatch, resource: MemoryResource, stream: &Stream) -> Result<DeviceRecordBatch> {
     let data: Vec<ArrayData> = batch.columns().iter().map(|c| c.to_data()).collect();
-    let mut plan = Plan::default();
-    let layouts = data.iter().map(|d| plan.array(d)).collect::<Result<Vec<_>>>()?;
-    let (memory, ready) = pack(&plan, resource, stream)?;
-    let columns = layouts.iter().map(|l| l.to_device(&memory)).collect::<Result<_>>()?;
+    let (columns, ready) = upload(&data, resource, stream)?;
     DeviceRecordBatch::try_new(batch.schema(), columns, batch.num_rows(), ready)
 }
 
 /// Copies one array to `device` and returns when the copy has finished.
 pub fn htod_array(array: &dyn arrow_array::Array, device: Device, stream: &Stream) -> Result<DeviceArrayData> {
-    let data = array.to_data();
-    let mut plan = Plan::default();
-    let layout = plan.array(&data)?;
-    let (memory, ready) = pack(&plan, MemoryResource::default_for(device), stream)?;
+    let (mut columns, ready) = upload(&[array.to_data()], MemoryResource::default_for(device), stream)?;
     ready.synchronize()?;
-    layout.to_device(&memory)
+    Ok(columns.remove(0))
 }
 
-/// Allocates the plan's memory and fills it; returns the memory and the event of the last copy.
+/// Copies `data` into one allocation of `resource`; returns the device arrays and the event of the
+/// last copy.
 ///
-/// For a GPU: plain copies of at least [`DIRECT_MIN`] bytes from pinned memory go straight to the
-/// device by DMA; everything else is packed into pinned staging chunks on every core, each chunk
-/// sent by one DMA while the next is packed.
-fn pack(plan: &Plan<'_>, resource: MemoryResource, stream: &Stream) -> Result<(DeviceBuffer, Event)> {
+/// For a GPU: every [`SEGMENT`] bytes planned (while the whole plan is at most [`CHUNK`]) go to a
+/// pool thread to be packed into pinned staging while this thread plans on; they are sent by DMA
+/// once the allocation exists. The rest of the plan is packed in [`CHUNK`]s on every core, each
+/// sent while the next is packed, and plain copies of at least [`DIRECT_MIN`] bytes from pinned
+/// memory go straight to the device. The device arrays are built while the DMAs run.
+fn upload(data: &[ArrayData], resource: MemoryResource, stream: &Stream) -> Result<(Vec<DeviceArrayData>, Event)> {
     let device = resource.device();
     let stream = stream_for(stream, device, Device::Cpu)?;
-    let mut memory = DeviceBuffer::alloc(resource, plan.size(), &stream)?;
-    if let Some(out) = memory.host_slice_mut() {
+    let to_device = |layouts: &[Layout], memory: &DeviceBuffer| {
+        layouts.iter().map(|l| l.to_device(memory)).collect::<Result<Vec<_>>>()
+    };
+    let Some(ordinal) = device.ordinal().filter(|_| !device.is_host_accessible()) else {
+        let mut plan = Plan::default();
+        let layouts = data.iter().map(|d| plan.array(d)).collect::<Result<Vec<_>>>()?;
+        let mut memory = DeviceBuffer::alloc(resource, plan.size(), &stream)?;
+        let out = memory
+            .host_slice_mut()
+            .ok_or_else(|| Error::Unsupported(format!("{device} is not host-accessible")))?;
         plan.fill_parallel(0, out);
-        return Ok((memory, Event::completed()));
-    }
-    let ordinal = device
-        .ordinal()
-        .ok_or_else(|| Error::Unsupported(format!("{device} is not host-accessible")))?;
+        return Ok((to_device(&layouts, &memory)?, Event::completed()));
+    };
     let pool = PinnedPool::shared(MemoryResource::PinnedHost(ordinal))?;
     release_finished();
     stream.bind()?;
-    let direct = plan.direct_copies(DIRECT_MIN, is_pinned);
-    // The ranges between direct copies go through staging.
-    let mut packed = Vec::with_capacity(direct.len() + 1);
-    let mut at = 0;
-    for d in &direct {
-        if d.dst > at {
-            packed.push(at..d.dst);
-        }
-        at = (d.dst + d.src.len()).next_multiple_of(ALIGNMENT);
-    }
-    if at < plan.size() {
-        packed.push(at..plan.size());
-    }
+    // Chunks of a large batch, each with the event of its copy: their staging goes back to the
+    // pool as they complete, so a few chunks' worth of it serves the whole batch.
     let mut in_flight: VecDeque<(Keep, Event)> = VecDeque::new();
-    let result = (|| {
-        for d in &direct {
-            // SAFETY: the source is pinned host memory of an arrow buffer kept alive (below) until
-            // the copy's event completes; the destination lies inside `memory`.
+    // What the other copies read: kept until the last copy is done.
+    let mut keep: Vec<Keep> = Vec::new();
+    // Copies packed staging to `start` in `memory`.
+    let send = |memory: &DeviceBuffer, start: usize, stage: &DeviceBuffer| {
+        // SAFETY: both ranges are valid; the caller keeps the staging block until the copy is done.
+        unsafe {
+            copy(
+                memory.address() + start as u64,
+                device,
+                stage.address(),
+                stage.device(),
+                stage.len(),
+                &stream,
+            )
+        }
+    };
+    let result = rayon::in_place_scope(|scope| {
+        let mut plan = Plan::default();
+        let mut layouts = Vec::with_capacity(data.len());
+        let mut parts = Vec::new();
+        for d in data {
+            if plan.size() <= CHUNK && plan.uncut() >= SEGMENT {
+                parts.push(hand_off(scope, &mut plan, &pool)?);
+            }
+            layouts.push(plan.array(d)?);
+        }
+        // A small batch that was cut sends its last part the same way; the rest of a large one
+        // (or all of one too small to cut) goes through the chunks below.
+        let rest = match plan.size() <= CHUNK && !parts.is_empty() {
+            true => {
+                parts.push(hand_off(scope, &mut plan, &pool)?);
+                0..0
+            }
+            false => plan.cut(),
+        };
+        let memory = DeviceBuffer::alloc(resource, plan.size(), &stream)?;
+        // The parts packed already are sent now, the others after the arrays are built.
+        let mut waiting = Vec::with_capacity(parts.len());
+        for part in parts {
+            match part.take_if_packed() {
+                Some(stage) => {
+                    send(&memory, part.start(), &stage)?;
+                    keep.push(Box::new(stage));
+                }
+                None => waiting.push(part),
+            }
+        }
+        let direct: Vec<_> = match rest.is_empty() {
+            true => vec![],
+            false => plan
+                .direct_copies(DIRECT_MIN, is_pinned)
+                .into_iter()
+                .filter(|d| d.dst >= rest.start)
+                .collect(),
+        };
+        // The ranges between direct copies go through staging.
+        let mut packed = Vec::with_capacity(direct.len() + 1);
+        let mut at = rest.start;
+        for d in direct {
+            if d.dst > at {
+                packed.push(at..d.dst);
+            }
+            at = (d.dst + d.src.len()).next_multiple_of(ALIGNMENT);
+            // SAFETY: the source is pinned host memory of an arrow buffer kept alive (in `keep`)
+            // until the last copy completes; the destination lies inside `memory`.
             unsafe {
                 copy(
                     memory.address() + d.dst as u64,
@@ -109,10 +163,11 @@ fn pack(plan: &Plan<'_>, resource: MemoryResource, stream: &Stream) -> Result<(D
                     &stream,
                 )?
             };
-            in_flight.push_back((Box::new(d.owner.clone()), stream.record()?));
+            keep.push(Box::new(d.owner));
         }
-        // Small batches go in one chunk: on the H100 machine splitting a 1.3 MB batch into four
-        // made its upload slower (each chunk's parallel fill wakes the pool's threads again).
+        if at < rest.end {
+            packed.push(at..rest.end);
+        }
         for range in &packed {
             for start in range.clone().step_by(CHUNK) {
                 let len = CHUNK.min(range.end - start);
@@ -126,25 +181,48 @@ fn pack(plan: &Plan<'_>, resource: MemoryResource, stream: &Stream) -> Result<(D
                     .host_slice_mut()
                     .ok_or_else(|| Error::Unsupported("staging is not host memory".into()))?;
                 plan.fill_parallel(start, out);
-                // SAFETY: both ranges are valid; the staging block is kept (in `in_flight`, then the
-                // deferred list) until the event recorded after the copy completes.
-                unsafe {
-                    copy(
-                        memory.address() + start as u64,
-                        device,
-                        stage.address(),
-                        stage.device(),
-                        len,
-                        &stream,
-                    )?
-                };
+                send(&memory, start, &stage)?;
                 in_flight.push_back((Box::new(stage), stream.record()?));
             }
         }
-        stream.record()
-    })();
+        let columns = to_device(&layouts, &memory)?;
+        for part in waiting {
+            // Packed here if no pool thread has started on it, so nothing waits on an idle pool.
+            if let Some(stage) = part.pack().0.take() {
+                send(&memory, part.start(), &stage)?;
+                keep.push(Box::new(stage));
+            }
+        }
+        Ok((columns, stream.record()?))
+    });
+    // What the copies read stays until they are done: until the last one's event, or, when none
+    // could be recorded, until the stream has finished.
+    match result
+        .as_ref()
+        .ok()
+        .map(|(_, e)| e.clone())
+        .or_else(|| stream.record().ok())
+    {
+        Some(done) => in_flight.extend(keep.into_iter().map(|k| (k, done.clone()))),
+        None => {
+            let _ = stream.synchronize();
+        }
+    }
     defer_release(in_flight);
-    Ok((memory, result?))
+    result
+}
+
+/// Cuts the part of `plan` planned since the last cut and hands it to a pool thread to pack.
+fn hand_off<'s, 'a: 's>(
+    scope: &rayon::Scope<'s>,
+    plan: &mut Plan<'a>,
+    pool: &Arc<PinnedPool>,
+) -> Result<Arc<Part<'a>>> {
+    let range = plan.cut();
+    let part = Arc::new(Part::new(plan, range.clone(), pool.take(range.len())?));
+    let packer = part.clone();
+    scope.spawn(move |_| drop(packer.pack()));
+    Ok(part)
 }
 
 /// Plain copies at least this large from pinned memory skip the staging.

@@ -7,6 +7,7 @@
 //! offset 0. The bytes between buffers are zeroed.
 
 use std::ops::Range;
+use std::sync::{Mutex, MutexGuard};
 
 use arrow_buffer::{BooleanBuffer, Buffer, NullBuffer};
 use arrow_data::ArrayData;
@@ -246,6 +247,8 @@ impl Layout {
 pub(crate) struct Plan<'a> {
     ops: Vec<PackOp<'a>>,
     size: usize,
+    /// Where the part planned since the last [`Plan::cut`] starts.
+    cut: usize,
 }
 
 /// Eight zero bytes: the offsets of an empty array whose source has no offsets buffer.
@@ -255,6 +258,25 @@ impl<'a> Plan<'a> {
     /// The size of the allocation.
     pub fn size(&self) -> usize {
         self.size
+    }
+
+    /// The bytes planned since the last [`Plan::cut`].
+    pub fn uncut(&self) -> usize {
+        self.size - self.cut
+    }
+
+    /// Ends the part planned since the last cut at the next multiple of [`ALIGNMENT`] (the plan
+    /// grows to it) and returns its range, which [`Plan::ops_in`] can fill while planning goes on.
+    pub fn cut(&mut self) -> Range<usize> {
+        self.size = self.size.next_multiple_of(ALIGNMENT);
+        std::mem::replace(&mut self.cut, self.size)..self.size
+    }
+
+    /// The operations that fill `range`, a range [`Plan::cut`] returned, for [`fill_part`].
+    pub fn ops_in(&self, range: Range<usize>) -> &[PackOp<'a>] {
+        let first = self.ops.partition_point(|op| op.dst < range.start);
+        let end = self.ops.partition_point(|op| op.dst < range.end);
+        &self.ops[first..end]
     }
 
     /// Plans a whole array.
@@ -495,17 +517,7 @@ impl<'a> Plan<'a> {
     /// Writes destination bytes `start..start + out.len()` into `out`, zeroing the gaps between
     /// buffers. `start` must be a multiple of [`ALIGNMENT`].
     pub fn fill(&self, start: usize, out: &mut [u8]) {
-        let end = start + out.len();
-        let first = self.ops.partition_point(|op| op.dst + op.len <= start);
-        let mut cursor = start;
-        for op in self.ops[first..].iter().take_while(|op| op.dst < end) {
-            let from = op.dst.max(start);
-            let to = (op.dst + op.len).min(end);
-            out[cursor - start..from - start].fill(0);
-            op.write(from - op.dst, &mut out[from - start..to - start]);
-            cursor = to;
-        }
-        out[cursor - start..].fill(0);
+        fill_part(&self.ops, start, out)
     }
 
     /// [`Plan::fill`] on the threads of the pool, in pieces of at least 256 KiB (on the H100
@@ -522,6 +534,67 @@ impl<'a> Plan<'a> {
     }
 }
 
+/// A part of a plan cut off while planning goes on, packed into its staging by whichever thread
+/// gets to it first: a pool thread it was handed to, or the planning thread once it needs it.
+pub(crate) struct Part<'a> {
+    start: usize,
+    ops: Vec<PackOp<'a>>,
+    /// The staging, and whether it is packed.
+    stage: Mutex<(Option<DeviceBuffer>, bool)>,
+}
+
+impl<'a> Part<'a> {
+    /// The part of `plan` in `range` (from [`Plan::cut`]), to be packed into `stage`.
+    pub fn new(plan: &Plan<'a>, range: Range<usize>, stage: DeviceBuffer) -> Part<'a> {
+        Part {
+            start: range.start,
+            ops: plan.ops_in(range).to_vec(),
+            stage: Mutex::new((Some(stage), false)),
+        }
+    }
+
+    /// Where the part starts in the allocation.
+    pub fn start(&self) -> usize {
+        self.start
+    }
+
+    /// Packs the part unless that was done; waits while another thread packs it.
+    pub fn pack(&self) -> MutexGuard<'_, (Option<DeviceBuffer>, bool)> {
+        let mut guard = self.stage.lock().unwrap_or_else(|p| p.into_inner());
+        if !guard.1 {
+            if let Some(out) = guard.0.as_mut().and_then(DeviceBuffer::host_slice_mut) {
+                fill_part(&self.ops, self.start, out);
+            }
+            guard.1 = true;
+        }
+        guard
+    }
+
+    /// The packed staging, if some thread has packed it and no thread is packing it now.
+    pub fn take_if_packed(&self) -> Option<DeviceBuffer> {
+        match self.stage.try_lock() {
+            Ok(mut g) if g.1 => g.0.take(),
+            _ => None,
+        }
+    }
+}
+
+/// Writes destination bytes `start..start + out.len()` with `ops` (those of the range, or more),
+/// zeroing the gaps between buffers. `start` must be a multiple of [`ALIGNMENT`].
+pub(crate) fn fill_part(ops: &[PackOp<'_>], start: usize, out: &mut [u8]) {
+    let end = start + out.len();
+    let first = ops.partition_point(|op| op.dst + op.len <= start);
+    let mut cursor = start;
+    for op in ops[first..].iter().take_while(|op| op.dst < end) {
+        let from = op.dst.max(start);
+        let to = (op.dst + op.len).min(end);
+        out[cursor - start..from - start].fill(0);
+        op.write(from - op.dst, &mut out[from - start..to - start]);
+        cursor = to;
+    }
+    out[cursor - start..].fill(0);
+}
+
 /// `len` bytes of `buffer` from `start`, or an error naming the overrun.
 fn source(buffer: &Buffer, start: usize, len: usize) -> Result<&[u8]> {
     start
@@ -532,4 +605,55 @@ fn source(buffer: &Buffer, start: usize, len: usize) -> Result<&[u8]> {
             len,
             size: buffer.len(),
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use arrow_array::{Array, ArrayRef, BooleanArray, Int32Array, StringArray};
+
+    use super::*;
+    use crate::device::Stream;
+    use crate::memory::MemoryResource;
+
+    /// Parts cut while planning, each packed into its own staging, hold exactly the bytes the
+    /// whole plan fills: every range, the gaps between buffers and the alignment at each cut.
+    #[test]
+    fn cut_parts_pack_what_the_whole_plan_fills() {
+        let strings: ArrayRef = Arc::new(StringArray::from_iter(
+            (0..3000).map(|i| (i % 7 != 0).then(|| format!("v{i}"))),
+        ));
+        let arrays: Vec<ArrayRef> = vec![
+            Arc::new(Int32Array::from_iter((0..1000).map(|i| (i % 3 != 0).then_some(i)))),
+            strings.slice(13, 2000),
+            Arc::new(BooleanArray::from_iter((0..999).map(|i| Some(i % 2 == 0))).slice(3, 900)),
+            strings.slice(1, 5),
+            Arc::new(Int32Array::from(Vec::<i32>::new())),
+        ];
+        let data: Vec<ArrayData> = arrays.iter().map(|a| a.to_data()).collect();
+        let mut plan = Plan::default();
+        let mut ranges = Vec::new();
+        for (i, d) in data.iter().enumerate() {
+            if i % 2 == 1 {
+                ranges.push(plan.cut());
+            }
+            plan.array(d).unwrap();
+        }
+        ranges.push(plan.cut());
+        assert_eq!(plan.uncut(), 0);
+        assert_eq!(ranges.last().unwrap().end, plan.size());
+        assert!(ranges.windows(2).all(|w| w[0].end == w[1].start));
+        let mut whole = vec![0xAAu8; plan.size()];
+        plan.fill(0, &mut whole);
+        for (i, range) in ranges.iter().enumerate() {
+            let stage = DeviceBuffer::alloc(MemoryResource::Host, range.len(), &Stream::cpu()).unwrap();
+            let part = Part::new(&plan, range.clone(), stage);
+            assert_eq!(part.start(), range.start);
+            assert!(part.take_if_packed().is_none(), "part {i} is not packed yet");
+            drop(part.pack());
+            let stage = part.take_if_packed().expect("packed");
+            assert_eq!(stage.host_slice().unwrap(), &whole[range.clone()], "part {i}");
+        }
+    }
 }

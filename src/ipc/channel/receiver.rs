@@ -85,8 +85,9 @@ enum State {
 ///
 /// Each batch is acknowledged when the last view of it (every buffer, slice and clone) drops; only
 /// then may the sender free or reuse its memory. Work on the device that reads a batch must have
-/// finished before its views drop. CUDA batches are ordered after the sender's writes through an IPC
-/// event that the receiver's stream waits on; [`DeviceRecordBatch::ready`] completes after it.
+/// finished before its views drop. CUDA batches that the sender was still writing are ordered after
+/// those writes through an IPC event that the receiver's stream waits on;
+/// [`DeviceRecordBatch::ready`] completes after it.
 pub struct Receiver {
     link: Arc<Link>,
     schema: SchemaRef,
@@ -219,12 +220,11 @@ impl Receiver {
             id,
             link: self.link.clone(),
         };
-        let ready = match descriptor.device {
-            Device::Cuda(o) => {
+        // Without an event the sender's writes had finished before it sent the batch.
+        let ready = match (descriptor.device, event) {
+            (Device::Cuda(o), Some(h)) => {
                 let stream = self.stream(o)?;
-                if let Some(h) = event {
-                    self.event(&h, o)?.wait_on(&stream)?;
-                }
+                self.event(&h, o)?.wait_on(&stream)?;
                 stream.record()?
             }
             _ => Event::completed(),

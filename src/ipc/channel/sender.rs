@@ -436,8 +436,9 @@ impl Sender {
     /// With [`SenderOptions::zero_copy`], a batch whose memory is exportable travels as it is and is
     /// kept alive (a clone of it) until every receiver is done; otherwise it is first copied into one
     /// message. Blocks while the bytes in flight would pass [`SenderOptions::max_in_flight_bytes`],
-    /// for at most [`SenderOptions::send_timeout`]. For CUDA batches an IPC event recorded after the
-    /// batch's ready event (and after the copy, if any) orders the receivers' work after it.
+    /// for at most [`SenderOptions::send_timeout`]. For CUDA batches still being written, an IPC
+    /// event recorded after the batch's ready event (and after the copy, if any) orders the
+    /// receivers' work after it.
     pub fn send(&self, batch: &DeviceRecordBatch) -> Result<u64> {
         if batch.schema().fields() != self.schema.fields() {
             return Err(Error::InvalidArgument(
@@ -474,8 +475,10 @@ impl Sender {
             }
         };
         // Receivers may touch the bytes only after they are in place: on a GPU through an IPC event
-        // recorded after them, on the CPU (shared memory) once they are there.
+        // recorded after them (none when they are in place already: the device has finished
+        // writing them, so any later work sees them), on the CPU (shared memory) once they are there.
         let event = match descriptor.device {
+            Device::Cuda(_) if ready.is_complete()? => None,
             Device::Cuda(o) => {
                 stream.wait(&ready)?;
                 let e = self.take_event(o)?;
