@@ -202,11 +202,12 @@ impl DeviceArrayData {
     }
 }
 
-/// A record batch whose columns live on a device, with the event that marks them ready.
+/// A record batch whose columns live on a device, with the event that marks them ready. Clones
+/// share the columns, as arrow-rs `RecordBatch` clones share their arrays.
 #[derive(Clone, Debug)]
 pub struct DeviceRecordBatch {
     schema: SchemaRef,
-    columns: Vec<DeviceArrayData>,
+    columns: Arc<[DeviceArrayData]>,
     num_rows: usize,
     ready: Event,
 }
@@ -240,7 +241,7 @@ impl DeviceRecordBatch {
         }
         Ok(DeviceRecordBatch {
             schema,
-            columns,
+            columns: columns.into(),
             num_rows,
             ready,
         })
