@@ -1,8 +1,9 @@
 //! Copies of whole record batches between the host and a device.
 //!
 //! Host to device: plan every buffer (64-byte aligned, only the bytes a slice views), pack the
-//! batch into pinned staging on every core in chunks while the previous chunk's DMA runs, and issue
-//! one DMA per chunk into one device allocation; the device arrays are views of it.
+//! batch into pinned staging on the pool's threads (a small batch part by part while it is still
+//! being planned, a large one in chunks while the previous chunk's DMA runs), and issue as few DMAs
+//! as that allows into one device allocation; the device arrays are views of it.
 //!
 //! Device to host: the buffers of each allocation are copied in one DMA per contiguous span into one
 //! pinned block, whose ranges become the arrow buffers without another copy. The block goes back
@@ -13,6 +14,7 @@
 mod plan;
 
 use std::collections::VecDeque;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use arrow_array::{ArrayRef, RecordBatch, RecordBatchOptions, make_array};
@@ -31,7 +33,9 @@ use plan::{Layout, Part, Plan};
 
 /// Bytes packed and sent per DMA on large uploads.
 const CHUNK: usize = 32 << 20;
-/// Bytes of a small upload packed by one pool thread while the rest is planned.
+/// The first bytes of an upload, packed into one staging block while the batch is planned.
+const EARLY: usize = 4 << 20;
+/// The bytes of that block handed to one pool thread at a time.
 const SEGMENT: usize = 256 << 10;
 /// Chunks whose DMA may be in flight while the next is packed.
 const IN_FLIGHT: usize = 4;
@@ -61,11 +65,12 @@ pub fn htod_array(array: &dyn arrow_array::Array, device: Device, stream: &Strea
 /// Copies `data` into one allocation of `resource`; returns the device arrays and the event of the
 /// last copy.
 ///
-/// For a GPU: every [`SEGMENT`] bytes planned (while the whole plan is at most [`CHUNK`]) go to a
-/// pool thread to be packed into pinned staging while this thread plans on; they are sent by DMA
-/// once the allocation exists. The rest of the plan is packed in [`CHUNK`]s on every core, each
-/// sent while the next is packed, and plain copies of at least [`DIRECT_MIN`] bytes from pinned
-/// memory go straight to the device. The device arrays are built while the DMAs run.
+/// For a GPU: the first [`EARLY`] bytes are packed into one pinned staging block while the batch is
+/// still being planned (every [`SEGMENT`] bytes planned go to a pool thread; this thread packs what
+/// no pool thread has started on once it needs it) and go to the device in at most two copies,
+/// one before the device arrays are built and one after. The rest of a larger batch is packed in
+/// [`CHUNK`]s on every core, each sent while the next is packed, and plain copies of at least
+/// [`DIRECT_MIN`] bytes from pinned memory go straight to the device.
 fn upload(data: &[ArrayData], resource: MemoryResource, stream: &Stream) -> Result<(Vec<DeviceArrayData>, Event)> {
     let device = resource.device();
     let stream = stream_for(stream, device, Device::Cpu)?;
@@ -90,50 +95,52 @@ fn upload(data: &[ArrayData], resource: MemoryResource, stream: &Stream) -> Resu
     let mut in_flight: VecDeque<(Keep, Event)> = VecDeque::new();
     // What the other copies read: kept until the last copy is done.
     let mut keep: Vec<Keep> = Vec::new();
-    // Copies packed staging to `start` in `memory`.
-    let send = |memory: &DeviceBuffer, start: usize, stage: &DeviceBuffer| {
-        // SAFETY: both ranges are valid; the caller keeps the staging block until the copy is done.
+    // The first EARLY bytes are packed into one block, part by part while the rest is planned.
+    let mut early = pool.take(EARLY)?;
+    let early_at = early.address();
+    let send_early = |memory: &DeviceBuffer, range: Range<usize>| {
+        // SAFETY: the range lies in both allocations; `early` is kept until the copy is done.
         unsafe {
             copy(
-                memory.address() + start as u64,
+                memory.address() + range.start as u64,
                 device,
-                stage.address(),
-                stage.device(),
-                stage.len(),
+                early_at + range.start as u64,
+                Device::CudaHost(ordinal),
+                range.len(),
                 &stream,
             )
         }
     };
     let result = rayon::in_place_scope(|scope| {
+        let mut free = early
+            .host_slice_mut()
+            .ok_or_else(|| Error::Unsupported("staging is not host memory".into()))?;
         let mut plan = Plan::default();
         let mut layouts = Vec::with_capacity(data.len());
         let mut parts = Vec::new();
         for d in data {
-            if plan.size() <= CHUNK && plan.uncut() >= SEGMENT {
-                parts.push(hand_off(scope, &mut plan, &pool)?);
+            if plan.size() <= EARLY && plan.uncut() >= SEGMENT {
+                parts.push(hand_off(scope, &mut plan, &mut free));
             }
             layouts.push(plan.array(d)?);
         }
-        // A small batch that was cut sends its last part the same way; the rest of a large one
-        // (or all of one too small to cut) goes through the chunks below.
-        let rest = match plan.size() <= CHUNK && !parts.is_empty() {
+        // The rest of a batch larger than EARLY is packed in chunks below.
+        let rest = match plan.size() <= EARLY {
             true => {
-                parts.push(hand_off(scope, &mut plan, &pool)?);
+                if plan.uncut() > 0 {
+                    parts.push(hand_off(scope, &mut plan, &mut free));
+                }
                 0..0
             }
             false => plan.cut(),
         };
+        let early_end = parts.last().map_or(0, |p| p.range().end);
         let memory = DeviceBuffer::alloc(resource, plan.size(), &stream)?;
-        // The parts packed already are sent now, the others after the arrays are built.
-        let mut waiting = Vec::with_capacity(parts.len());
-        for part in parts {
-            match part.take_if_packed() {
-                Some(stage) => {
-                    send(&memory, part.start(), &stage)?;
-                    keep.push(Box::new(stage));
-                }
-                None => waiting.push(part),
-            }
+        // What the pool has packed already goes now, in one copy; the rest after the arrays are
+        // built.
+        let packed = parts.iter().take_while(|p| p.is_packed()).last().map_or(0, |p| p.range().end);
+        if packed > 0 {
+            send_early(&memory, 0..packed)?;
         }
         let direct: Vec<_> = match rest.is_empty() {
             true => vec![],
@@ -144,11 +151,11 @@ fn upload(data: &[ArrayData], resource: MemoryResource, stream: &Stream) -> Resu
                 .collect(),
         };
         // The ranges between direct copies go through staging.
-        let mut packed = Vec::with_capacity(direct.len() + 1);
+        let mut staged = Vec::with_capacity(direct.len() + 1);
         let mut at = rest.start;
         for d in direct {
             if d.dst > at {
-                packed.push(at..d.dst);
+                staged.push(at..d.dst);
             }
             at = (d.dst + d.src.len()).next_multiple_of(ALIGNMENT);
             // SAFETY: the source is pinned host memory of an arrow buffer kept alive (in `keep`)
@@ -166,9 +173,9 @@ fn upload(data: &[ArrayData], resource: MemoryResource, stream: &Stream) -> Resu
             keep.push(Box::new(d.owner));
         }
         if at < rest.end {
-            packed.push(at..rest.end);
+            staged.push(at..rest.end);
         }
-        for range in &packed {
+        for range in &staged {
             for start in range.clone().step_by(CHUNK) {
                 let len = CHUNK.min(range.end - start);
                 if in_flight.len() >= IN_FLIGHT
@@ -181,20 +188,30 @@ fn upload(data: &[ArrayData], resource: MemoryResource, stream: &Stream) -> Resu
                     .host_slice_mut()
                     .ok_or_else(|| Error::Unsupported("staging is not host memory".into()))?;
                 plan.fill_parallel(start, out);
-                send(&memory, start, &stage)?;
+                // SAFETY: both ranges are valid; the staging block is kept (in `in_flight`, then the
+                // deferred list) until the event recorded after the copy completes.
+                unsafe {
+                    copy(
+                        memory.address() + start as u64,
+                        device,
+                        stage.address(),
+                        stage.device(),
+                        len,
+                        &stream,
+                    )?
+                };
                 in_flight.push_back((Box::new(stage), stream.record()?));
             }
         }
         let columns = to_device(&layouts, &memory)?;
-        for part in waiting {
-            // Packed here if no pool thread has started on it, so nothing waits on an idle pool.
-            if let Some(stage) = part.pack().0.take() {
-                send(&memory, part.start(), &stage)?;
-                keep.push(Box::new(stage));
-            }
+        // Parts no pool thread has started on are packed here, so nothing waits on an idle pool.
+        parts.iter().for_each(|p| p.pack());
+        if early_end > packed {
+            send_early(&memory, packed..early_end)?;
         }
         Ok((columns, stream.record()?))
     });
+    keep.push(Box::new(early));
     // What the copies read stays until they are done: until the last one's event, or, when none
     // could be recorded, until the stream has finished.
     match result
@@ -212,17 +229,16 @@ fn upload(data: &[ArrayData], resource: MemoryResource, stream: &Stream) -> Resu
     result
 }
 
-/// Cuts the part of `plan` planned since the last cut and hands it to a pool thread to pack.
-fn hand_off<'s, 'a: 's>(
-    scope: &rayon::Scope<'s>,
-    plan: &mut Plan<'a>,
-    pool: &Arc<PinnedPool>,
-) -> Result<Arc<Part<'a>>> {
+/// Cuts the part of `plan` planned since the last cut and hands it to a pool thread to pack into
+/// the front of `free`, which keeps what is left.
+fn hand_off<'s, 'a: 's>(scope: &rayon::Scope<'s>, plan: &mut Plan<'a>, free: &mut &'a mut [u8]) -> Arc<Part<'a>> {
     let range = plan.cut();
-    let part = Arc::new(Part::new(plan, range.clone(), pool.take(range.len())?));
+    let (out, rest) = std::mem::take(free).split_at_mut(range.len());
+    *free = rest;
+    let part = Arc::new(Part::new(plan, range, out));
     let packer = part.clone();
-    scope.spawn(move |_| drop(packer.pack()));
-    Ok(part)
+    scope.spawn(move |_| packer.pack());
+    part
 }
 
 /// Plain copies at least this large from pinned memory skip the staging.

@@ -7,7 +7,7 @@
 //! offset 0. The bytes between buffers are zeroed.
 
 use std::ops::Range;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 
 use arrow_buffer::{BooleanBuffer, Buffer, NullBuffer};
 use arrow_data::ArrayData;
@@ -534,48 +534,42 @@ impl<'a> Plan<'a> {
     }
 }
 
-/// A part of a plan cut off while planning goes on, packed into its staging by whichever thread
-/// gets to it first: a pool thread it was handed to, or the planning thread once it needs it.
+/// A part of a plan cut off while planning goes on, packed into its share of the staging by
+/// whichever thread gets to it first: a pool thread it was handed to, or the planning thread once it
+/// needs it.
 pub(crate) struct Part<'a> {
-    start: usize,
+    range: Range<usize>,
     ops: Vec<PackOp<'a>>,
-    /// The staging, and whether it is packed.
-    stage: Mutex<(Option<DeviceBuffer>, bool)>,
+    /// Where the part goes, until a thread has packed it there.
+    out: Mutex<Option<&'a mut [u8]>>,
 }
 
 impl<'a> Part<'a> {
-    /// The part of `plan` in `range` (from [`Plan::cut`]), to be packed into `stage`.
-    pub fn new(plan: &Plan<'a>, range: Range<usize>, stage: DeviceBuffer) -> Part<'a> {
+    /// The part of `plan` in `range` (from [`Plan::cut`]), to be packed into `out`.
+    pub fn new(plan: &Plan<'a>, range: Range<usize>, out: &'a mut [u8]) -> Part<'a> {
         Part {
-            start: range.start,
-            ops: plan.ops_in(range).to_vec(),
-            stage: Mutex::new((Some(stage), false)),
+            ops: plan.ops_in(range.clone()).to_vec(),
+            range,
+            out: Mutex::new(Some(out)),
         }
     }
 
-    /// Where the part starts in the allocation.
-    pub fn start(&self) -> usize {
-        self.start
+    /// The part's range of the allocation.
+    pub fn range(&self) -> Range<usize> {
+        self.range.clone()
     }
 
     /// Packs the part unless that was done; waits while another thread packs it.
-    pub fn pack(&self) -> MutexGuard<'_, (Option<DeviceBuffer>, bool)> {
-        let mut guard = self.stage.lock().unwrap_or_else(|p| p.into_inner());
-        if !guard.1 {
-            if let Some(out) = guard.0.as_mut().and_then(DeviceBuffer::host_slice_mut) {
-                fill_part(&self.ops, self.start, out);
-            }
-            guard.1 = true;
+    pub fn pack(&self) {
+        let mut out = self.out.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(out) = out.take() {
+            fill_part(&self.ops, self.range.start, out);
         }
-        guard
     }
 
-    /// The packed staging, if some thread has packed it and no thread is packing it now.
-    pub fn take_if_packed(&self) -> Option<DeviceBuffer> {
-        match self.stage.try_lock() {
-            Ok(mut g) if g.1 => g.0.take(),
-            _ => None,
-        }
+    /// Whether a thread has packed the part (not while one is packing it).
+    pub fn is_packed(&self) -> bool {
+        matches!(self.out.try_lock(), Ok(out) if out.is_none())
     }
 }
 
@@ -614,8 +608,6 @@ mod tests {
     use arrow_array::{Array, ArrayRef, BooleanArray, Int32Array, StringArray};
 
     use super::*;
-    use crate::device::Stream;
-    use crate::memory::MemoryResource;
 
     /// Parts cut while planning, each packed into its own staging, hold exactly the bytes the
     /// whole plan fills: every range, the gaps between buffers and the alignment at each cut.
@@ -646,14 +638,24 @@ mod tests {
         assert!(ranges.windows(2).all(|w| w[0].end == w[1].start));
         let mut whole = vec![0xAAu8; plan.size()];
         plan.fill(0, &mut whole);
-        for (i, range) in ranges.iter().enumerate() {
-            let stage = DeviceBuffer::alloc(MemoryResource::Host, range.len(), &Stream::cpu()).unwrap();
-            let part = Part::new(&plan, range.clone(), stage);
-            assert_eq!(part.start(), range.start);
-            assert!(part.take_if_packed().is_none(), "part {i} is not packed yet");
-            drop(part.pack());
-            let stage = part.take_if_packed().expect("packed");
-            assert_eq!(stage.host_slice().unwrap(), &whole[range.clone()], "part {i}");
+        let mut staging = vec![0x55u8; plan.size()];
+        let mut free = staging.as_mut_slice();
+        let parts: Vec<Part<'_>> = ranges
+            .iter()
+            .map(|range| {
+                let (out, rest) = std::mem::take(&mut free).split_at_mut(range.len());
+                free = rest;
+                Part::new(&plan, range.clone(), out)
+            })
+            .collect();
+        for (i, part) in parts.iter().enumerate() {
+            assert_eq!(part.range(), ranges[i]);
+            assert!(!part.is_packed(), "part {i} is not packed yet");
+            part.pack();
+            assert!(part.is_packed());
+            part.pack();
         }
+        drop(parts);
+        assert_eq!(staging, whole);
     }
 }
