@@ -14,6 +14,9 @@ use crate::device::{Device, Event};
 use crate::error::{Error, Result};
 use crate::memory::DeviceBuffer;
 
+/// An array's data buffers: most arrays have one or two, kept inline.
+pub(crate) type Buffers = smallvec::SmallVec<[DeviceBuffer; 2]>;
+
 /// The layout of one array on a device, as arrow-rs [`ArrayData`] lays it out on the host.
 #[derive(Clone, Debug)]
 pub struct DeviceArrayData {
@@ -22,7 +25,7 @@ pub struct DeviceArrayData {
     pub(crate) offset: usize,
     pub(crate) null_count: Option<usize>,
     pub(crate) nulls: Option<DeviceBuffer>,
-    pub(crate) buffers: Vec<DeviceBuffer>,
+    pub(crate) buffers: Buffers,
     pub(crate) children: Vec<DeviceArrayData>,
     /// The bytes were written by this crate from an arrow-rs array (which arrow-rs had validated)
     /// and cannot have changed since: buffers are immutable while shared, and the array holds
@@ -59,7 +62,7 @@ impl DeviceArrayData {
             offset,
             null_count,
             nulls,
-            buffers,
+            buffers: buffers.into(),
             children,
             trusted: false,
         };
@@ -207,7 +210,7 @@ impl DeviceArrayData {
 #[derive(Clone, Debug)]
 pub struct DeviceRecordBatch {
     schema: SchemaRef,
-    columns: Arc<[DeviceArrayData]>,
+    columns: Arc<Vec<DeviceArrayData>>,
     num_rows: usize,
     ready: Event,
 }
@@ -241,7 +244,7 @@ impl DeviceRecordBatch {
         }
         Ok(DeviceRecordBatch {
             schema,
-            columns: columns.into(),
+            columns: Arc::new(columns),
             num_rows,
             ready,
         })
@@ -297,7 +300,7 @@ impl DeviceRecordBatch {
         let columns = indices.iter().map(|&i| self.columns[i].clone()).collect();
         Ok(DeviceRecordBatch {
             schema,
-            columns,
+            columns: Arc::new(columns),
             num_rows: self.num_rows,
             ready: self.ready.clone(),
         })
@@ -312,7 +315,7 @@ impl DeviceRecordBatch {
             .collect::<Result<_>>()?;
         Ok(DeviceRecordBatch {
             schema: self.schema.clone(),
-            columns,
+            columns: Arc::new(columns),
             num_rows: len,
             ready: self.ready.clone(),
         })

@@ -9,6 +9,17 @@ use crate::device::Device;
 /// Result with the crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Collects results into a vector allocated once for all of them, or returns the first error.
+/// (`collect::<Result<Vec<_>>>()` cannot know the length and grows its vector step by step, which
+/// moves every element built so far each time: for a hundred columns, more than the building.)
+pub(crate) fn try_collect<T>(items: impl ExactSizeIterator<Item = Result<T>>) -> Result<Vec<T>> {
+    let mut out = Vec::with_capacity(items.len());
+    for item in items {
+        out.push(item?);
+    }
+    Ok(out)
+}
+
 /// Everything that can go wrong in arrow-cuda.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -161,7 +161,7 @@ pub(crate) fn as_struct(batch: &DeviceRecordBatch) -> DeviceArrayData {
         offset: 0,
         null_count: Some(0),
         nulls: None,
-        buffers: vec![],
+        buffers: Default::default(),
         children: batch.columns().to_vec(),
         trusted: false,
     }

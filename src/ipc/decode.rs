@@ -19,9 +19,9 @@ use std::collections::HashMap;
 use arrow_ipc::{MessageHeader, MetadataVersion};
 use arrow_schema::{DataType, Field, Fields, Schema, SchemaRef, UnionMode};
 
-use crate::array::{DeviceArrayData, DeviceRecordBatch};
+use crate::array::{Buffers, DeviceArrayData, DeviceRecordBatch};
 use crate::device::{Device, Event};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, try_collect};
 use crate::ipc::layout::{dictionaries_in, fixed_sizes, has_validity};
 use crate::memory::{ALIGNMENT, DeviceBuffer};
 
@@ -122,11 +122,7 @@ pub(crate) fn batch(
     }
     let num_rows = count(header.batch.length(), "batch length")?;
     let mut d = Decoder::new(header, device, resolve, first_buffer, 0, dictionaries);
-    let columns = schema
-        .fields()
-        .iter()
-        .map(|f| d.array(f, 0))
-        .collect::<Result<Vec<_>>>()?;
+    let columns = try_collect(schema.fields().iter().map(|f| d.array(f, 0)))?;
     d.finish()?;
     DeviceRecordBatch::try_new(schema.clone(), columns, num_rows, ready)
 }
@@ -317,7 +313,7 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
         let mut buffers = sizes
             .iter()
             .map(|&min| self.buffer(dt, min))
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<Result<Buffers>>()?;
         if matches!(dt, DataType::Utf8View | DataType::BinaryView) {
             let n = *self
                 .variadic
@@ -368,8 +364,7 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
     }
 
     fn children(&mut self, dt: &DataType, len: usize, depth: usize) -> Result<Vec<DeviceArrayData>> {
-        let all =
-            |d: &mut Self, fields: &Fields| fields.iter().map(|f| d.array(f, depth + 1)).collect::<Result<Vec<_>>>();
+        let all = |d: &mut Self, fields: &Fields| try_collect(fields.iter().map(|f| d.array(f, depth + 1)));
         let at_least = |children: &[DeviceArrayData], need: usize| match children.iter().find(|c| c.len() < need) {
             Some(c) => Err(invalid(format!(
                 "a child of a {dt} array of {len} elements has {} elements",

@@ -25,7 +25,7 @@ use rayon::prelude::*;
 
 use crate::array::{DeviceArrayData, DeviceRecordBatch};
 use crate::device::{Device, Event, Stream};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, try_collect};
 use crate::memory::pinned::PinnedPool;
 use crate::memory::{ALIGNMENT, DeviceBuffer, MemoryResource, copy, stream_for};
 
@@ -74,12 +74,11 @@ pub fn htod_array(array: &dyn arrow_array::Array, device: Device, stream: &Strea
 fn upload(data: &[ArrayData], resource: MemoryResource, stream: &Stream) -> Result<(Vec<DeviceArrayData>, Event)> {
     let device = resource.device();
     let stream = stream_for(stream, device, Device::Cpu)?;
-    let to_device = |layouts: &[Layout], memory: &DeviceBuffer| {
-        layouts.iter().map(|l| l.to_device(memory)).collect::<Result<Vec<_>>>()
-    };
+    let to_device =
+        |layouts: &[Layout], memory: &DeviceBuffer| try_collect(layouts.iter().map(|l| l.to_device(memory)));
     let Some(ordinal) = device.ordinal().filter(|_| !device.is_host_accessible()) else {
         let mut plan = Plan::default();
-        let layouts = data.iter().map(|d| plan.array(d)).collect::<Result<Vec<_>>>()?;
+        let layouts = try_collect(data.iter().map(|d| plan.array(d)))?;
         let mut memory = DeviceBuffer::alloc(resource, plan.size(), &stream)?;
         let out = memory
             .host_slice_mut()
@@ -138,7 +137,11 @@ fn upload(data: &[ArrayData], resource: MemoryResource, stream: &Stream) -> Resu
         let memory = DeviceBuffer::alloc(resource, plan.size(), &stream)?;
         // What the pool has packed already goes now, in one copy; the rest after the arrays are
         // built.
-        let packed = parts.iter().take_while(|p| p.is_packed()).last().map_or(0, |p| p.range().end);
+        let packed = parts
+            .iter()
+            .take_while(|p| p.is_packed())
+            .last()
+            .map_or(0, |p| p.range().end);
         if packed > 0 {
             send_early(&memory, 0..packed)?;
         }
@@ -352,7 +355,7 @@ impl PendingBatch {
         // ones only need their arrays built, which threads would slow down (they would all count
         // references to the one host block).
         let columns = if self.layouts.iter().all(|l| l.trusted) {
-            self.layouts.iter().map(build).collect::<Result<Vec<_>>>()?
+            try_collect(self.layouts.iter().map(build))?
         } else {
             self.layouts.par_iter().map(build).collect::<Result<Vec<_>>>()?
         };

@@ -97,7 +97,7 @@ pub(crate) struct Layout {
     pub offset: usize,
     pub null_count: Option<usize>,
     pub nulls: Option<Range<usize>>,
-    pub buffers: Vec<Range<usize>>,
+    pub buffers: smallvec::SmallVec<[Range<usize>; 2]>,
     pub children: Vec<Layout>,
     /// The bytes are a copy of a valid arrow array (see `DeviceArrayData::trusted`): the host
     /// array is built without validating them again.
@@ -403,7 +403,7 @@ impl<'a> Plan<'a> {
             offset: 0,
             null_count: Some(null_count),
             nulls,
-            buffers: vec![],
+            buffers: Default::default(),
             children: vec![],
             trusted: false,
         };
