@@ -13,11 +13,12 @@
 
 mod plan;
 
+use std::cell::OnceCell;
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use arrow_array::{ArrayRef, RecordBatch, RecordBatchOptions, make_array};
+use arrow_array::{Array, ArrayRef, RecordBatch, RecordBatchOptions, make_array};
 use arrow_data::ArrayData;
 use arrow_schema::SchemaRef;
 use cudarc::driver::sys;
@@ -29,14 +30,16 @@ use crate::error::{Error, Result, try_collect};
 use crate::memory::pinned::PinnedPool;
 use crate::memory::{ALIGNMENT, DeviceBuffer, MemoryResource, copy, stream_for};
 
-use plan::{Layout, Part, Plan};
+use plan::{Handoff, Layout, Part, Plan};
 
 /// Bytes packed and sent per DMA on large uploads.
 const CHUNK: usize = 32 << 20;
 /// The first bytes of an upload, packed into one staging block while the batch is planned.
 const EARLY: usize = 4 << 20;
-/// The bytes of that block handed to one pool thread at a time.
-const SEGMENT: usize = 256 << 10;
+/// The bytes of that block handed to a pool thread at a time.
+const SEGMENT: usize = 128 << 10;
+/// Pool threads that pack those parts.
+const PACKERS: usize = 4;
 /// Chunks whose DMA may be in flight while the next is packed.
 const IN_FLIGHT: usize = 4;
 
@@ -50,33 +53,39 @@ pub fn htod(batch: &RecordBatch, device: Device, stream: &Stream) -> Result<Devi
 /// Copies `batch` into memory of `resource`. Returns once `batch` has been read (it may be dropped
 /// then); the result's [`DeviceRecordBatch::ready`] event completes when the data is in place.
 pub fn htod_async(batch: &RecordBatch, resource: MemoryResource, stream: &Stream) -> Result<DeviceRecordBatch> {
-    let data: Vec<ArrayData> = batch.columns().iter().map(|c| c.to_data()).collect();
-    let (columns, ready) = upload(&data, resource, stream)?;
+    let arrays: Vec<&dyn Array> = batch.columns().iter().map(|c| c.as_ref()).collect();
+    let (columns, ready) = upload(&arrays, resource, stream)?;
     DeviceRecordBatch::try_new(batch.schema(), columns, batch.num_rows(), ready)
 }
 
 /// Copies one array to `device` and returns when the copy has finished.
-pub fn htod_array(array: &dyn arrow_array::Array, device: Device, stream: &Stream) -> Result<DeviceArrayData> {
-    let (mut columns, ready) = upload(&[array.to_data()], MemoryResource::default_for(device), stream)?;
+pub fn htod_array(array: &dyn Array, device: Device, stream: &Stream) -> Result<DeviceArrayData> {
+    let (mut columns, ready) = upload(&[array], MemoryResource::default_for(device), stream)?;
     ready.synchronize()?;
     Ok(columns.remove(0))
 }
 
-/// Copies `data` into one allocation of `resource`; returns the device arrays and the event of the
-/// last copy.
+/// Copies `arrays` into one allocation of `resource`; returns the device arrays and the event of
+/// the last copy.
 ///
 /// For a GPU: the first [`EARLY`] bytes are packed into one pinned staging block while the batch is
-/// still being planned (every [`SEGMENT`] bytes planned go to a pool thread; this thread packs what
-/// no pool thread has started on once it needs it) and go to the device in at most two copies,
-/// one before the device arrays are built and one after. The rest of a larger batch is packed in
-/// [`CHUNK`]s on every core, each sent while the next is packed, and plain copies of at least
-/// [`DIRECT_MIN`] bytes from pinned memory go straight to the device.
-fn upload(data: &[ArrayData], resource: MemoryResource, stream: &Stream) -> Result<(Vec<DeviceArrayData>, Event)> {
+/// still being planned: every [`SEGMENT`] bytes planned are cut off as a part, which one of
+/// [`PACKERS`] pool threads (started with the upload, so they are awake by then) packs; this thread
+/// packs the parts no pool thread has started on once it needs them. They go to the device in a few
+/// copies, each of the parts packed since the last, while the device arrays are built. The rest of a larger
+/// batch is packed in [`CHUNK`]s on every core, each sent while the next is packed, and plain
+/// copies of at least [`DIRECT_MIN`] bytes from pinned memory go straight to the device.
+fn upload(arrays: &[&dyn Array], resource: MemoryResource, stream: &Stream) -> Result<(Vec<DeviceArrayData>, Event)> {
+    // Filled once the packers have been started (below): copying the arrays' layouts out takes
+    // long enough for them to wake.
+    let data: OnceCell<Vec<ArrayData>> = OnceCell::new();
+    let to_data = || arrays.iter().map(|a| a.to_data()).collect::<Vec<_>>();
     let device = resource.device();
     let stream = stream_for(stream, device, Device::Cpu)?;
     let to_device =
         |layouts: &[Layout], memory: &DeviceBuffer| try_collect(layouts.iter().map(|l| l.to_device(memory)));
     let Some(ordinal) = device.ordinal().filter(|_| !device.is_host_accessible()) else {
+        let data = data.get_or_init(to_data);
         let mut plan = Plan::default();
         let layouts = try_collect(data.iter().map(|d| plan.array(d)))?;
         let mut memory = DeviceBuffer::alloc(resource, plan.size(), &stream)?;
@@ -110,41 +119,44 @@ fn upload(data: &[ArrayData], resource: MemoryResource, stream: &Stream) -> Resu
             )
         }
     };
+    let free = early
+        .host_slice_mut()
+        .ok_or_else(|| Error::Unsupported("staging is not host memory".into()))?;
+    let handoff = Handoff::default();
     let result = rayon::in_place_scope(|scope| {
-        let mut free = early
-            .host_slice_mut()
-            .ok_or_else(|| Error::Unsupported("staging is not host memory".into()))?;
-        let mut plan = Plan::default();
-        let mut layouts = Vec::with_capacity(data.len());
-        let mut parts = Vec::new();
-        for d in data {
-            if plan.size() <= EARLY && plan.uncut() >= SEGMENT {
-                parts.push(hand_off(scope, &mut plan, &mut free));
-            }
-            layouts.push(plan.array(d)?);
-        }
-        // The rest of a batch larger than EARLY is packed in chunks below.
-        let rest = match plan.size() <= EARLY {
-            true => {
-                if plan.uncut() > 0 {
-                    parts.push(hand_off(scope, &mut plan, &mut free));
+        // The packers start first, to be awake by the time the first part is cut (if one will be).
+        let bytes: usize = arrays.iter().map(|a| a.get_buffer_memory_size()).sum();
+        if bytes >= 2 * SEGMENT {
+            let packers = rayon::current_num_threads().min(PACKERS);
+            let handoff = &handoff;
+            scope.spawn(move |s| {
+                for _ in 1..packers {
+                    s.spawn(move |_| handoff.pack());
                 }
-                0..0
-            }
-            false => plan.cut(),
-        };
-        let early_end = parts.last().map_or(0, |p| p.range().end);
-        let memory = DeviceBuffer::alloc(resource, plan.size(), &stream)?;
-        // What the pool has packed already goes now, in one copy; the rest after the arrays are
-        // built.
-        let packed = parts
-            .iter()
-            .take_while(|p| p.is_packed())
-            .last()
-            .map_or(0, |p| p.range().end);
-        if packed > 0 {
-            send_early(&memory, 0..packed)?;
+                handoff.pack();
+            });
         }
+        let planned = plan_in_parts(data.get_or_init(to_data), free, &handoff);
+        // The packers stop once the queue is empty, however planning ended.
+        handoff.close();
+        let (plan, layouts, parts, rest) = planned?;
+        let memory = DeviceBuffer::alloc(resource, plan.size(), &stream)?;
+        // Sends the parts packed since the last call, in one copy.
+        let mut sent = 0;
+        let send_packed = |sent: &mut usize| {
+            let packed = parts
+                .iter()
+                .skip_while(|p| p.range().end <= *sent)
+                .take_while(|p| p.is_packed())
+                .last()
+                .map_or(*sent, |p| p.range().end);
+            if packed > *sent {
+                send_early(&memory, *sent..packed)?;
+                *sent = packed;
+            }
+            Ok::<_, Error>(())
+        };
+        send_packed(&mut sent)?;
         let direct: Vec<_> = match rest.is_empty() {
             true => vec![],
             false => plan
@@ -206,12 +218,18 @@ fn upload(data: &[ArrayData], resource: MemoryResource, stream: &Stream) -> Resu
                 in_flight.push_back((Box::new(stage), stream.record()?));
             }
         }
-        let columns = to_device(&layouts, &memory)?;
+        // The device arrays are built while the pool packs, and what it has packed is sent on the
+        // way, so that little is left to copy at the end.
+        let mut columns = Vec::with_capacity(layouts.len());
+        for (i, layout) in layouts.iter().enumerate() {
+            columns.push(layout.to_device(&memory)?);
+            if i % 32 == 31 {
+                send_packed(&mut sent)?;
+            }
+        }
         // Parts no pool thread has started on are packed here, so nothing waits on an idle pool.
         parts.iter().for_each(|p| p.pack());
-        if early_end > packed {
-            send_early(&memory, packed..early_end)?;
-        }
+        send_packed(&mut sent)?;
         Ok((columns, stream.record()?))
     });
     keep.push(Box::new(early));
@@ -232,16 +250,42 @@ fn upload(data: &[ArrayData], resource: MemoryResource, stream: &Stream) -> Resu
     result
 }
 
-/// Cuts the part of `plan` planned since the last cut and hands it to a pool thread to pack into
-/// the front of `free`, which keeps what is left.
-fn hand_off<'s, 'a: 's>(scope: &rayon::Scope<'s>, plan: &mut Plan<'a>, free: &mut &'a mut [u8]) -> Arc<Part<'a>> {
-    let range = plan.cut();
-    let (out, rest) = std::mem::take(free).split_at_mut(range.len());
-    *free = rest;
-    let part = Arc::new(Part::new(plan, range, out));
-    let packer = part.clone();
-    scope.spawn(move |_| packer.pack());
-    part
+/// Plans `data`, cutting off every [`SEGMENT`] bytes of the first [`EARLY`] as a part to be packed
+/// into the front of `free` and handing it to `handoff`. Returns the plan, the arrays' layouts, the
+/// parts in order, and the range left for packing in chunks (empty when the whole plan was cut).
+#[allow(clippy::type_complexity)]
+fn plan_in_parts<'a>(
+    data: &'a [ArrayData],
+    mut free: &'a mut [u8],
+    handoff: &Handoff<'a>,
+) -> Result<(Plan<'a>, Vec<Layout>, Vec<Arc<Part<'a>>>, Range<usize>)> {
+    let mut plan = Plan::default();
+    let mut layouts = Vec::with_capacity(data.len());
+    let mut parts = Vec::new();
+    let mut cut = |plan: &mut Plan<'a>, free: &mut &'a mut [u8]| {
+        let range = plan.cut();
+        let (out, rest) = std::mem::take(free).split_at_mut(range.len());
+        *free = rest;
+        let part = Arc::new(Part::new(plan, range, out));
+        handoff.push(part.clone());
+        parts.push(part);
+    };
+    for d in data {
+        if plan.size() <= EARLY && plan.uncut() >= SEGMENT {
+            cut(&mut plan, &mut free);
+        }
+        layouts.push(plan.array(d)?);
+    }
+    let rest = match plan.size() <= EARLY {
+        true => {
+            if plan.uncut() > 0 {
+                cut(&mut plan, &mut free);
+            }
+            0..0
+        }
+        false => plan.cut(),
+    };
+    Ok((plan, layouts, parts, rest))
 }
 
 /// Plain copies at least this large from pinned memory skip the staging.

@@ -6,8 +6,10 @@
 //! inside a byte are shifted, so that (except for run-end encoded arrays) every planned array has
 //! offset 0. The bytes between buffers are zeroed.
 
+use std::collections::VecDeque;
 use std::ops::Range;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, TryLockError};
 
 use arrow_buffer::{BooleanBuffer, Buffer, NullBuffer};
 use arrow_data::ArrayData;
@@ -559,17 +561,72 @@ impl<'a> Part<'a> {
         self.range.clone()
     }
 
-    /// Packs the part unless that was done; waits while another thread packs it.
+    /// Packs the part unless that was done; spins while another thread packs it (for some
+    /// microseconds: sleeping and being woken would take longer).
     pub fn pack(&self) {
-        let mut out = self.out.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(out) = out.take() {
-            fill_part(&self.ops, self.range.start, out);
+        loop {
+            let mut out = match self.out.try_lock() {
+                Ok(out) => out,
+                Err(TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(TryLockError::WouldBlock) => {
+                    std::hint::spin_loop();
+                    continue;
+                }
+            };
+            if let Some(out) = out.take() {
+                fill_part(&self.ops, self.range.start, out);
+            }
+            return;
         }
     }
 
     /// Whether a thread has packed the part (not while one is packing it).
     pub fn is_packed(&self) -> bool {
         matches!(self.out.try_lock(), Ok(out) if out.is_none())
+    }
+}
+
+/// Parts on their way from the planning thread, which cuts them, to pool threads that pack them
+/// while planning goes on.
+#[derive(Default)]
+pub(crate) struct Handoff<'a> {
+    queue: Mutex<VecDeque<Arc<Part<'a>>>>,
+    queued: AtomicUsize,
+    closed: AtomicBool,
+}
+
+impl<'a> Handoff<'a> {
+    /// Queues a part for the pool threads.
+    pub fn push(&self, part: Arc<Part<'a>>) {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner()).push_back(part);
+        self.queued.fetch_add(1, Ordering::Release);
+    }
+
+    /// Says that no more parts will come: [`Handoff::pack`] returns once the queue is empty.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+    }
+
+    /// A pool thread's job: packs parts as they come until the handoff is closed and empty,
+    /// spinning in between (planning cuts one every few microseconds, and waking a sleeping
+    /// thread takes longer).
+    pub fn pack(&self) {
+        loop {
+            // Read first: once closed, every part pushed is in the queue.
+            let closed = self.closed.load(Ordering::Acquire);
+            if self.queued.load(Ordering::Acquire) > 0 {
+                let next = self.queue.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
+                if let Some(part) = next {
+                    self.queued.fetch_sub(1, Ordering::AcqRel);
+                    part.pack();
+                    continue;
+                }
+            }
+            if closed {
+                return;
+            }
+            std::hint::spin_loop();
+        }
     }
 }
 
@@ -640,22 +697,34 @@ mod tests {
         plan.fill(0, &mut whole);
         let mut staging = vec![0x55u8; plan.size()];
         let mut free = staging.as_mut_slice();
-        let parts: Vec<Part<'_>> = ranges
+        let parts: Vec<Arc<Part<'_>>> = ranges
             .iter()
             .map(|range| {
                 let (out, rest) = std::mem::take(&mut free).split_at_mut(range.len());
                 free = rest;
-                Part::new(&plan, range.clone(), out)
+                Arc::new(Part::new(&plan, range.clone(), out))
             })
             .collect();
-        for (i, part) in parts.iter().enumerate() {
-            assert_eq!(part.range(), ranges[i]);
-            assert!(!part.is_packed(), "part {i} is not packed yet");
-            part.pack();
-            assert!(part.is_packed());
-            part.pack();
+        for (part, range) in parts.iter().zip(&ranges) {
+            assert_eq!(&part.range(), range);
+            assert!(!part.is_packed());
         }
-        drop(parts);
+        // Two threads pack what is handed off; this one packs the rest, as an upload does.
+        let handoff = Handoff::default();
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                s.spawn(|| handoff.pack());
+            }
+            for part in &parts[..2] {
+                handoff.push(part.clone());
+            }
+            handoff.close();
+            for part in &parts {
+                part.pack();
+                assert!(part.is_packed());
+            }
+        });
+        drop((parts, handoff));
         assert_eq!(staging, whole);
     }
 }
