@@ -310,10 +310,10 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
             }
         }
         let sizes = fixed_sizes(dt, len)?;
-        let mut buffers = sizes
-            .iter()
-            .map(|&min| self.buffer(dt, min))
-            .collect::<Result<Buffers>>()?;
+        let mut buffers = Buffers::new();
+        for &min in sizes.iter() {
+            buffers.push(self.buffer(dt, min)?);
+        }
         if matches!(dt, DataType::Utf8View | DataType::BinaryView) {
             let n = *self
                 .variadic

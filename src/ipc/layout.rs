@@ -171,7 +171,7 @@ impl<'a> BodyLayout<'a> {
     /// `DictionaryBatch` per dictionary, in id order, then the `RecordBatch`.
     pub fn of(batch: &'a DeviceRecordBatch) -> Result<Vec<Self>> {
         let mut messages = vec![];
-        let mut layout = BodyLayout::new(batch.num_rows());
+        let mut layout = BodyLayout::new(batch.num_rows(), batch.num_columns());
         for c in batch.columns() {
             layout.array(c, &mut messages)?;
         }
@@ -179,12 +179,14 @@ impl<'a> BodyLayout<'a> {
         Ok(messages)
     }
 
-    fn new(num_rows: usize) -> Self {
+    /// An empty layout with room for `arrays` arrays of a node and two buffers each (most have
+    /// that many or fewer).
+    fn new(num_rows: usize, arrays: usize) -> Self {
         BodyLayout {
             dictionary: None,
             num_rows,
-            nodes: vec![],
-            buffers: vec![],
+            nodes: Vec::with_capacity(arrays),
+            buffers: Vec::with_capacity(2 * arrays),
             variadic_counts: vec![],
             body_len: 0,
         }
@@ -261,7 +263,7 @@ impl<'a> BodyLayout<'a> {
                     a.children().len()
                 )));
             };
-            let mut message = BodyLayout::new(values.len());
+            let mut message = BodyLayout::new(values.len(), 1);
             message.array(values, dictionaries)?;
             message.dictionary = Some(dictionaries.len() as i64);
             dictionaries.push(message);

@@ -16,8 +16,8 @@ use arrow_data::ArrayData;
 use arrow_schema::{DataType, UnionMode};
 use rayon::prelude::*;
 
-use crate::array::DeviceArrayData;
-use crate::error::{Error, Result};
+use crate::array::{Buffers, DeviceArrayData};
+use crate::error::{Error, Result, try_collect};
 use crate::memory::{ALIGNMENT, DeviceBuffer};
 
 /// How an operation's destination bytes are made from its source.
@@ -110,18 +110,18 @@ impl Layout {
     /// The device array these ranges of `memory` hold.
     pub fn to_device(&self, memory: &DeviceBuffer) -> Result<DeviceArrayData> {
         let slice = |r: &Range<usize>| memory.slice(r.start, r.len());
+        let mut buffers = Buffers::new();
+        for r in &self.buffers {
+            buffers.push(slice(r)?);
+        }
         Ok(DeviceArrayData {
             data_type: self.data_type.clone(),
             len: self.len,
             offset: self.offset,
             null_count: self.null_count,
             nulls: self.nulls.as_ref().map(slice).transpose()?,
-            buffers: self.buffers.iter().map(slice).collect::<Result<_>>()?,
-            children: self
-                .children
-                .iter()
-                .map(|c| c.to_device(memory))
-                .collect::<Result<_>>()?,
+            buffers,
+            children: try_collect(self.children.iter().map(|c| c.to_device(memory)))?,
             trusted: true,
         })
     }
