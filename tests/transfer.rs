@@ -592,6 +592,85 @@ fn slices_copy_bytes_in_proportion() {
     });
 }
 
+/// `n` mid-sized columns of mixed kinds, sliced so that offsets are rebased and bitmaps shifted.
+fn mid_columns(n: usize, rows: usize) -> Vec<(String, ArrayRef)> {
+    (0..n)
+        .map(|c| {
+            let array: ArrayRef = match c % 3 {
+                0 => Arc::new(Int64Array::from_iter(
+                    (0..rows as i64 + 5).map(|i| (i % 7 != 0).then_some(i * c as i64)),
+                )),
+                1 => Arc::new(StringArray::from_iter(
+                    (0..rows + 5).map(|i| (i % 11 != 0).then(|| format!("{c}-{i}"))),
+                )),
+                _ => Arc::new(BooleanArray::from_iter(
+                    (0..rows + 5).map(|i| (i % 5 != 0).then_some(i % 3 == 0)),
+                )),
+            };
+            (format!("mid{c}"), array.slice(3, rows))
+        })
+        .collect()
+}
+
+/// Batches that take every road of an upload: a few MiB of mid-sized columns (packed by pool
+/// threads part by part while the batch is planned), the same followed by a column too large for
+/// that (packed in chunks after it), and that column in pinned memory (copied straight from it).
+#[test]
+fn uploads_in_parts_and_chunks_round_trip() {
+    const ROWS: usize = 6_000;
+    const WIDTH: usize = 1024;
+    let mid = mid_columns(60, ROWS);
+    let bytes: Vec<u8> = (0..ROWS * WIDTH).map(|i| (i % 251) as u8).collect();
+    let big =
+        |values: arrow_buffer::Buffer| -> ArrayRef { Arc::new(FixedSizeBinaryArray::new(WIDTH as i32, values, None)) };
+    let parts = RecordBatch::try_from_iter(mid.clone()).unwrap();
+    let with_big = |values: arrow_buffer::Buffer| {
+        let mut columns = mid.clone();
+        columns.push(("big".into(), big(values)));
+        columns.extend(mid_columns(5, ROWS).into_iter().map(|(n, a)| (format!("after-{n}"), a)));
+        RecordBatch::try_from_iter(columns).unwrap()
+    };
+    let mixed = with_big(arrow_buffer::Buffer::from(bytes.clone()));
+    each_device(|device, stream| {
+        let back = dtoh(&htod(&parts, device, stream).unwrap(), stream).unwrap();
+        check_batch("parts", &back, &parts);
+        let back = dtoh(&htod(&mixed, device, stream).unwrap(), stream).unwrap();
+        check_batch("parts and chunks", &back, &mixed);
+        let Some(ordinal) = device.ordinal() else { return };
+        let pool = arrow_cuda::memory::pinned::PinnedPool::shared(MemoryResource::PinnedHost(ordinal)).unwrap();
+        let mut block = pool.take(bytes.len()).unwrap();
+        block.host_slice_mut().unwrap().copy_from_slice(&bytes);
+        let direct = with_big(block.to_arrow_buffer().unwrap());
+        let back = dtoh(&htod(&direct, device, stream).unwrap(), stream).unwrap();
+        check_batch("parts, chunks and a pinned column", &back, &mixed);
+    });
+}
+
+/// A column that cannot be planned (offsets that run backwards), after megabytes that pool threads
+/// are already packing: the upload fails with an error, and returns.
+#[test]
+fn a_column_that_cannot_be_planned_fails_the_upload() {
+    const ROWS: usize = 6_000;
+    let mut columns = mid_columns(60, ROWS);
+    let mut offsets = vec![5i32; ROWS + 1];
+    offsets[ROWS] = 2;
+    // SAFETY: deliberately invalid offsets; the array is only handed to the upload, which checks
+    // them, and never read as strings.
+    let bad = unsafe {
+        StringArray::new_unchecked(
+            OffsetBuffer::new_unchecked(ScalarBuffer::from(offsets)),
+            arrow_buffer::Buffer::from(vec![b'x'; 5]),
+            None,
+        )
+    };
+    columns.push(("bad".into(), Arc::new(bad)));
+    let batch = RecordBatch::try_from_iter(columns).unwrap();
+    each_device(|device, stream| {
+        let e = htod(&batch, device, stream).unwrap_err();
+        assert!(e.to_string().contains("offsets run from 5 to 2"), "{device}: {e}");
+    });
+}
+
 // ---------------------------------------------------------------------------------------------
 // Edge cases built by hand.
 
