@@ -275,6 +275,10 @@ fn plan_in_parts<'a>(
             cut(&mut plan, &mut free);
         }
         layouts.push(plan.array(d)?);
+        if plan.size() > EARLY {
+            // No more parts: the pool threads need not wait for the rest of the planning.
+            handoff.close();
+        }
     }
     let rest = match plan.size() <= EARLY {
         true => {
