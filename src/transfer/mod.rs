@@ -333,24 +333,27 @@ pub fn dtoh(batch: &DeviceRecordBatch, stream: &Stream) -> Result<RecordBatch> {
 /// Starts copying `batch` to the host; [`PendingBatch::wait`] finishes the job. The copy waits on
 /// the batch's ready event on the device, without blocking the host.
 pub fn dtoh_async(batch: &DeviceRecordBatch, stream: &Stream) -> Result<PendingBatch> {
-    let (memory, layouts, event) = gather(batch.columns(), batch.device(), Some(batch.ready()), stream)?;
+    let gathered = gather(batch.columns(), batch.device(), Some(batch.ready()), stream)?;
     Ok(PendingBatch {
         schema: batch.schema().clone(),
         num_rows: batch.num_rows(),
         copy: Some(InFlight {
-            memory,
+            memory: gathered.memory,
             _source: batch.columns().to_vec(),
         }),
-        layouts,
-        event,
+        layouts: gathered.layouts,
+        first_half: gathered.first_half,
+        event: gathered.event,
     })
 }
 
 /// Copies one array to the host and returns it once the copy has finished and been validated.
 pub fn dtoh_array(array: &DeviceArrayData, stream: &Stream) -> Result<ArrayRef> {
-    let (memory, layouts, event) = gather(std::slice::from_ref(array), array.device(), None, stream)?;
-    event.synchronize()?;
-    Ok(make_array(layouts[0].to_host(&memory.to_arrow_buffer()?)?))
+    let gathered = gather(std::slice::from_ref(array), array.device(), None, stream)?;
+    gathered.event.synchronize()?;
+    Ok(make_array(
+        gathered.layouts[0].to_host(&gathered.memory.to_arrow_buffer()?)?,
+    ))
 }
 
 /// A device-to-host copy in flight. Dropping it without [`PendingBatch::wait`] is safe: what the
@@ -362,6 +365,8 @@ pub struct PendingBatch {
     /// `None` only once `wait` has taken it.
     copy: Option<InFlight>,
     layouts: Vec<Layout>,
+    /// The bytes of the host block below this offset are in place when the event completes.
+    first_half: Option<(usize, Event)>,
     event: Event,
 }
 
@@ -395,18 +400,42 @@ impl PendingBatch {
 
     /// Waits for the copy and builds the record batch, validating every array.
     pub fn wait(mut self) -> Result<RecordBatch> {
-        self.event.synchronize()?;
-        let copy = self.copy.take().expect("a pending batch is waited for once");
-        let memory = copy.memory.to_arrow_buffer()?;
+        // Views of the block; until the copy is done, `self` keeps the block (and defers its release
+        // if this returns early).
+        let memory = self
+            .copy
+            .as_ref()
+            .expect("a pending batch is waited for once")
+            .memory
+            .to_arrow_buffer()?;
         let build = |l: &Layout| Ok(make_array(l.to_host(&memory)?));
         // Validation reads every string: untrusted columns are validated on every core. Trusted
         // ones only need their arrays built, which threads would slow down (they would all count
-        // references to the one host block).
+        // references to the one host block); those whose bytes came with the first half of the
+        // copy are built while the second half is on its way.
         let columns = if self.layouts.iter().all(|l| l.trusted) {
-            try_collect(self.layouts.iter().map(build))?
+            let mut landed = match &self.first_half {
+                Some((end, first)) => {
+                    first.synchronize()?;
+                    *end
+                }
+                None => 0,
+            };
+            let mut columns = Vec::with_capacity(self.layouts.len());
+            for layout in &self.layouts {
+                if layout.end() > landed {
+                    self.event.synchronize()?;
+                    landed = usize::MAX;
+                }
+                columns.push(build(layout)?);
+            }
+            columns
         } else {
+            self.event.synchronize()?;
             self.layouts.par_iter().map(build).collect::<Result<Vec<_>>>()?
         };
+        // The copy is done: nothing to defer.
+        self.copy = None;
         let options = RecordBatchOptions::new().with_row_count(Some(self.num_rows));
         Ok(RecordBatch::try_new_with_options(
             self.schema.clone(),
@@ -423,14 +452,24 @@ struct Span {
     dst: usize,
 }
 
-/// Copies every buffer of `arrays` into one host block: returns the block, the arrays' layouts in
-/// it and the event of the last copy.
-fn gather(
-    arrays: &[DeviceArrayData],
-    device: Device,
-    ready: Option<&Event>,
-    stream: &Stream,
-) -> Result<(DeviceBuffer, Vec<Layout>, Event)> {
+/// A device-to-host copy issued by [`gather`].
+struct Gathered {
+    /// The host block.
+    memory: DeviceBuffer,
+    /// Where each array's buffers land in it.
+    layouts: Vec<Layout>,
+    /// For a large enough copy: where its first half ends, and the event that completes with it.
+    first_half: Option<(usize, Event)>,
+    /// The event of the last copy.
+    event: Event,
+}
+
+/// Copies of at least this many bytes are sent in two halves, so that arrays in the first can be
+/// built while the second is on its way.
+const HALVES_MIN: usize = 256 << 10;
+
+/// Copies every buffer of `arrays` into one host block.
+fn gather(arrays: &[DeviceArrayData], device: Device, ready: Option<&Event>, stream: &Stream) -> Result<Gathered> {
     let stream = stream_for(stream, device, Device::Cpu)?;
     if let Some(ready) = ready {
         stream.wait(ready)?;
@@ -466,6 +505,7 @@ fn gather(
         size = size.max(s.dst + s.len);
         span_of.push(spans.len() - 1);
     }
+    let mut first_half = None;
     let mut memory = match device {
         Device::Cpu => DeviceBuffer::alloc(MemoryResource::Host, size, &stream)?,
         _ => {
@@ -481,19 +521,34 @@ fn gather(
             copy_spans_on_host(&spans, out);
         }
         Some(_) => {
+            let half = (size >= HALVES_MIN).then_some(size / 2);
             for s in &spans {
-                // SAFETY: each span lies inside one live allocation (its buffers are views of it) and
-                // inside `memory`; `memory` is not read until the event recorded below completes.
-                unsafe {
-                    copy(
-                        memory.address() + s.dst as u64,
-                        memory.device(),
-                        s.src,
-                        device,
-                        s.len,
-                        &stream,
-                    )?
+                // A span across the middle is sent in two pieces, an event between them.
+                let cut = match half {
+                    Some(h) if s.dst < h && h < s.dst + s.len => h - s.dst,
+                    _ => s.len,
                 };
+                for (from, len) in [(0, cut), (cut, s.len - cut)] {
+                    if len == 0 {
+                        continue;
+                    }
+                    // SAFETY: each span lies inside one live allocation (its buffers are views of
+                    // it) and inside `memory`; `memory` is not read until the event recorded after
+                    // the piece completes.
+                    unsafe {
+                        copy(
+                            memory.address() + (s.dst + from) as u64,
+                            memory.device(),
+                            s.src + from as u64,
+                            device,
+                            len,
+                            &stream,
+                        )?
+                    };
+                    if half == Some(s.dst + from + len) {
+                        first_half = Some((s.dst + from + len, stream.record()?));
+                    }
+                }
             }
         }
     }
@@ -507,7 +562,12 @@ fn gather(
     }
     let mut place = place.into_iter();
     let layouts = arrays.iter().map(|a| host_layout(a, &mut place)).collect();
-    Ok((memory, layouts, event))
+    Ok(Gathered {
+        memory,
+        layouts,
+        first_half,
+        event,
+    })
 }
 
 fn copy_spans_on_host(spans: &[Span], out: &mut [u8]) {

@@ -126,6 +126,12 @@ impl Layout {
         })
     }
 
+    /// The end of the last byte the array (its children included) takes.
+    pub fn end(&self) -> usize {
+        let own = self.nulls.iter().chain(&self.buffers).map(|r| r.end).max().unwrap_or(0);
+        self.children.iter().map(Layout::end).fold(own, usize::max)
+    }
+
     /// The arrow array these ranges of `memory` (a host block wrapped as one arrow buffer) hold,
     /// fully validated unless the layout is trusted. Its buffers are slices of `memory`.
     pub fn to_host(&self, memory: &Buffer) -> Result<ArrayData> {
