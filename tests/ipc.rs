@@ -955,19 +955,25 @@ fn batches_still_being_written_are_ordered_by_an_ipc_event() {
     let sender = Sender::bind(&path, corpus().schema(), SenderOptions::default()).unwrap();
     let peer = Peer::spawn("verify", &path, device, 1);
     sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
+    // An upload first, so that the one below finds its staging in the pinned pool: allocating
+    // pinned memory can wait for the device, which would let the copies below finish.
+    drop(upload(&stream_batch(0), exportable(device), &stream));
     // Copies of 8 GiB ahead of the upload on its stream keep it unfinished for milliseconds.
     let busy = 1 << 30;
     let from = DeviceBuffer::alloc(MemoryResource::default_for(device), busy, &stream).unwrap();
     let mut to = DeviceBuffer::alloc(MemoryResource::default_for(device), busy, &stream).unwrap();
-    for _ in 0..8 {
-        // SAFETY: both buffers outlive the copies (the stream is synchronised below).
-        unsafe { to.copy_from_async(0, &from, &stream) }.unwrap();
-    }
-    let batch = htod_async(&stream_batch(0), exportable(device), &stream).unwrap();
-    assert!(
-        !batch.ready().is_complete().unwrap(),
-        "the upload is still queued behind the copies"
-    );
+    // Another test's device-wide synchronisation (freeing memory, say) can let them finish early:
+    // then the upload is done before it is sent, and this tries again.
+    let batch = (0..5)
+        .find_map(|_| {
+            for _ in 0..8 {
+                // SAFETY: both buffers outlive the copies (the stream is synchronised below).
+                unsafe { to.copy_from_async(0, &from, &stream) }.unwrap();
+            }
+            let batch = htod_async(&stream_batch(0), exportable(device), &stream).unwrap();
+            (!batch.ready().is_complete().unwrap()).then_some(batch)
+        })
+        .expect("an upload still queued behind the copies");
     assert_ne!(sender.send(&batch).unwrap(), 0);
     sender.finish().unwrap();
     peer.passed();
