@@ -72,9 +72,8 @@ pub fn htod_array(array: &dyn Array, device: Device, stream: &Stream) -> Result<
 /// still being planned: every [`SEGMENT`] bytes planned are cut off as a part, which one of
 /// [`PACKERS`] pool threads (started with the upload, so they are awake by then) packs; this thread
 /// packs the parts no pool thread has started on once it needs them. They go to the device in a few
-/// copies, each of the parts packed since the last, while the device arrays are built. The rest of a larger
-/// batch is packed in [`CHUNK`]s on every core, each sent while the next is packed, and plain
-/// copies of at least [`DIRECT_MIN`] bytes from pinned memory go straight to the device.
+/// copies, each of the parts packed since the last, while the device arrays are built. The rest of
+/// a larger batch goes through [`send_chunks`].
 fn upload(arrays: &[&dyn Array], resource: MemoryResource, stream: &Stream) -> Result<(Vec<DeviceArrayData>, Event)> {
     // Filled once the packers have been started (below): copying the arrays' layouts out takes
     // long enough for them to wake.
@@ -157,67 +156,7 @@ fn upload(arrays: &[&dyn Array], resource: MemoryResource, stream: &Stream) -> R
             Ok::<_, Error>(())
         };
         send_packed(&mut sent)?;
-        let direct: Vec<_> = match rest.is_empty() {
-            true => vec![],
-            false => plan
-                .direct_copies(DIRECT_MIN, is_pinned)
-                .into_iter()
-                .filter(|d| d.dst >= rest.start)
-                .collect(),
-        };
-        // The ranges between direct copies go through staging.
-        let mut staged = Vec::with_capacity(direct.len() + 1);
-        let mut at = rest.start;
-        for d in direct {
-            if d.dst > at {
-                staged.push(at..d.dst);
-            }
-            at = (d.dst + d.src.len()).next_multiple_of(ALIGNMENT);
-            // SAFETY: the source is pinned host memory of an arrow buffer kept alive (in `keep`)
-            // until the last copy completes; the destination lies inside `memory`.
-            unsafe {
-                copy(
-                    memory.address() + d.dst as u64,
-                    device,
-                    d.src.as_ptr() as u64,
-                    Device::CudaHost(ordinal),
-                    d.src.len(),
-                    &stream,
-                )?
-            };
-            keep.push(Box::new(d.owner));
-        }
-        if at < rest.end {
-            staged.push(at..rest.end);
-        }
-        for range in &staged {
-            for start in range.clone().step_by(CHUNK) {
-                let len = CHUNK.min(range.end - start);
-                if in_flight.len() >= IN_FLIGHT
-                    && let Some((_, done)) = in_flight.pop_front()
-                {
-                    done.synchronize()?;
-                }
-                let mut stage = pool.take(len)?;
-                let out = stage
-                    .host_slice_mut()
-                    .ok_or_else(|| Error::Unsupported("staging is not host memory".into()))?;
-                plan.fill_parallel(start, out);
-                // SAFETY: both ranges are valid; the staging block is kept (in `in_flight`, then the
-                // deferred list) until the event recorded after the copy completes.
-                unsafe {
-                    copy(
-                        memory.address() + start as u64,
-                        device,
-                        stage.address(),
-                        stage.device(),
-                        len,
-                        &stream,
-                    )?
-                };
-                in_flight.push_back((Box::new(stage), stream.record()?));
-            }
-        }
+        send_chunks(&plan, rest, &memory, &pool, &stream, &mut keep, &mut in_flight)?;
         // The device arrays are built while the pool packs, and what it has packed is sent on the
         // way, so that little is left to copy at the end.
         let mut columns = Vec::with_capacity(layouts.len());
@@ -248,6 +187,86 @@ fn upload(arrays: &[&dyn Array], resource: MemoryResource, stream: &Stream) -> R
     }
     defer_release(in_flight);
     result
+}
+
+/// Sends `rest` of `plan` (what was not packed while planning) into `memory`: plain copies of at
+/// least [`DIRECT_MIN`] bytes from pinned memory straight from their source, the rest through
+/// [`CHUNK`]s of pinned staging from `pool` packed on every core, each sent while the next is packed.
+/// What the copies read goes to `keep` (kept until the last copy is done) or, for the staging, to
+/// `in_flight` with its copy's event.
+fn send_chunks(
+    plan: &Plan<'_>,
+    rest: Range<usize>,
+    memory: &DeviceBuffer,
+    pool: &Arc<PinnedPool>,
+    stream: &Stream,
+    keep: &mut Vec<Keep>,
+    in_flight: &mut VecDeque<(Keep, Event)>,
+) -> Result<()> {
+    if rest.is_empty() {
+        return Ok(());
+    }
+    let device = memory.device();
+    let pinned_host = Device::CudaHost(device.ordinal().unwrap_or(0));
+    let direct: Vec<_> = plan
+        .direct_copies(DIRECT_MIN, is_pinned)
+        .into_iter()
+        .filter(|d| d.dst >= rest.start)
+        .collect();
+    // The ranges between direct copies go through staging.
+    let mut staged = Vec::with_capacity(direct.len() + 1);
+    let mut at = rest.start;
+    for d in direct {
+        if d.dst > at {
+            staged.push(at..d.dst);
+        }
+        at = (d.dst + d.src.len()).next_multiple_of(ALIGNMENT);
+        // SAFETY: the source is pinned host memory of an arrow buffer kept alive (in `keep`) until
+        // the last copy completes; the destination lies inside `memory`.
+        unsafe {
+            copy(
+                memory.address() + d.dst as u64,
+                device,
+                d.src.as_ptr() as u64,
+                pinned_host,
+                d.src.len(),
+                stream,
+            )?
+        };
+        keep.push(Box::new(d.owner));
+    }
+    if at < rest.end {
+        staged.push(at..rest.end);
+    }
+    for range in staged {
+        for start in range.clone().step_by(CHUNK) {
+            let len = CHUNK.min(range.end - start);
+            if in_flight.len() >= IN_FLIGHT
+                && let Some((_, done)) = in_flight.pop_front()
+            {
+                done.synchronize()?;
+            }
+            let mut stage = pool.take(len)?;
+            let out = stage
+                .host_slice_mut()
+                .ok_or_else(|| Error::Unsupported("staging is not host memory".into()))?;
+            plan.fill_parallel(start, out);
+            // SAFETY: both ranges are valid; the staging block is kept (in `in_flight`, then the
+            // deferred list) until the event recorded after the copy completes.
+            unsafe {
+                copy(
+                    memory.address() + start as u64,
+                    device,
+                    stage.address(),
+                    stage.device(),
+                    len,
+                    stream,
+                )?
+            };
+            in_flight.push_back((Box::new(stage), stream.record()?));
+        }
+    }
+    Ok(())
 }
 
 /// Plans `data`, cutting off every [`SEGMENT`] bytes of the first [`EARLY`] as a part to be packed
