@@ -358,7 +358,7 @@ pub fn dtoh_async(batch: &DeviceRecordBatch, stream: &Stream) -> Result<PendingB
         num_rows: batch.num_rows(),
         copy: Some(InFlight {
             memory: gathered.memory,
-            _source: batch.columns().to_vec(),
+            _source: batch.clone(),
         }),
         layouts: gathered.layouts,
         first_half: gathered.first_half,
@@ -393,7 +393,7 @@ pub struct PendingBatch {
 #[derive(Debug)]
 struct InFlight {
     memory: DeviceBuffer,
-    _source: Vec<DeviceArrayData>,
+    _source: DeviceRecordBatch,
 }
 
 impl Drop for PendingBatch {
