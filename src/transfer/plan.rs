@@ -548,8 +548,11 @@ impl<'a> Plan<'a> {
 pub(crate) struct Part<'a> {
     range: Range<usize>,
     ops: Vec<PackOp<'a>>,
-    /// Where the part goes, until a thread has packed it there.
+    /// Where the part goes, until a thread takes it to pack it there.
     out: Mutex<Option<&'a mut [u8]>>,
+    /// Set once the bytes are written (not from the lock: another thread may hold it to find the
+    /// part packed already).
+    packed: AtomicBool,
 }
 
 impl<'a> Part<'a> {
@@ -559,6 +562,7 @@ impl<'a> Part<'a> {
             ops: plan.ops_in(range.clone()).to_vec(),
             range,
             out: Mutex::new(Some(out)),
+            packed: AtomicBool::new(false),
         }
     }
 
@@ -581,14 +585,16 @@ impl<'a> Part<'a> {
             };
             if let Some(out) = out.take() {
                 fill_part(&self.ops, self.range.start, out);
+                self.packed.store(true, Ordering::Release);
             }
             return;
         }
     }
 
-    /// Whether a thread has packed the part (not while one is packing it).
+    /// Whether a thread has packed the part; its bytes are then visible to this thread (and to a
+    /// DMA it issues).
     pub fn is_packed(&self) -> bool {
-        matches!(self.out.try_lock(), Ok(out) if out.is_none())
+        self.packed.load(Ordering::Acquire)
     }
 }
 
@@ -715,6 +721,19 @@ mod tests {
             assert_eq!(&part.range(), range);
             assert!(!part.is_packed());
         }
+        // A packed part stays packed while another thread holds it to find it packed (an upload
+        // once read such a moment as "not packed" and left the part unsent).
+        parts[0].pack();
+        let done = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                (0..100_000).for_each(|_| parts[0].pack());
+                done.store(true, Ordering::Release);
+            });
+            while !done.load(Ordering::Acquire) {
+                assert!(parts[0].is_packed());
+            }
+        });
         // Two threads pack what is handed off; this one packs the rest, as an upload does.
         let handoff = Handoff::default();
         std::thread::scope(|s| {
