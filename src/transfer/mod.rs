@@ -75,16 +75,11 @@ pub fn htod_array(array: &dyn Array, device: Device, stream: &Stream) -> Result<
 /// copies, each of the parts packed since the last, while the device arrays are built. The rest of
 /// a larger batch goes through [`send_chunks`].
 fn upload(arrays: &[&dyn Array], resource: MemoryResource, stream: &Stream) -> Result<(Vec<DeviceArrayData>, Event)> {
-    // Filled once the packers have been started (below): copying the arrays' layouts out takes
-    // long enough for them to wake.
-    let data: OnceCell<Vec<ArrayData>> = OnceCell::new();
     let to_data = || arrays.iter().map(|a| a.to_data()).collect::<Vec<_>>();
     let device = resource.device();
     let stream = stream_for(stream, device, Device::Cpu)?;
-    let to_device =
-        |layouts: &[Layout], memory: &DeviceBuffer| try_collect(layouts.iter().map(|l| l.to_device(memory)));
     let Some(ordinal) = device.ordinal().filter(|_| !device.is_host_accessible()) else {
-        let data = data.get_or_init(to_data);
+        let data = to_data();
         let mut plan = Plan::default();
         let layouts = try_collect(data.iter().map(|d| plan.array(d)))?;
         let mut memory = DeviceBuffer::alloc(resource, plan.size(), &stream)?;
@@ -92,7 +87,8 @@ fn upload(arrays: &[&dyn Array], resource: MemoryResource, stream: &Stream) -> R
             .host_slice_mut()
             .ok_or_else(|| Error::Unsupported(format!("{device} is not host-accessible")))?;
         plan.fill_parallel(0, out);
-        return Ok((to_device(&layouts, &memory)?, Event::completed()));
+        let columns = try_collect(layouts.iter().map(|l| l.to_device(&memory)))?;
+        return Ok((columns, Event::completed()));
     };
     let pool = PinnedPool::shared(MemoryResource::PinnedHost(ordinal))?;
     release_finished();
@@ -121,6 +117,9 @@ fn upload(arrays: &[&dyn Array], resource: MemoryResource, stream: &Stream) -> R
     let free = early
         .host_slice_mut()
         .ok_or_else(|| Error::Unsupported("staging is not host memory".into()))?;
+    // Filled once the packers have been started (below): copying the arrays' layouts out takes
+    // long enough for them to wake.
+    let data: OnceCell<Vec<ArrayData>> = OnceCell::new();
     let handoff = Handoff::default();
     let result = rayon::in_place_scope(|scope| {
         // The packers start first, to be awake by the time the first part is cut (if one will be).
