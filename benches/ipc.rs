@@ -4,7 +4,9 @@
 //!   batch to the consumer process's `recv` returning it (one clock, `CLOCK_MONOTONIC`, read in
 //!   both processes); the consumer keeps its mappings, so this is the protocol's cost.
 //! - `ipc_latency/cached_100_columns_polling`: the same with a consumer that polls its socket for
-//!   up to 2 ms before it sleeps (`ReceiverOptions::poll`), so no thread wake-up is timed.
+//!   up to 2 ms before it sleeps (`ReceiverOptions::poll`) and a producer that waits for the
+//!   receive time and the acknowledgement on a busy core, so no thread wake-up is timed on either
+//!   side (as MPI and UCX latency benchmarks measure).
 //! - `ipc_latency/first_open_100_columns_polling`: the same with a new allocation every time, so
 //!   the consumer opens (and closes) a mapping each time.
 //! - `stream_1GiB/device_ipc` beside `stream_1GiB/host_ipc`: a producer streams 1 GiB batches to a
@@ -17,9 +19,10 @@
 //! batches, to check the plumbing).
 
 use std::io::{BufReader, BufWriter, Read, Write};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -99,13 +102,22 @@ fn latency(c: &mut Criterion, device: Device, stream: &Stream) {
         let mut stamps = child.stdout.take().expect("consumer stdout");
         sender.wait_for_receivers(1, Duration::from_secs(60)).expect("consumer");
         let on_device = upload(&template, device, stream);
+        // With a polling consumer this side waits on a busy core too, as a producer with the next
+        // batch at hand would be: no thread wake-up is timed on either side.
+        let busy = role.ends_with("-poll");
         let mut one_way = |b: &DeviceRecordBatch| {
             let sent = monotonic_ns();
             sender.send(b).expect("send");
-            let mut at = [0u8; 8];
-            stamps.read_exact(&mut at).expect("receive time");
-            sender.wait_idle(Duration::from_secs(60)).expect("acknowledged");
-            Duration::from_nanos(u64::from_le_bytes(at).saturating_sub(sent))
+            let at = stamp(&mut stamps, busy);
+            match busy {
+                true => {
+                    while sender.status().in_flight_batches > 0 {
+                        std::hint::spin_loop();
+                    }
+                }
+                false => sender.wait_idle(Duration::from_secs(60)).expect("acknowledged"),
+            }
+            Duration::from_nanos(at.saturating_sub(sent))
         };
         one_way(&on_device);
         g.bench_function(name, |b| {
@@ -123,6 +135,35 @@ fn latency(c: &mut Criterion, device: Device, stream: &Stream) {
         stop(child);
     }
     g.finish();
+}
+
+/// The next receive time the consumer wrote, read by polling the pipe when `busy`.
+fn stamp(stamps: &mut ChildStdout, busy: bool) -> u64 {
+    let mut at = [0u8; 8];
+    let mut got = 0;
+    while got < at.len() {
+        if busy {
+            wait_readable(stamps.as_fd());
+        }
+        got += match stamps.read(&mut at[got..]).expect("receive time") {
+            0 => panic!("the consumer ended"),
+            n => n,
+        };
+    }
+    u64::from_le_bytes(at)
+}
+
+/// Spins until `fd` has bytes to read.
+fn wait_readable(fd: BorrowedFd<'_>) {
+    let mut poll = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd for each call; a zero timeout never blocks.
+    while unsafe { libc::poll(&mut poll, 1, 0) } == 0 {
+        std::hint::spin_loop();
+    }
 }
 
 fn streaming(c: &mut Criterion, device: Device, stream: &Stream, bytes: usize) {

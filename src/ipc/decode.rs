@@ -21,7 +21,7 @@ use arrow_schema::{DataType, Field, Fields, Schema, SchemaRef, UnionMode};
 
 use crate::array::{Buffers, DeviceArrayData, DeviceRecordBatch};
 use crate::device::{Device, Event};
-use crate::error::{Error, Result, try_collect};
+use crate::error::{Error, Result};
 use crate::ipc::layout::{dictionaries_in, fixed_sizes, has_validity};
 use crate::memory::{ALIGNMENT, DeviceBuffer};
 
@@ -122,7 +122,7 @@ pub(crate) fn batch(
     }
     let num_rows = count(header.batch.length(), "batch length")?;
     let mut d = Decoder::new(header, device, resolve, first_buffer, 0, dictionaries);
-    let columns = try_collect(schema.fields().iter().map(|f| d.array(f, 0)))?;
+    let columns = d.arrays(schema.fields().iter().map(AsRef::as_ref), 0)?;
     d.finish()?;
     DeviceRecordBatch::try_new(schema.clone(), columns, num_rows, ready)
 }
@@ -145,7 +145,10 @@ pub(crate) fn dictionary(
     let len = count(header.batch.length(), "dictionary length")?;
     let first_id = id - dictionaries_in(&values) as i64;
     let mut d = Decoder::new(header, device, resolve, first_buffer, first_id, dictionaries);
-    let array = d.array(&Field::new("dictionary", values, true), 0)?;
+    let array = d
+        .arrays([&Field::new("dictionary", values, true)], 0)?
+        .pop()
+        .expect("one array");
     d.finish()?;
     if array.len() != len {
         return Err(invalid(format!(
@@ -262,6 +265,17 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
         Ok((count(len, "length")?, count(nulls, "null count")?))
     }
 
+    /// Passes over the next buffer without resolving it.
+    fn skip_buffer(&mut self, dt: &DataType) -> Result<()> {
+        if self.next_buffer >= self.buffers.len() {
+            return Err(invalid(format!(
+                "the IPC metadata has too few buffers for a {dt} array"
+            )));
+        }
+        self.next_buffer += 1;
+        Ok(())
+    }
+
     fn buffer(&mut self, dt: &DataType, min: Option<usize>) -> Result<DeviceBuffer> {
         let index = self.next_buffer;
         let &(offset, len) = self
@@ -288,7 +302,23 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
         }
     }
 
-    fn array(&mut self, field: &Field, depth: usize) -> Result<DeviceArrayData> {
+    /// The next arrays, of `fields`.
+    fn arrays<'a>(
+        &mut self,
+        fields: impl IntoIterator<Item = &'a Field>,
+        depth: usize,
+    ) -> Result<Vec<DeviceArrayData>> {
+        let fields = fields.into_iter();
+        let mut out = Vec::with_capacity(fields.size_hint().0);
+        for f in fields {
+            self.array(f, depth, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    /// Appends the next array, of `field`, to `out`. It is built where it goes: an array is large,
+    /// and moving one from a returned value into a vector costs a `memcpy` call.
+    fn array(&mut self, field: &Field, depth: usize, out: &mut Vec<DeviceArrayData>) -> Result<()> {
         if depth > MAX_DEPTH {
             return Err(invalid(format!("nesting deeper than {MAX_DEPTH}")));
         }
@@ -303,10 +333,12 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
                     "null count {node_nulls} of a {dt} array of {len} elements"
                 )));
             }
-            let need = (carries_nulls && node_nulls > 0).then(|| len.div_ceil(8));
-            let bitmap = self.buffer(dt, need)?;
-            if need.is_some() {
+            if carries_nulls && node_nulls > 0 {
+                let bitmap = self.buffer(dt, Some(len.div_ceil(8)))?;
                 (null_count, nulls) = (node_nulls, Some(bitmap));
+            } else {
+                // A bitmap no element needs (or none at all) is not resolved.
+                self.skip_buffer(dt)?;
             }
         }
         let sizes = fixed_sizes(dt, len)?;
@@ -332,9 +364,18 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
         }
         let children = match dt {
             DataType::Dictionary(_, values) => vec![self.dictionary_values(values)?],
-            _ => self.children(dt, len, depth)?,
+            DataType::List(_)
+            | DataType::LargeList(_)
+            | DataType::ListView(_)
+            | DataType::LargeListView(_)
+            | DataType::Map(..)
+            | DataType::FixedSizeList(..)
+            | DataType::Struct(_)
+            | DataType::Union(..)
+            | DataType::RunEndEncoded(..) => self.children(dt, len, depth)?,
+            _ => Vec::new(),
         };
-        Ok(DeviceArrayData {
+        out.push(DeviceArrayData {
             data_type: dt.clone(),
             len,
             offset: 0,
@@ -343,7 +384,8 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
             buffers,
             children,
             trusted: false,
-        })
+        });
+        Ok(())
     }
 
     /// The values of the next dictionary-encoded array, whose values have type `values`.
@@ -364,7 +406,6 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
     }
 
     fn children(&mut self, dt: &DataType, len: usize, depth: usize) -> Result<Vec<DeviceArrayData>> {
-        let all = |d: &mut Self, fields: &Fields| try_collect(fields.iter().map(|f| d.array(f, depth + 1)));
         let at_least = |children: &[DeviceArrayData], need: usize| match children.iter().find(|c| c.len() < need) {
             Some(c) => Err(invalid(format!(
                 "a child of a {dt} array of {len} elements has {} elements",
@@ -377,12 +418,10 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
             | DataType::LargeList(f)
             | DataType::ListView(f)
             | DataType::LargeListView(f)
-            | DataType::Map(f, _) => {
-                vec![self.array(f, depth + 1)?]
-            }
+            | DataType::Map(f, _) => self.arrays([f.as_ref()], depth + 1)?,
             DataType::FixedSizeList(f, size) => {
                 let size = usize::try_from(*size).map_err(|_| invalid(format!("{dt} has a negative size")))?;
-                let child = vec![self.array(f, depth + 1)?];
+                let child = self.arrays([f.as_ref()], depth + 1)?;
                 at_least(
                     &child,
                     len.checked_mul(size)
@@ -391,22 +430,19 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
                 child
             }
             DataType::Struct(fields) => {
-                let children = all(self, fields)?;
+                let children = self.arrays(fields.iter().map(AsRef::as_ref), depth + 1)?;
                 at_least(&children, len)?;
                 children
             }
             DataType::Union(fields, mode) => {
-                let children = fields
-                    .iter()
-                    .map(|(_, f)| self.array(f, depth + 1))
-                    .collect::<Result<Vec<_>>>()?;
+                let children = self.arrays(fields.iter().map(|(_, f)| f.as_ref()), depth + 1)?;
                 if *mode == UnionMode::Sparse {
                     at_least(&children, len)?;
                 }
                 children
             }
             DataType::RunEndEncoded(run_ends, values) => {
-                let children = vec![self.array(run_ends, depth + 1)?, self.array(values, depth + 1)?];
+                let children = self.arrays([run_ends.as_ref(), values.as_ref()], depth + 1)?;
                 if children[0].len() != children[1].len()
                     || children[0].null_count() != Some(0)
                     || (len > 0 && children[0].is_empty())

@@ -24,7 +24,7 @@ use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Event};
 use crate::error::{Error, Result};
 use crate::ipc::handle::{IpcMemHandle, OpenedHandle};
-use crate::ipc::layout::{BodyLayout, needs_normalising};
+use crate::ipc::layout::BodyLayout;
 use crate::ipc::message::DeviceMessage;
 use crate::ipc::shm::{SharedMapping, SharedMemHandle, SharedRegion};
 use crate::ipc::wire::{Reader, Writer};
@@ -99,12 +99,8 @@ impl BatchDescriptor {
     /// ([`Error::Unsupported`] otherwise; write a message instead). The caller must keep the batch
     /// alive and unchanged until the receivers are done with it.
     pub fn describe(batch: &DeviceRecordBatch) -> Result<BatchDescriptor> {
-        if needs_normalising(batch) {
-            return Err(Error::Unsupported(
-                "a batch with sliced arrays cannot be described without a copy".into(),
-            ));
-        }
         let device = batch.device();
+        // A batch with sliced arrays has no layout (Unsupported): it is sent as a message instead.
         let mut layouts = BodyLayout::of(batch)?;
         let mut regions = Vec::new();
         // Region index by the region's address in this process.
@@ -323,6 +319,18 @@ impl BatchDescriptor {
         Ok((batch, mappings))
     }
 
+    /// The bytes [`BatchDescriptor::encode`] appends.
+    pub(crate) fn encoded_len(&self) -> usize {
+        let region = 1 + 8 + IpcMemHandle::SERIALIZED_LEN;
+        let metadata: usize = self
+            .dictionaries
+            .iter()
+            .chain([&self.metadata])
+            .map(|m| 4 + m.len())
+            .sum();
+        4 + 8 + 4 + region * self.regions.len() + 4 + metadata + 4 + 20 * self.locations.len()
+    }
+
     /// Appends the descriptor to a frame payload; the host regions' descriptors go to `fds`.
     pub(crate) fn encode<'a>(&'a self, w: &mut Writer, fds: &mut Vec<BorrowedFd<'a>>) {
         w.u32(self.device.device_type().0 as u32);
@@ -423,7 +431,7 @@ impl BatchDescriptor {
     /// The descriptor as bytes plus the descriptors of its host regions (a frame payload of its
     /// own; the channel embeds the same encoding in its batch frames).
     pub fn to_bytes(&self) -> (Vec<u8>, Vec<BorrowedFd<'_>>) {
-        let mut w = Writer::default();
+        let mut w = Writer::with_capacity(self.encoded_len());
         let mut fds = Vec::new();
         self.encode(&mut w, &mut fds);
         (w.buf, fds)

@@ -60,6 +60,7 @@ fn offsets(data_type: &DataType, len: usize, width: usize) -> Result<usize> {
 /// The exact size of each fixed-size data buffer (validity excluded) of an array of `len` elements,
 /// in IPC order; `None` for buffers whose size depends on the data (string values, the data
 /// buffers of views). The writer cuts buffers to these sizes; the reader requires at least them.
+#[inline]
 pub(crate) fn fixed_sizes(data_type: &DataType, len: usize) -> Result<Sizes> {
     let dt = data_type;
     Ok(match dt {
@@ -167,8 +168,9 @@ pub(crate) struct BodyLayout<'a> {
 }
 
 impl<'a> BodyLayout<'a> {
-    /// The messages of a batch that does not need normalising ([`needs_normalising`]): one
-    /// `DictionaryBatch` per dictionary, in id order, then the `RecordBatch`.
+    /// The messages of a batch that does not need normalising ([`needs_normalising`]; one that does
+    /// is [`Error::Unsupported`]): one `DictionaryBatch` per dictionary, in id order, then the
+    /// `RecordBatch`.
     pub fn of(batch: &'a DeviceRecordBatch) -> Result<Vec<Self>> {
         let mut messages = vec![];
         let mut layout = BodyLayout::new(batch.num_rows(), batch.num_columns());
@@ -208,8 +210,8 @@ impl<'a> BodyLayout<'a> {
         let (len, null_count) = match (a.offset(), a.null_count()) {
             (0, Some(n)) => (a.len(), n),
             _ => {
-                return Err(Error::InvalidArgument(format!(
-                    "a {dt} array with offset {} and null count {:?} needs normalising first",
+                return Err(Error::Unsupported(format!(
+                    "a {dt} array with offset {} and null count {:?} has no IPC layout; it needs normalising first",
                     a.offset(),
                     a.null_count()
                 )));

@@ -20,6 +20,11 @@ pub(crate) struct Writer {
 }
 
 impl Writer {
+    pub fn with_capacity(bytes: usize) -> Self {
+        Writer {
+            buf: Vec::with_capacity(bytes),
+        }
+    }
     pub fn u8(&mut self, v: u8) {
         self.buf.push(v);
     }
@@ -112,30 +117,35 @@ pub(crate) fn send_frame(socket: BorrowedFd<'_>, payload: &[u8], fds: &[Borrowed
     }
     let len =
         u32::try_from(payload.len()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a frame over 4 GiB"))?;
-    let mut data = Vec::with_capacity(4 + payload.len());
-    data.extend_from_slice(&len.to_le_bytes());
-    data.extend_from_slice(payload);
+    let head = len.to_le_bytes();
+    let total = head.len() + payload.len();
     let mut sent = 0;
     let mut attach = fds;
-    while sent < data.len() {
-        let n = send_some(socket, &data[sent..], attach)?;
+    while sent < total {
+        // The length and the payload go out together, from where they are.
+        let parts = match sent < head.len() {
+            true => [&head[sent..], payload],
+            false => [&payload[sent - head.len()..], &[][..]],
+        };
+        sent += send_some(socket, parts, attach)?;
         attach = &[];
-        sent += n;
     }
     Ok(())
 }
 
-fn send_some(socket: BorrowedFd<'_>, data: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<usize> {
-    let mut iov = libc::iovec {
-        iov_base: data.as_ptr() as *mut libc::c_void,
-        iov_len: data.len(),
-    };
-    // Aligned storage for the control message.
-    let mut control = vec![0u64; control_words()];
+/// Aligned storage for a control message of up to [`MAX_FDS`] descriptors.
+type Control = [u64; control_words()];
+
+fn send_some(socket: BorrowedFd<'_>, parts: [&[u8]; 2], fds: &[BorrowedFd<'_>]) -> io::Result<usize> {
+    let mut iov = parts.map(|p| libc::iovec {
+        iov_base: p.as_ptr() as *mut libc::c_void,
+        iov_len: p.len(),
+    });
+    let mut control: Control = [0; control_words()];
     // SAFETY: msghdr is plain data; every pointer set below outlives the call.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
+    msg.msg_iov = iov.as_mut_ptr();
+    msg.msg_iovlen = iov.len() as _;
     if !fds.is_empty() {
         let payload_len = (fds.len() * size_of::<libc::c_int>()) as u32;
         // SAFETY: CMSG_SPACE only computes a size.
@@ -172,10 +182,11 @@ fn send_some(socket: BorrowedFd<'_>, data: &[u8], fds: &[BorrowedFd<'_>]) -> io:
     }
 }
 
-fn control_words() -> usize {
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE((MAX_FDS * size_of::<libc::c_int>()) as u32) } as usize;
-    space.div_ceil(8)
+/// The 8-byte words a control message of [`MAX_FDS`] descriptors takes: its header (at most 24
+/// bytes on any Linux ABI) and the descriptors, rounded up. `CMSG_SPACE` is not a `const fn`; a
+/// unit test checks this against it.
+const fn control_words() -> usize {
+    (24 + MAX_FDS * size_of::<libc::c_int>()).div_ceil(8)
 }
 
 /// Receives into `buf` once, collecting any descriptors that arrive. Returns 0 at end of stream.
@@ -184,7 +195,7 @@ fn recv_some(socket: BorrowedFd<'_>, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> 
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
     };
-    let mut control = vec![0u64; control_words()];
+    let mut control: Control = [0; control_words()];
     // SAFETY: msghdr is plain data; every pointer set below outlives the call.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
@@ -379,6 +390,24 @@ mod tests {
         b.set_read_timeout(Some(std::time::Duration::from_millis(10))).unwrap();
         assert!(matches!(recv_frame(b.as_fd(), 100), Err(RecvError::Idle(_))));
         drop(a);
+    }
+
+    #[test]
+    fn frames_larger_than_the_socket_buffer_arrive_whole() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let payload: Vec<u8> = (0..4_000_037u32).map(|i| (i % 251) as u8).collect();
+        let sent = payload.clone();
+        let writer = std::thread::spawn(move || send_frame(a.as_fd(), &sent, &[]).unwrap());
+        let f = recv_frame(b.as_fd(), 8 << 20).unwrap().unwrap();
+        writer.join().unwrap();
+        assert!(f.payload == payload);
+    }
+
+    #[test]
+    fn control_storage_holds_the_most_descriptors() {
+        // SAFETY: CMSG_SPACE only computes a size.
+        let space = unsafe { libc::CMSG_SPACE((MAX_FDS * size_of::<libc::c_int>()) as u32) } as usize;
+        assert!(control_words() * 8 >= space, "{} < {space}", control_words() * 8);
     }
 
     #[test]

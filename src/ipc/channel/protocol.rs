@@ -52,7 +52,10 @@ pub(crate) enum Frame {
 impl Frame {
     /// The payload, and the descriptors to attach.
     pub fn encode(&self) -> (Vec<u8>, Vec<BorrowedFd<'_>>) {
-        let mut w = Writer::default();
+        let mut w = match self {
+            Frame::Batch { descriptor, .. } => Writer::with_capacity(80 + descriptor.encoded_len()),
+            _ => Writer::default(),
+        };
         let mut fds = Vec::new();
         match self {
             Frame::Hello { schema } => {
