@@ -184,10 +184,19 @@ fn value_type_in(dt: &DataType, id: i64, next: &mut i64) -> Option<DataType> {
     }
 }
 
-struct Decoder<'r, 'f, 'd> {
+/// Entry `i` of a flatbuffer vector of 16-byte structs of two little-endian `i64`s (`FieldNode`,
+/// `Buffer`), read from its bytes: no copy of the vector is made.
+fn pair(vector: &[u8], i: usize) -> Option<(i64, i64)> {
+    let entry = vector.get(16 * i..16 * i + 16)?;
+    let word = |b: &[u8]| i64::from_le_bytes(b.try_into().expect("8 bytes"));
+    Some((word(&entry[..8]), word(&entry[8..])))
+}
+
+struct Decoder<'m, 'r, 'f, 'd> {
     version: MetadataVersion,
-    nodes: Vec<(i64, i64)>,
-    buffers: Vec<(i64, i64)>,
+    /// The metadata's field nodes and buffers, as the bytes of their vectors.
+    nodes: &'m [u8],
+    buffers: &'m [u8],
     variadic: Vec<i64>,
     next_node: usize,
     next_buffer: usize,
@@ -203,9 +212,9 @@ struct Decoder<'r, 'f, 'd> {
     empty: Option<DeviceBuffer>,
 }
 
-impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
+impl<'m, 'r, 'f, 'd> Decoder<'m, 'r, 'f, 'd> {
     fn new(
-        header: &Header<'_>,
+        header: &Header<'m>,
         device: Device,
         resolve: &'r mut Resolve<'f>,
         first_buffer: usize,
@@ -214,16 +223,8 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
     ) -> Self {
         Decoder {
             version: header.version,
-            nodes: header
-                .batch
-                .nodes()
-                .map(|n| n.iter().map(|n| (n.length(), n.null_count())).collect())
-                .unwrap_or_default(),
-            buffers: header
-                .batch
-                .buffers()
-                .map(|b| b.iter().map(|b| (b.offset(), b.length())).collect())
-                .unwrap_or_default(),
+            nodes: header.batch.nodes().map_or(&[], |n| n.bytes()),
+            buffers: header.batch.buffers().map_or(&[], |b| b.bytes()),
             variadic: header
                 .batch
                 .variadicBufferCounts()
@@ -244,8 +245,8 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
     /// Checks that every node, buffer and count of the metadata was used.
     fn finish(&self) -> Result<()> {
         let unread = [
-            (self.nodes.len() - self.next_node, "field nodes"),
-            (self.buffers.len() - self.next_buffer, "buffers"),
+            (self.nodes.len() / 16 - self.next_node, "field nodes"),
+            (self.buffers.len() / 16 - self.next_buffer, "buffers"),
             (self.variadic.len() - self.next_variadic, "variadic buffer counts"),
         ];
         match unread.iter().find(|(n, _)| *n > 0) {
@@ -257,9 +258,7 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
     }
 
     fn node(&mut self, field: &Field) -> Result<(usize, usize)> {
-        let &(len, nulls) = self
-            .nodes
-            .get(self.next_node)
+        let (len, nulls) = pair(self.nodes, self.next_node)
             .ok_or_else(|| invalid(format!("the IPC metadata has no field node for {}", field.name())))?;
         self.next_node += 1;
         Ok((count(len, "length")?, count(nulls, "null count")?))
@@ -267,7 +266,7 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
 
     /// Passes over the next buffer without resolving it.
     fn skip_buffer(&mut self, dt: &DataType) -> Result<()> {
-        if self.next_buffer >= self.buffers.len() {
+        if self.next_buffer >= self.buffers.len() / 16 {
             return Err(invalid(format!(
                 "the IPC metadata has too few buffers for a {dt} array"
             )));
@@ -278,9 +277,7 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
 
     fn buffer(&mut self, dt: &DataType, min: Option<usize>) -> Result<DeviceBuffer> {
         let index = self.next_buffer;
-        let &(offset, len) = self
-            .buffers
-            .get(index)
+        let (offset, len) = pair(self.buffers, index)
             .ok_or_else(|| invalid(format!("the IPC metadata has too few buffers for a {dt} array")))?;
         self.next_buffer += 1;
         let (offset, len) = (count(offset, "buffer offset")?, count(len, "buffer length")?);
@@ -353,7 +350,7 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
                 .ok_or_else(|| invalid(format!("no variadic buffer count for a {dt} array")))?;
             self.next_variadic += 1;
             let n = count(n, "variadic buffer count")?;
-            if n > self.buffers.len() - self.next_buffer {
+            if n > self.buffers.len() / 16 - self.next_buffer {
                 return Err(invalid(format!(
                     "a {dt} array with {n} data buffers; the metadata has fewer"
                 )));
@@ -375,7 +372,8 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
             | DataType::RunEndEncoded(..) => self.children(dt, len, depth)?,
             _ => Vec::new(),
         };
-        out.push(DeviceArrayData {
+        out.reserve(1);
+        out.spare_capacity_mut()[0].write(DeviceArrayData {
             data_type: dt.clone(),
             len,
             offset: 0,
@@ -385,6 +383,8 @@ impl<'r, 'f, 'd> Decoder<'r, 'f, 'd> {
             children,
             trusted: false,
         });
+        // SAFETY: the element past the length was written just above, within the capacity.
+        unsafe { out.set_len(out.len() + 1) };
         Ok(())
     }
 

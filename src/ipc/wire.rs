@@ -189,7 +189,8 @@ const fn control_words() -> usize {
     (24 + MAX_FDS * size_of::<libc::c_int>()).div_ceil(8)
 }
 
-/// Receives into `buf` once, collecting any descriptors that arrive. Returns 0 at end of stream.
+/// Receives into `buf` once without blocking, collecting any descriptors that arrive. Returns 0 at
+/// end of stream, [`io::ErrorKind::WouldBlock`] when nothing has arrived.
 fn recv_some(socket: BorrowedFd<'_>, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
@@ -204,16 +205,19 @@ fn recv_some(socket: BorrowedFd<'_>, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> 
     msg.msg_controllen = (control.len() * 8) as _;
     let n = loop {
         // SAFETY: `msg` describes valid, writable memory for the call.
-        let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        let n = unsafe {
+            libc::recvmsg(
+                socket.as_raw_fd(),
+                &mut msg,
+                libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT,
+            )
+        };
         if n >= 0 {
             break n as usize;
         }
         let e = io::Error::last_os_error();
         match e.kind() {
             io::ErrorKind::Interrupted => continue,
-            io::ErrorKind::WouldBlock => {
-                return Err(io::Error::new(io::ErrorKind::TimedOut, "a socket read timed out"));
-            }
             _ => return Err(e),
         }
     };
@@ -244,8 +248,8 @@ fn recv_some(socket: BorrowedFd<'_>, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> 
 
 /// One frame: the payload and the descriptors that came with it.
 #[derive(Debug)]
-pub(crate) struct Frame {
-    pub payload: Vec<u8>,
+pub(crate) struct Frame<'a> {
+    pub payload: &'a [u8],
     pub fds: Vec<OwnedFd>,
 }
 
@@ -267,76 +271,192 @@ impl RecvError {
     }
 }
 
+/// Waits until `socket` has bytes to read (or has ended or failed): `false` when `timeout` passed
+/// first (`None`: no limit).
+///
+/// Readers wait here rather than in a blocking read: a thread asleep in a read is woken whenever
+/// the peer reads what this end wrote (the kernel signals room to write to every sleeper), while
+/// one asleep in `poll` for input is left alone. On a virtual machine each such wake-up costs the
+/// peer's read microseconds.
+fn wait_readable(socket: BorrowedFd<'_>, timeout: Option<std::time::Duration>) -> io::Result<bool> {
+    let deadline = timeout.map(|t| std::time::Instant::now() + t);
+    loop {
+        let ms = match deadline {
+            None => -1,
+            Some(d) => d
+                .saturating_duration_since(std::time::Instant::now())
+                .as_nanos()
+                .div_ceil(1_000_000)
+                .min(i32::MAX as u128) as i32,
+        };
+        let mut poll = libc::pollfd {
+            fd: socket.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for the call.
+        match unsafe { libc::poll(&mut poll, 1, ms) } {
+            0 if ms == 0 => return Ok(false),
+            0 => {}
+            n if n > 0 => return Ok(true),
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
+
 /// Polls `socket` without sleeping until it has bytes to read (or has ended or failed), for at most
 /// `budget`. A thread that sleeps in a read is woken by the kernel when data arrives, which costs
-/// tens of microseconds (more on virtual machines); one that polls sees the data at once.
+/// tens of microseconds (more on virtual machines); one that polls sees the data at once. `poll`
+/// reads the socket's state without taking the lock that a sender's write takes.
 pub(crate) fn poll_readable(socket: BorrowedFd<'_>, budget: std::time::Duration) {
     let start = std::time::Instant::now();
-    let mut byte = 0u8;
-    loop {
-        // SAFETY: a one-byte peek into `byte`, which outlives the call; nothing is consumed.
-        let n = unsafe {
-            libc::recv(
-                socket.as_raw_fd(),
-                (&mut byte as *mut u8).cast(),
-                1,
-                libc::MSG_PEEK | libc::MSG_DONTWAIT,
-            )
-        };
-        let would_block = n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::WouldBlock;
-        if !would_block || start.elapsed() >= budget {
-            return;
-        }
+    let mut poll = libc::pollfd {
+        fd: socket.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd for each call; a zero timeout never blocks.
+    while unsafe { libc::poll(&mut poll, 1, 0) } == 0 && start.elapsed() < budget {
         std::hint::spin_loop();
     }
 }
 
-/// Receives one frame of at most `max` payload bytes: `None` at a clean end of stream.
-pub(crate) fn recv_frame(socket: BorrowedFd<'_>, max: usize) -> std::result::Result<Option<Frame>, RecvError> {
-    let mut fds = Vec::new();
-    let mut head = [0u8; 4];
-    let mut got = 0;
-    while got < 4 {
-        match recv_some(socket, &mut head[got..], &mut fds) {
-            Ok(0) if got == 0 => return Ok(None),
-            Ok(0) => {
-                return Err(RecvError::Broken(Error::InvalidData(
-                    "the stream ended inside a frame header".into(),
-                )));
-            }
-            Ok(n) => got += n,
-            Err(e) if got == 0 && fds.is_empty() && e.kind() == io::ErrorKind::TimedOut => {
-                return Err(RecvError::Idle(e));
-            }
-            Err(e) => return Err(RecvError::Broken(crate::ipc::io_error("reading a frame", e))),
+/// The smallest read a [`FrameReader`] asks for.
+const MIN_READ: usize = 64 << 10;
+
+/// Reads frames from one socket through one buffer. A read takes whatever has arrived, so a frame
+/// (or several) most often arrives in one system call; bytes read past a frame wait for the next.
+///
+/// Descriptors belong to the frame whose bytes the read that brought them ended in: the kernel
+/// attaches a frame's descriptors to its first bytes and ends a read after bytes that carry
+/// descriptors, so that frame is the one that sent them.
+pub(crate) struct FrameReader {
+    max: usize,
+    buf: Vec<u8>,
+    /// The unconsumed bytes are `buf[start..end]`.
+    start: usize,
+    end: usize,
+    /// The bytes consumed before `buf[0]`, to place descriptors in the stream.
+    base: u64,
+    /// Descriptors not yet handed out, with the stream position of the last byte of their read.
+    fds: std::collections::VecDeque<(u64, OwnedFd)>,
+}
+
+impl FrameReader {
+    /// A reader of frames of at most `max` payload bytes.
+    pub fn new(max: usize) -> FrameReader {
+        FrameReader {
+            max,
+            buf: Vec::new(),
+            start: 0,
+            end: 0,
+            base: 0,
+            fds: Default::default(),
         }
     }
-    let len = u32::from_le_bytes(head) as usize;
-    if len == 0 || len > max {
-        return Err(RecvError::Broken(Error::InvalidData(format!(
-            "a frame of {len} bytes (at most {max} are accepted)"
-        ))));
-    }
-    let mut payload = vec![0u8; len];
-    let mut got = 0;
-    while got < len {
-        match recv_some(socket, &mut payload[got..], &mut fds) {
-            Ok(0) => {
-                return Err(RecvError::Broken(Error::InvalidData(format!(
-                    "the stream ended after {got} of a frame's {len} bytes"
-                ))));
+
+    /// Receives the next frame: `None` at a clean end of stream. Each wait for more bytes lasts at
+    /// most `timeout` (`None`: no limit); a timeout with nothing of the frame read is
+    /// [`RecvError::Idle`].
+    pub fn recv(
+        &mut self,
+        socket: BorrowedFd<'_>,
+        timeout: Option<std::time::Duration>,
+    ) -> std::result::Result<Option<Frame<'_>>, RecvError> {
+        loop {
+            let have = self.end - self.start;
+            if have >= 4 {
+                let head = self.buf[self.start..self.start + 4].try_into().expect("4 bytes");
+                let len = u32::from_le_bytes(head) as usize;
+                if len == 0 || len > self.max {
+                    return Err(RecvError::Broken(Error::InvalidData(format!(
+                        "a frame of {len} bytes (at most {} are accepted)",
+                        self.max
+                    ))));
+                }
+                if have >= 4 + len {
+                    return Ok(Some(self.take(4 + len)));
+                }
+                self.reserve(4 + len);
+            } else {
+                self.reserve(4);
             }
-            Ok(n) => got += n,
-            Err(e) => return Err(RecvError::Broken(crate::ipc::io_error("reading a frame", e))),
+            let mut fds = Vec::new();
+            match recv_some(socket, &mut self.buf[self.end..], &mut fds) {
+                Ok(0) if have == 0 && self.fds.is_empty() => return Ok(None),
+                Ok(0) => {
+                    return Err(RecvError::Broken(Error::InvalidData(format!(
+                        "the stream ended inside a frame, after {have} of its bytes"
+                    ))));
+                }
+                Ok(n) => {
+                    self.end += n;
+                    let last = self.base + self.end as u64 - 1;
+                    self.fds.extend(fds.into_iter().map(|fd| (last, fd)));
+                    if self.fds.len() > MAX_FDS {
+                        return Err(RecvError::Broken(Error::InvalidData(format!(
+                            "{} descriptors pending on the stream",
+                            self.fds.len()
+                        ))));
+                    }
+                }
+                // Nothing yet (the first read is tried before any wait, for a reader that
+                // polled already).
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => match wait_readable(socket, timeout) {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        let e = io::Error::new(io::ErrorKind::TimedOut, "a socket read timed out");
+                        return Err(match have {
+                            0 => RecvError::Idle(e),
+                            _ => RecvError::Broken(crate::ipc::io_error("reading a frame", e)),
+                        });
+                    }
+                    Err(e) => return Err(RecvError::Broken(crate::ipc::io_error("waiting for a frame", e))),
+                },
+                Err(e) => return Err(RecvError::Broken(crate::ipc::io_error("reading a frame", e))),
+            }
         }
     }
-    if fds.len() > MAX_FDS {
-        return Err(RecvError::Broken(Error::InvalidData(format!(
-            "a frame with {} descriptors",
-            fds.len()
-        ))));
+
+    /// Hands out the frame of `total` bytes (length included) at the start of the unconsumed bytes,
+    /// with the descriptors that arrived inside it.
+    fn take(&mut self, total: usize) -> Frame<'_> {
+        let (from, to) = (self.start, self.start + total);
+        let frame_end = self.base + to as u64;
+        let mut fds = Vec::new();
+        while self.fds.front().is_some_and(|(at, _)| *at < frame_end) {
+            fds.push(self.fds.pop_front().expect("a descriptor").1);
+        }
+        self.start = to;
+        Frame {
+            payload: &self.buf[from + 4..to],
+            fds,
+        }
     }
-    Ok(Some(Frame { payload, fds }))
+
+    /// Makes room for `need` unconsumed bytes and a read of at least [`MIN_READ`] past them.
+    fn reserve(&mut self, need: usize) {
+        if self.start == self.end {
+            self.base += self.start as u64;
+            (self.start, self.end) = (0, 0);
+        }
+        let want = need.max(self.end - self.start + MIN_READ);
+        if self.buf.len() - self.start < want {
+            // Move what is left to the front, then grow if that is not enough.
+            self.buf.copy_within(self.start..self.end, 0);
+            self.base += self.start as u64;
+            self.end -= self.start;
+            self.start = 0;
+            if self.buf.len() < want {
+                self.buf.resize(want, 0);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -347,49 +467,75 @@ mod tests {
 
     use super::*;
 
+    /// The next frame's payload and descriptor count.
+    fn next(r: &mut FrameReader, s: &UnixStream) -> std::result::Result<Option<(Vec<u8>, usize)>, RecvError> {
+        Ok(r.recv(s.as_fd(), s.read_timeout().unwrap())?
+            .map(|f| (f.payload.to_vec(), f.fds.len())))
+    }
+
     #[test]
     fn frames_round_trip_with_descriptors() {
         let (a, b) = UnixStream::pair().unwrap();
         let (c, _d) = UnixStream::pair().unwrap();
+        // Written before any is read, so one read could take several: each frame still gets the
+        // descriptors it was sent with, and no other.
+        send_frame(a.as_fd(), b"first", &[]).unwrap();
         send_frame(a.as_fd(), b"hello", &[c.as_fd(), c.as_fd()]).unwrap();
         send_frame(a.as_fd(), b"again", &[]).unwrap();
-        let f = recv_frame(b.as_fd(), 100).unwrap().unwrap();
-        assert_eq!(f.payload, b"hello");
-        assert_eq!(f.fds.len(), 2);
-        let f = recv_frame(b.as_fd(), 100).unwrap().unwrap();
-        assert_eq!(f.payload, b"again");
-        assert!(f.fds.is_empty());
+        send_frame(a.as_fd(), b"three", &[c.as_fd(), c.as_fd(), c.as_fd()]).unwrap();
+        let mut r = FrameReader::new(100);
+        assert_eq!(next(&mut r, &b).unwrap(), Some((b"first".to_vec(), 0)));
+        assert_eq!(next(&mut r, &b).unwrap(), Some((b"hello".to_vec(), 2)));
+        assert_eq!(next(&mut r, &b).unwrap(), Some((b"again".to_vec(), 0)));
+        assert_eq!(next(&mut r, &b).unwrap(), Some((b"three".to_vec(), 3)));
         drop(a);
-        assert!(recv_frame(b.as_fd(), 100).unwrap().is_none());
+        assert_eq!(next(&mut r, &b).unwrap(), None);
+    }
+
+    #[test]
+    fn many_small_frames_come_out_of_few_reads_in_order() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let writer = std::thread::spawn(move || {
+            for i in 0..1000u32 {
+                send_frame(a.as_fd(), &i.to_le_bytes().repeat(1 + i as usize % 7), &[]).unwrap();
+            }
+        });
+        let mut r = FrameReader::new(100);
+        for i in 0..1000u32 {
+            let (payload, fds) = next(&mut r, &b).unwrap().unwrap();
+            assert_eq!((payload, fds), (i.to_le_bytes().repeat(1 + i as usize % 7), 0));
+        }
+        writer.join().unwrap();
+        assert_eq!(next(&mut r, &b).unwrap(), None);
     }
 
     #[test]
     fn bad_frames_are_errors() {
+        let broken = |r: std::result::Result<Option<(Vec<u8>, usize)>, RecvError>| {
+            matches!(r, Err(RecvError::Broken(Error::InvalidData(_))))
+        };
         let (mut a, b) = UnixStream::pair().unwrap();
         a.write_all(&1000u32.to_le_bytes()).unwrap();
-        assert!(matches!(
-            recv_frame(b.as_fd(), 100),
-            Err(RecvError::Broken(Error::InvalidData(_)))
-        ));
+        assert!(broken(next(&mut FrameReader::new(100), &b)));
         let (mut a, b) = UnixStream::pair().unwrap();
         a.write_all(&10u32.to_le_bytes()).unwrap();
         a.write_all(b"abc").unwrap();
         drop(a);
-        assert!(matches!(
-            recv_frame(b.as_fd(), 100),
-            Err(RecvError::Broken(Error::InvalidData(_)))
-        ));
+        assert!(broken(next(&mut FrameReader::new(100), &b)));
         let (mut a, b) = UnixStream::pair().unwrap();
         a.write_all(&[1, 0]).unwrap();
         drop(a);
-        assert!(matches!(
-            recv_frame(b.as_fd(), 100),
-            Err(RecvError::Broken(Error::InvalidData(_)))
-        ));
+        assert!(broken(next(&mut FrameReader::new(100), &b)));
+        let (mut a, b) = UnixStream::pair().unwrap();
+        a.write_all(&0u32.to_le_bytes()).unwrap();
+        assert!(broken(next(&mut FrameReader::new(100), &b)));
         let (a, b) = UnixStream::pair().unwrap();
         b.set_read_timeout(Some(std::time::Duration::from_millis(10))).unwrap();
-        assert!(matches!(recv_frame(b.as_fd(), 100), Err(RecvError::Idle(_))));
-        drop(a);
+        let mut r = FrameReader::new(100);
+        assert!(matches!(next(&mut r, &b), Err(RecvError::Idle(_))));
+        // After a timeout with nothing read the reader is still in step.
+        send_frame(a.as_fd(), b"late", &[]).unwrap();
+        assert_eq!(next(&mut r, &b).unwrap(), Some((b"late".to_vec(), 0)));
     }
 
     #[test]
@@ -397,10 +543,15 @@ mod tests {
         let (a, b) = UnixStream::pair().unwrap();
         let payload: Vec<u8> = (0..4_000_037u32).map(|i| (i % 251) as u8).collect();
         let sent = payload.clone();
-        let writer = std::thread::spawn(move || send_frame(a.as_fd(), &sent, &[]).unwrap());
-        let f = recv_frame(b.as_fd(), 8 << 20).unwrap().unwrap();
+        let writer = std::thread::spawn(move || {
+            send_frame(a.as_fd(), &sent, &[]).unwrap();
+            send_frame(a.as_fd(), b"after", &[]).unwrap();
+        });
+        let mut r = FrameReader::new(8 << 20);
+        let (got, _) = next(&mut r, &b).unwrap().unwrap();
+        assert!(got == payload);
+        assert_eq!(next(&mut r, &b).unwrap(), Some((b"after".to_vec(), 0)));
         writer.join().unwrap();
-        assert!(f.payload == payload);
     }
 
     #[test]

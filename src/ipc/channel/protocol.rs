@@ -93,7 +93,7 @@ impl Frame {
 
     /// Reads a frame; every byte must be used and every descriptor claimed.
     pub fn decode(frame: wire::Frame) -> Result<Frame> {
-        let mut r = Reader::new(&frame.payload);
+        let mut r = Reader::new(frame.payload);
         let mut fds = frame.fds.into_iter();
         let out = match r.u8()? {
             HELLO => {

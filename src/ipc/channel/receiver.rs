@@ -19,7 +19,7 @@ use crate::ipc::event::{IpcEvent, IpcEventHandle};
 use crate::ipc::handle::HANDLE_BYTES;
 use crate::ipc::io_error;
 use crate::ipc::message::decode_schema;
-use crate::ipc::wire::{self, RecvError};
+use crate::ipc::wire::{self, FrameReader, RecvError};
 
 /// How a [`Receiver`] behaves.
 #[derive(Clone, Debug)]
@@ -90,6 +90,7 @@ enum State {
 /// [`DeviceRecordBatch::ready`] completes after it.
 pub struct Receiver {
     link: Arc<Link>,
+    reader: FrameReader,
     schema: SchemaRef,
     options: ReceiverOptions,
     state: State,
@@ -126,25 +127,25 @@ impl Receiver {
                 Err(e) => return Err(io_error(&format!("connecting to {}", path.display()), e)),
             }
         };
-        let configure = |r: Option<Duration>| {
-            socket
-                .set_read_timeout(r)
-                .and_then(|_| socket.set_write_timeout(Some(options.ack_timeout)))
-        };
+        socket
+            .set_write_timeout(Some(options.ack_timeout))
+            .map_err(|e| io_error("configuring the channel socket", e))?;
         let wait = deadline
             .saturating_duration_since(Instant::now())
             .max(Duration::from_millis(1));
-        configure(Some(wait)).map_err(|e| io_error("configuring the channel socket", e))?;
-        let hello = wire::recv_frame(socket.as_fd(), options.max_frame_bytes)
+        // Kept for the receiver's life: a read may take frames after the schema too.
+        let mut reader = FrameReader::new(options.max_frame_bytes);
+        let hello = reader
+            .recv(socket.as_fd(), Some(wait))
             .map_err(RecvError::into_error)?
             .ok_or_else(|| io_error("reading the schema", io::ErrorKind::UnexpectedEof.into()))?;
         let schema = match Frame::decode(hello)? {
             Frame::Hello { schema } => decode_schema(&schema)?,
             other => return Err(Error::InvalidData(format!("a channel that starts with {other:?}"))),
         };
-        configure(options.recv_timeout).map_err(|e| io_error("configuring the channel socket", e))?;
         Ok(Receiver {
             link: Arc::new(Link::new(socket)),
+            reader,
             schema,
             options,
             state: State::Open,
@@ -173,7 +174,7 @@ impl Receiver {
         if !self.options.poll.is_zero() {
             wire::poll_readable(self.link.socket.as_fd(), self.options.poll);
         }
-        let frame = match wire::recv_frame(self.link.socket.as_fd(), self.options.max_frame_bytes) {
+        let frame = match self.reader.recv(self.link.socket.as_fd(), self.options.recv_timeout) {
             Ok(Some(f)) => f,
             Ok(None) => {
                 self.state = State::Broken("the sender's connection ended before the end of the stream".into());

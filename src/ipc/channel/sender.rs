@@ -19,8 +19,9 @@ use crate::error::{Error, Result};
 use crate::ipc::channel::protocol::{Frame, Link};
 use crate::ipc::descriptor::BatchDescriptor;
 use crate::ipc::event::{IpcEvent, IpcEventHandle};
+use crate::ipc::io_error;
 use crate::ipc::message::{default_message_resource, encode_schema, write_message_to};
-use crate::ipc::{io_error, wire};
+use crate::ipc::wire::FrameReader;
 use crate::memory::MemoryResource;
 
 /// How a [`Sender`] behaves.
@@ -201,8 +202,9 @@ impl Shared {
 
     /// Reads one receiver's frames until its connection ends.
     fn read_peer(&self, id: u64, socket: UnixStream) {
+        let mut reader = FrameReader::new(self.max_frame);
         let reason = loop {
-            match wire::recv_frame(socket.as_fd(), self.max_frame) {
+            match reader.recv(socket.as_fd(), None) {
                 Ok(None) => break None,
                 Ok(Some(frame)) => match Frame::decode(frame) {
                     Ok(Frame::Ack(batch)) => self.ack(id, batch),
@@ -459,7 +461,7 @@ impl Sender {
         };
         let estimate = described
             .as_ref()
-            .map_or(batch.size_in_bytes() as u64, |d| d.body_bytes());
+            .map_or_else(|| batch.size_in_bytes() as u64, |d| d.body_bytes());
         self.wait_for_room(estimate)?;
         let stream = self.stream(device)?;
         let (descriptor, lease, ready): (BatchDescriptor, Box<dyn Any + Send>, Event) = match described {
