@@ -22,7 +22,7 @@ use arrow_schema::{DataType, Field, Fields, Schema, SchemaRef, UnionMode};
 use crate::array::{Buffers, DeviceArrayData, DeviceRecordBatch};
 use crate::device::{Device, Event};
 use crate::error::{Error, Result};
-use crate::ipc::layout::{dictionaries_in, fixed_sizes, has_validity};
+use crate::ipc::layout::{Sizes, dictionaries_in, fixed_sizes, has_validity};
 use crate::memory::{ALIGNMENT, DeviceBuffer};
 
 /// Nesting deeper than this is refused.
@@ -338,10 +338,14 @@ impl<'m, 'r, 'f, 'd> Decoder<'m, 'r, 'f, 'd> {
                 self.skip_buffer(dt)?;
             }
         }
-        let sizes = fixed_sizes(dt, len)?;
+        // Taken apart rather than iterated, so the sizes stay in registers.
+        let Sizes { sizes: [first, second], len: n } = fixed_sizes(dt, len)?;
         let mut buffers = Buffers::new();
-        for &min in sizes.iter() {
-            buffers.push(self.buffer(dt, min)?);
+        if n > 0 {
+            buffers.push(self.buffer(dt, first)?);
+        }
+        if n > 1 {
+            buffers.push(self.buffer(dt, second)?);
         }
         if matches!(dt, DataType::Utf8View | DataType::BinaryView) {
             let n = *self

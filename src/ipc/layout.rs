@@ -96,8 +96,8 @@ pub(crate) fn fixed_sizes(data_type: &DataType, len: usize) -> Result<Sizes> {
 /// on every send and receive.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Sizes {
-    sizes: [Option<usize>; 2],
-    len: usize,
+    pub sizes: [Option<usize>; 2],
+    pub len: usize,
 }
 
 impl<const N: usize> From<[Option<usize>; N]> for Sizes {
