@@ -339,7 +339,10 @@ impl<'m, 'r, 'f, 'd> Decoder<'m, 'r, 'f, 'd> {
             }
         }
         // Taken apart rather than iterated, so the sizes stay in registers.
-        let Sizes { sizes: [first, second], len: n } = fixed_sizes(dt, len)?;
+        let Sizes {
+            sizes: [first, second],
+            len: n,
+        } = fixed_sizes(dt, len)?;
         let mut buffers = Buffers::new();
         if n > 0 {
             buffers.push(self.buffer(dt, first)?);
