@@ -439,11 +439,17 @@ impl FrameReader {
         }
     }
 
-    /// Makes room for `need` unconsumed bytes and a read of at least [`MIN_READ`] past them.
+    /// Makes room for `need` unconsumed bytes and a read of at least [`MIN_READ`] past them. An
+    /// empty buffer grown for a large frame goes back to its usual size.
     fn reserve(&mut self, need: usize) {
         if self.start == self.end {
             self.base += self.start as u64;
             (self.start, self.end) = (0, 0);
+            let usual = need + MIN_READ;
+            if self.buf.len() > 4 * usual {
+                self.buf.truncate(usual);
+                self.buf.shrink_to_fit();
+            }
         }
         let want = need.max(self.end - self.start + MIN_READ);
         if self.buf.len() - self.start < want {
@@ -550,8 +556,12 @@ mod tests {
         let mut r = FrameReader::new(8 << 20);
         let (got, _) = next(&mut r, &b).unwrap().unwrap();
         assert!(got == payload);
+        assert!(r.buf.len() >= payload.len());
         assert_eq!(next(&mut r, &b).unwrap(), Some((b"after".to_vec(), 0)));
         writer.join().unwrap();
+        // Once the large frame is consumed, the buffer shrinks back for the next read.
+        assert_eq!(next(&mut r, &b).unwrap(), None);
+        assert!(r.buf.len() <= 4 + MIN_READ, "{}", r.buf.len());
     }
 
     #[test]
