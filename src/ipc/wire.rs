@@ -315,13 +315,8 @@ fn wait_readable(socket: BorrowedFd<'_>, timeout: Option<std::time::Duration>) -
 /// reads the socket's state without taking the lock that a sender's write takes.
 pub(crate) fn poll_readable(socket: BorrowedFd<'_>, budget: std::time::Duration) {
     let start = std::time::Instant::now();
-    let mut poll = libc::pollfd {
-        fd: socket.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd for each call; a zero timeout never blocks.
-    while unsafe { libc::poll(&mut poll, 1, 0) } == 0 && start.elapsed() < budget {
+    // An error ends the polling too: the read that follows reports it.
+    while !wait_readable(socket, Some(std::time::Duration::ZERO)).unwrap_or(true) && start.elapsed() < budget {
         std::hint::spin_loop();
     }
 }
