@@ -109,6 +109,22 @@ impl Drop for SharedRegion {
 
 #[cfg(target_os = "linux")]
 fn create(size: usize) -> Result<Arc<SharedRegion>> {
+    let fd = sealed_memfd(size)?;
+    let address = map(fd.as_fd(), size, libc::PROT_READ | libc::PROT_WRITE)?;
+    let region = Arc::new(SharedRegion {
+        fd,
+        address,
+        size,
+        opened: None,
+    });
+    register(&region);
+    Ok(region)
+}
+
+/// A new memfd of `size` zero bytes, sealed against shrinking and growing: a peer that maps it can
+/// read all of it for as long as it is mapped.
+#[cfg(target_os = "linux")]
+pub(crate) fn sealed_memfd(size: usize) -> Result<OwnedFd> {
     if size == 0 {
         return Err(Error::InvalidArgument("a shared region needs at least one byte".into()));
     }
@@ -140,15 +156,7 @@ fn create(size: usize) -> Result<Arc<SharedRegion>> {
     if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
         return Err(os_error("sealing a memfd"));
     }
-    let address = map(fd.as_fd(), size, libc::PROT_READ | libc::PROT_WRITE)?;
-    let region = Arc::new(SharedRegion {
-        fd,
-        address,
-        size,
-        opened: None,
-    });
-    register(&region);
-    Ok(region)
+    Ok(fd)
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -156,8 +164,13 @@ fn create(_size: usize) -> Result<Arc<SharedRegion>> {
     Err(Error::Unsupported("shared host memory (memfd) needs Linux".into()))
 }
 
-/// Maps `size` bytes of `fd` shared.
-fn map(fd: BorrowedFd<'_>, size: usize, prot: libc::c_int) -> Result<u64> {
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn sealed_memfd(_size: usize) -> Result<OwnedFd> {
+    Err(Error::Unsupported("shared host memory (memfd) needs Linux".into()))
+}
+
+/// Maps `size` bytes of `fd` shared; the caller unmaps them.
+pub(crate) fn map(fd: BorrowedFd<'_>, size: usize, prot: libc::c_int) -> Result<u64> {
     // SAFETY: a fresh mapping chosen by the kernel, of a descriptor we hold; the result is checked.
     let p = unsafe { libc::mmap(std::ptr::null_mut(), size, prot, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
     if p == libc::MAP_FAILED {
@@ -212,7 +225,25 @@ impl SharedMemHandle {
 
 #[cfg(target_os = "linux")]
 fn open(handle: SharedMemHandle) -> Result<Arc<SharedRegion>> {
-    let raw = handle.fd.as_raw_fd();
+    let key = check_sealed(handle.fd.as_fd(), handle.size)?;
+    OPENED
+        .get_or_open(&key, || {
+            let address = map(handle.fd.as_fd(), handle.size, libc::PROT_READ)?;
+            Ok(SharedRegion {
+                fd: handle.fd,
+                address,
+                size: handle.size,
+                opened: Some(key),
+            })
+        })
+        .inspect(register)
+}
+
+/// Checks that a received descriptor is a memfd sealed against shrinking that holds the announced
+/// `size` bytes (so mapping and reading all of them is safe), and returns its identity,
+/// `(st_dev, st_ino)`. Anything else is [`Error::InvalidData`].
+pub(crate) fn check_sealed(fd: BorrowedFd<'_>, size: usize) -> Result<(u64, u64)> {
+    let raw = fd.as_raw_fd();
     // SAFETY: `stat` is plain data; `fstat` fills it for a descriptor we hold.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: as above.
@@ -229,28 +260,22 @@ fn open(handle: SharedMemHandle) -> Result<Arc<SharedRegion>> {
             "a received region is not a memfd sealed against shrinking".into(),
         ));
     }
-    if handle.size == 0 || st.st_size < 0 || st.st_size as u64 != handle.size as u64 {
+    if size == 0 || st.st_size < 0 || st.st_size as u64 != size as u64 {
         return Err(Error::InvalidData(format!(
-            "a received region announces {} bytes but holds {}",
-            handle.size, st.st_size
+            "a received region announces {size} bytes but holds {}",
+            st.st_size
         )));
     }
-    let key = (st.st_dev as u64, st.st_ino as u64);
-    OPENED
-        .get_or_open(&key, || {
-            let address = map(handle.fd.as_fd(), handle.size, libc::PROT_READ)?;
-            Ok(SharedRegion {
-                fd: handle.fd,
-                address,
-                size: handle.size,
-                opened: Some(key),
-            })
-        })
-        .inspect(register)
+    Ok((st.st_dev as u64, st.st_ino as u64))
 }
 
 #[cfg(not(target_os = "linux"))]
 fn open(_handle: SharedMemHandle) -> Result<Arc<SharedRegion>> {
+    Err(Error::Unsupported("shared host memory (memfd) needs Linux".into()))
+}
+
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn check_sealed(_fd: BorrowedFd<'_>, _size: usize) -> Result<(u64, u64)> {
     Err(Error::Unsupported("shared host memory (memfd) needs Linux".into()))
 }
 

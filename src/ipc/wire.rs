@@ -271,15 +271,23 @@ impl RecvError {
     }
 }
 
-/// Waits until `socket` has bytes to read (or has ended or failed): `false` when `timeout` passed
-/// first (`None`: no limit).
+/// Waits until one of `fds` has bytes to read (or has ended or failed) and returns the `revents` of
+/// each; `None` when `timeout` passed first (`None`: no limit).
 ///
 /// Readers wait here rather than in a blocking read: a thread asleep in a read is woken whenever
 /// the peer reads what this end wrote (the kernel signals room to write to every sleeper), while
 /// one asleep in `poll` for input is left alone. On a virtual machine each such wake-up costs the
 /// peer's read microseconds.
-fn wait_readable(socket: BorrowedFd<'_>, timeout: Option<std::time::Duration>) -> io::Result<bool> {
+pub(crate) fn wait_readable<const N: usize>(
+    fds: [BorrowedFd<'_>; N],
+    timeout: Option<std::time::Duration>,
+) -> io::Result<Option<[libc::c_short; N]>> {
     let deadline = timeout.map(|t| std::time::Instant::now() + t);
+    let mut polls = fds.map(|fd| libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    });
     loop {
         let ms = match deadline {
             None => -1,
@@ -289,16 +297,11 @@ fn wait_readable(socket: BorrowedFd<'_>, timeout: Option<std::time::Duration>) -
                 .div_ceil(1_000_000)
                 .min(i32::MAX as u128) as i32,
         };
-        let mut poll = libc::pollfd {
-            fd: socket.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd for the call.
-        match unsafe { libc::poll(&mut poll, 1, ms) } {
-            0 if ms == 0 => return Ok(false),
+        // SAFETY: `N` valid pollfds for the call.
+        match unsafe { libc::poll(polls.as_mut_ptr(), N as libc::nfds_t, ms) } {
+            0 if ms == 0 => return Ok(None),
             0 => {}
-            n if n > 0 => return Ok(true),
+            n if n > 0 => return Ok(Some(polls.map(|p| p.revents))),
             _ => {
                 let e = io::Error::last_os_error();
                 if e.kind() != io::ErrorKind::Interrupted {
@@ -306,18 +309,6 @@ fn wait_readable(socket: BorrowedFd<'_>, timeout: Option<std::time::Duration>) -
                 }
             }
         }
-    }
-}
-
-/// Polls `socket` without sleeping until it has bytes to read (or has ended or failed), for at most
-/// `budget`. A thread that sleeps in a read is woken by the kernel when data arrives, which costs
-/// tens of microseconds (more on virtual machines); one that polls sees the data at once. `poll`
-/// reads the socket's state without taking the lock that a sender's write takes.
-pub(crate) fn poll_readable(socket: BorrowedFd<'_>, budget: std::time::Duration) {
-    let start = std::time::Instant::now();
-    // An error ends the polling too: the read that follows reports it.
-    while !wait_readable(socket, Some(std::time::Duration::ZERO)).unwrap_or(true) && start.elapsed() < budget {
-        std::hint::spin_loop();
     }
 }
 
@@ -402,9 +393,9 @@ impl FrameReader {
                 }
                 // Nothing yet (the first read is tried before any wait, for a reader that
                 // polled already).
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => match wait_readable(socket, timeout) {
-                    Ok(true) => {}
-                    Ok(false) => {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => match wait_readable([socket], timeout) {
+                    Ok(Some(_)) => {}
+                    Ok(None) => {
                         let e = io::Error::new(io::ErrorKind::TimedOut, "a socket read timed out");
                         return Err(match have {
                             0 => RecvError::Idle(e),
@@ -416,6 +407,11 @@ impl FrameReader {
                 Err(e) => return Err(RecvError::Broken(crate::ipc::io_error("reading a frame", e))),
             }
         }
+    }
+
+    /// Whether no bytes read are waiting to be handed out.
+    pub fn is_empty(&self) -> bool {
+        self.start == self.end
     }
 
     /// Hands out the frame of `total` bytes (length included) at the start of the unconsumed bytes,

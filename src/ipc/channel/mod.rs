@@ -4,7 +4,9 @@
 //! (see `protocol.rs`): the schema first, then batches, each with an id, its device, its metadata, the
 //! handles of the memory regions its buffers lie in (CUDA IPC handles; memfds passed with
 //! `SCM_RIGHTS` for CPU batches, so the whole channel runs without a GPU) and, for CUDA batches, an
-//! IPC event to wait on; then the end of the stream, or an error.
+//! IPC event to wait on; then the end of the stream, or an error. After the schema, a sender's
+//! frames reach each receiver through a ring in shared memory (`ring.rs`), which costs no system
+//! call when the receiver polls; acknowledgements go on the socket.
 //!
 //! The receiver builds each batch as views of the mapped regions and acknowledges it when the
 //! last view drops; the sender keeps every batch it lent alive until each receiver it went to has
@@ -19,6 +21,7 @@
 
 mod protocol;
 mod receiver;
+mod ring;
 mod sender;
 
 pub use receiver::{Receiver, ReceiverOptions};

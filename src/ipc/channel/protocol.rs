@@ -1,29 +1,33 @@
 //! The frames a sender and its receivers exchange.
 //!
-//! Sender to receiver: `Hello` (magic, protocol version, the schema as an IPC schema message) once,
-//! then any number of `Batch` frames (an id, the IPC event to wait on for CUDA batches, and the
-//! batch's descriptor, with the host regions' descriptors attached), then `End`, or `Abort` with a
-//! reason. Receiver to sender: `Ack` with a batch id when the last view of that batch has dropped,
-//! and `Detach` when the receiver stops receiving (it may still hold batches).
+//! Sender to receiver: `Hello` (magic, protocol version, the schema as an IPC schema message) and
+//! `Ring` (the ring's size, with its memfd and doorbell attached) on the socket; then, through the
+//! ring (`ring.rs`), any number of `Batch` frames (an id, the IPC event to wait on for CUDA batches,
+//! and the batch's descriptor, with the host regions' descriptors attached), then `End`, or `Abort`
+//! with a reason. Receiver to sender, on the socket: `Ack` with a batch id when the last view of
+//! that batch has dropped, and `Detach` when the receiver stops receiving (it may still hold
+//! batches).
 
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Mutex;
 
 use crate::error::{Error, Result};
+use crate::ipc::channel::ring::{CAPACITY, RingWriter};
 use crate::ipc::descriptor::BatchDescriptor;
 use crate::ipc::event::IpcEventHandle;
 use crate::ipc::handle::HANDLE_BYTES;
 use crate::ipc::wire::{self, Reader, Writer};
 
 const MAGIC: &[u8; 8] = b"ACUDAIPC";
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 
 const HELLO: u8 = 1;
 const BATCH: u8 = 2;
 const END: u8 = 3;
 const ABORT: u8 = 4;
+const RING: u8 = 5;
 const ACK: u8 = 16;
 const DETACH: u8 = 17;
 
@@ -32,6 +36,11 @@ const DETACH: u8 = 17;
 pub(crate) enum Frame {
     Hello {
         schema: Vec<u8>,
+    },
+    Ring {
+        capacity: u64,
+        memory: OwnedFd,
+        bell: OwnedFd,
     },
     Batch {
         id: u64,
@@ -50,6 +59,15 @@ pub(crate) enum Frame {
 }
 
 impl Frame {
+    /// The frame that hands a receiver `ring`.
+    pub fn ring(ring: &RingWriter) -> io::Result<Frame> {
+        Ok(Frame::Ring {
+            capacity: CAPACITY as u64,
+            memory: ring.memory().try_clone_to_owned()?,
+            bell: ring.bell().try_clone_to_owned()?,
+        })
+    }
+
     /// The payload, and the descriptors to attach.
     pub fn encode(&self) -> (Vec<u8>, Vec<BorrowedFd<'_>>) {
         let mut w = match self {
@@ -63,6 +81,11 @@ impl Frame {
                 w.raw(MAGIC);
                 w.u32(VERSION);
                 w.bytes(schema);
+            }
+            Frame::Ring { capacity, memory, bell } => {
+                w.u8(RING);
+                w.u64(*capacity);
+                fds.extend([memory.as_fd(), bell.as_fd()]);
             }
             Frame::Batch { id, event, descriptor } => {
                 w.u8(BATCH);
@@ -110,6 +133,13 @@ impl Frame {
                     schema: r.bytes()?.to_vec(),
                 }
             }
+            RING => {
+                let capacity = r.u64()?;
+                match (fds.next(), fds.next()) {
+                    (Some(memory), Some(bell)) => Frame::Ring { capacity, memory, bell },
+                    _ => return Err(Error::InvalidData("a ring frame without its two descriptors".into())),
+                }
+            }
             BATCH => {
                 let id = r.u64()?;
                 let rest = (|| {
@@ -147,24 +177,39 @@ fn finish(r: &Reader<'_>, fds: &mut impl Iterator) -> Result<()> {
     }
 }
 
-/// One end of a connection: the socket, with writes of whole frames serialised.
+/// One end of a connection: the socket, and on a sender's side the ring its frames go through,
+/// with writes of whole frames serialised.
 pub(crate) struct Link {
     pub socket: UnixStream,
-    write: Mutex<()>,
+    /// The way frames leave: the socket alone until a sender attaches its receiver's ring.
+    out: Mutex<Option<RingWriter>>,
 }
 
 impl Link {
     pub fn new(socket: UnixStream) -> Link {
         Link {
             socket,
-            write: Mutex::new(()),
+            out: Mutex::new(None),
         }
     }
 
-    /// Sends one frame; concurrent senders never interleave.
+    /// Sends every later frame through `ring` (announced to the receiver already).
+    pub fn attach(&self, ring: RingWriter) {
+        *self.out.lock().unwrap_or_else(|p| p.into_inner()) = Some(ring);
+    }
+
+    /// Sends one frame; concurrent senders never interleave. Through a ring, a frame with
+    /// descriptors or too large for it goes on the socket, announced in the ring first.
     pub fn send(&self, frame: &Frame) -> io::Result<()> {
         let (payload, fds) = frame.encode();
-        let _guard = self.write.lock().unwrap_or_else(|p| p.into_inner());
-        wire::send_frame(self.socket.as_fd(), &payload, &fds)
+        let mut out = self.out.lock().unwrap_or_else(|p| p.into_inner());
+        match out.as_mut() {
+            Some(ring) if fds.is_empty() && ring.fits(payload.len()) => ring.push(Some(&payload), &self.socket),
+            Some(ring) => {
+                ring.push(None, &self.socket)?;
+                wire::send_frame(self.socket.as_fd(), &payload, &fds)
+            }
+            None => wire::send_frame(self.socket.as_fd(), &payload, &fds),
+        }
     }
 }

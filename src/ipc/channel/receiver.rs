@@ -14,6 +14,7 @@ use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Event, Stream};
 use crate::error::{Error, Result};
 use crate::ipc::channel::protocol::{Frame, Link};
+use crate::ipc::channel::ring::{Entry, RingReader, Woken};
 use crate::ipc::descriptor::{BatchDescriptor, Mapping};
 use crate::ipc::event::{IpcEvent, IpcEventHandle};
 use crate::ipc::handle::HANDLE_BYTES;
@@ -41,10 +42,12 @@ pub struct ReceiverOptions {
     pub retain_mappings: bool,
     /// How long sending an acknowledgement may block.
     pub ack_timeout: Duration,
-    /// How long [`Receiver::recv`] polls the socket, on a busy core, before it sleeps until the
-    /// next frame arrives (default zero: it sleeps at once). Waking a sleeping thread costs tens of
-    /// microseconds, and on virtual machines up to a few hundred; a receiver that expects the
-    /// next batch soon and cares about latency can spend a core to save that.
+    /// How long [`Receiver::recv`] polls for the next frame, on a busy core, before it sleeps until
+    /// the frame arrives (default zero: it sleeps at once). Frames arrive through shared memory, so
+    /// polling costs no system call; waking a sleeping thread costs tens of microseconds, and on
+    /// virtual machines up to a few hundred. A receiver that expects the next batch soon and cares
+    /// about latency can spend a core to save that. A sender that dies while a receiver polls is
+    /// noticed when the polling ends.
     pub poll: Duration,
 }
 
@@ -90,7 +93,11 @@ enum State {
 /// [`DeviceRecordBatch::ready`] completes after it.
 pub struct Receiver {
     link: Arc<Link>,
+    /// Frames from the socket: the greeting, and frames the ring announces there.
     reader: FrameReader,
+    ring: RingReader,
+    /// The ring announced a frame on the socket that is still to be read.
+    on_socket: bool,
     schema: SchemaRef,
     options: ReceiverOptions,
     state: State,
@@ -103,6 +110,14 @@ impl std::fmt::Debug for Receiver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Receiver({} fields)", self.schema.fields().len())
     }
+}
+
+/// The error of a connection that ended before the end of the stream.
+fn ended() -> Error {
+    io_error(
+        "the sender's connection ended before the end of the stream",
+        io::ErrorKind::UnexpectedEof.into(),
+    )
 }
 
 /// Opened events kept per receiver; past this many (a sender cycling through new events), the
@@ -130,22 +145,33 @@ impl Receiver {
         socket
             .set_write_timeout(Some(options.ack_timeout))
             .map_err(|e| io_error("configuring the channel socket", e))?;
-        let wait = deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(1));
-        // Kept for the receiver's life: a read may take frames after the schema too.
+        // Kept for the receiver's life: a read may take frames after the greeting too.
         let mut reader = FrameReader::new(options.max_frame_bytes);
-        let hello = reader
-            .recv(socket.as_fd(), Some(wait))
-            .map_err(RecvError::into_error)?
-            .ok_or_else(|| io_error("reading the schema", io::ErrorKind::UnexpectedEof.into()))?;
-        let schema = match Frame::decode(hello)? {
+        let mut greeting = |what: &str| {
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1));
+            let frame = reader
+                .recv(socket.as_fd(), Some(left))
+                .map_err(RecvError::into_error)?
+                .ok_or_else(|| io_error(what, io::ErrorKind::UnexpectedEof.into()))?;
+            Frame::decode(frame)
+        };
+        let schema = match greeting("reading the schema")? {
             Frame::Hello { schema } => decode_schema(&schema)?,
             other => return Err(Error::InvalidData(format!("a channel that starts with {other:?}"))),
+        };
+        let ring = match greeting("reading the ring")? {
+            Frame::Ring { capacity, memory, bell } => {
+                RingReader::open(memory, bell, capacity, options.max_frame_bytes)?
+            }
+            other => return Err(Error::InvalidData(format!("a ring expected, {other:?} sent"))),
         };
         Ok(Receiver {
             link: Arc::new(Link::new(socket)),
             reader,
+            ring,
+            on_socket: false,
             schema,
             options,
             state: State::Open,
@@ -171,25 +197,15 @@ impl Receiver {
             State::Ended => return Ok(None),
             State::Broken(why) => return Err(Error::Arrow(ArrowError::IpcError(why.clone()))),
         }
-        if !self.options.poll.is_zero() {
-            wire::poll_readable(self.link.socket.as_fd(), self.options.poll);
-        }
-        let frame = match self.reader.recv(self.link.socket.as_fd(), self.options.recv_timeout) {
-            Ok(Some(f)) => f,
-            Ok(None) => {
-                self.state = State::Broken("the sender's connection ended before the end of the stream".into());
-                return Err(io_error(
-                    "the sender's connection ended before the end of the stream",
-                    io::ErrorKind::UnexpectedEof.into(),
-                ));
-            }
+        let frame = match self.next_frame() {
+            Ok(decoded) => decoded?,
             Err(RecvError::Idle(e)) => return Err(io_error("waiting for a batch", e)),
             Err(RecvError::Broken(e)) => {
                 self.state = State::Broken(e.to_string());
                 return Err(e);
             }
         };
-        match Frame::decode(frame)? {
+        match frame {
             Frame::Batch { id, event, descriptor } => self.import(id, event, descriptor).map(Some),
             Frame::BadBatch { id, error } => {
                 drop(Acknowledge {
@@ -208,6 +224,66 @@ impl Receiver {
                 Err(Error::Arrow(ArrowError::IpcError(why)))
             }
             other => Err(Error::InvalidData(format!("a sender sent {other:?}"))),
+        }
+    }
+
+    /// The next frame from the ring, or from the socket where the ring announces one: polling
+    /// for [`ReceiverOptions::poll`], then asleep. The inner error is a malformed frame, after which
+    /// the stream is still in step.
+    fn next_frame(&mut self) -> std::result::Result<Result<Frame>, RecvError> {
+        let start = Instant::now();
+        let left = |timeout: Option<Duration>| timeout.map(|t| t.saturating_sub(start.elapsed()));
+        let socket = self.link.socket.as_fd();
+        while !self.on_socket {
+            match self.ring.pop().map_err(RecvError::Broken)? {
+                Some(Entry::Frame(payload)) => {
+                    return Ok(Frame::decode(wire::Frame {
+                        payload,
+                        fds: Vec::new(),
+                    }));
+                }
+                Some(Entry::OnSocket) => self.on_socket = true,
+                None if start.elapsed() < self.options.poll => std::hint::spin_loop(),
+                None => match self.ring.sleep(socket, left(self.options.recv_timeout)) {
+                    Ok(Some(Woken::Socket)) if self.ring.is_empty() => {
+                        // Nothing was announced: the connection has ended, or the sender broke
+                        // the protocol.
+                        return Err(RecvError::Broken(
+                            match self.reader.recv(socket, Some(Duration::ZERO)) {
+                                Ok(None) => ended(),
+                                Ok(Some(_)) => {
+                                    Error::InvalidData("a frame on the socket that the ring did not announce".into())
+                                }
+                                Err(RecvError::Idle(_)) => continue,
+                                Err(RecvError::Broken(e)) => e,
+                            },
+                        ));
+                    }
+                    Ok(Some(_)) => {}
+                    Ok(None) => {
+                        return Err(RecvError::Idle(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            "no frame came",
+                        )));
+                    }
+                    Err(e) => return Err(RecvError::Broken(io_error("waiting for a frame", e))),
+                },
+            }
+        }
+        // The sender announces a frame before it writes it: a polling receiver polls the socket too
+        // (unless an earlier read brought the frame's bytes already).
+        while self.reader.is_empty()
+            && start.elapsed() < self.options.poll
+            && wire::wait_readable([socket], Some(Duration::ZERO)).is_ok_and(|r| r.is_none())
+        {
+            std::hint::spin_loop();
+        }
+        match self.reader.recv(socket, left(self.options.recv_timeout))? {
+            Some(frame) => {
+                self.on_socket = false;
+                Ok(Frame::decode(frame))
+            }
+            None => Err(RecvError::Broken(ended())),
         }
     }
 
@@ -267,5 +343,162 @@ impl Drop for Receiver {
         if !matches!(self.state, State::Broken(_)) {
             let _ = self.link.send(&Frame::Detach);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixListener;
+    use std::sync::mpsc;
+
+    use arrow_array::{ArrayRef, Int64Array, RecordBatch};
+
+    use super::*;
+    use crate::ipc::channel::ring::RingWriter;
+    use crate::ipc::message::encode_schema;
+    use crate::memory::MemoryResource;
+
+    fn batch(rows: i64) -> RecordBatch {
+        let ints: ArrayRef = Arc::new(Int64Array::from_iter_values(0..rows));
+        RecordBatch::try_from_iter([("ints", ints)]).unwrap()
+    }
+
+    /// A fake sender: greets one receiver (frames of at most 1000 bytes) with its ring, then runs
+    /// `script` with the ring and the socket in a thread of its own while the receiver is returned.
+    fn fake_sender(
+        name: &str,
+        script: impl FnOnce(&mut RingWriter, &mut UnixStream) + Send + 'static,
+    ) -> (Receiver, std::thread::JoinHandle<()>) {
+        let path = std::env::temp_dir().join(format!("acipc-unit-{}-{name}.sock", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let listener = UnixListener::bind(&path).unwrap();
+        let schema = batch(0).schema();
+        let fake = std::thread::spawn(move || {
+            let (socket, _) = listener.accept().unwrap();
+            let link = Link::new(socket);
+            let mut ring = RingWriter::create().unwrap();
+            link.send(&Frame::Hello {
+                schema: encode_schema(&schema),
+            })
+            .unwrap();
+            link.send(&Frame::ring(&ring).unwrap()).unwrap();
+            let mut socket = link.socket;
+            script(&mut ring, &mut socket);
+        });
+        let options = ReceiverOptions {
+            recv_timeout: Some(Duration::from_secs(10)),
+            max_frame_bytes: 1000,
+            ..ReceiverOptions::default()
+        };
+        let r = Receiver::connect(&path, options).unwrap();
+        let _ = std::fs::remove_file(&path);
+        (r, fake)
+    }
+
+    fn is_invalid_data(r: Result<Option<DeviceRecordBatch>>) -> bool {
+        matches!(r, Err(Error::InvalidData(_)))
+    }
+
+    fn raw_frame(payload: &[u8]) -> Vec<u8> {
+        let mut out = (payload.len() as u32).to_le_bytes().to_vec();
+        out.extend_from_slice(payload);
+        out
+    }
+
+    #[test]
+    fn broken_streams_are_errors() {
+        // Oversized: the receiver refuses it and is broken from then on.
+        let (mut r, fake) = fake_sender("oversized", |ring, s| {
+            ring.push(Some(&[4; 1001]), s).unwrap();
+        });
+        assert!(is_invalid_data(r.recv()));
+        assert!(r.recv().is_err());
+        fake.join().unwrap();
+
+        // Truncated: the stream ends inside a frame the ring announced on the socket.
+        let (mut r, fake) = fake_sender("truncated", |ring, s| {
+            ring.push(None, s).unwrap();
+            s.write_all(&100u32.to_le_bytes()).unwrap();
+            s.write_all(&[2; 10]).unwrap();
+        });
+        fake.join().unwrap();
+        assert!(is_invalid_data(r.recv()));
+
+        // A frame on the socket that the ring did not announce.
+        let (mut r, fake) = fake_sender("unannounced", |_, s| s.write_all(&raw_frame(&[3])).unwrap());
+        fake.join().unwrap();
+        assert!(is_invalid_data(r.recv()));
+        assert!(r.recv().is_err(), "the receiver is broken from then on");
+
+        // Ended without an end of stream, asleep and polling.
+        for poll in [Duration::ZERO, Duration::from_millis(5)] {
+            let (mut r, fake) = fake_sender("eof", |_, _| {});
+            r.options.poll = poll;
+            fake.join().unwrap();
+            let e = r.recv().unwrap_err();
+            assert_eq!(crate::ipc::io_error_kind(&e), Some(io::ErrorKind::UnexpectedEof), "{e}");
+        }
+
+        // Nothing comes: a timeout, after which the receiver goes on.
+        let (tx, rx) = mpsc::channel::<()>();
+        let (mut r, fake) = fake_sender("slow", move |ring, s| {
+            rx.recv().unwrap();
+            ring.push(Some(&[3]), s).unwrap();
+        });
+        r.options.recv_timeout = Some(Duration::from_millis(20));
+        let e = r.recv().unwrap_err();
+        assert_eq!(crate::ipc::io_error_kind(&e), Some(io::ErrorKind::TimedOut), "{e}");
+        tx.send(()).unwrap();
+        fake.join().unwrap();
+        r.options.recv_timeout = Some(Duration::from_secs(10));
+        assert!(r.recv().unwrap().is_none(), "the end of the stream");
+    }
+
+    #[test]
+    fn corrupt_frames_keep_the_stream_in_step() {
+        // A malformed batch (acknowledged all the same) and an unknown kind through the ring; then
+        // a valid empty batch on the socket, with its descriptor, and an abort through the ring.
+        let (acks_tx, acks_rx) = mpsc::channel();
+        let stream = Stream::cpu();
+        let empty = crate::transfer::htod_async(&batch(0), MemoryResource::SharedHost, &stream).unwrap();
+        let descriptor = BatchDescriptor::describe(&empty).unwrap().to_bytes().0;
+        let (mut r, fake) = fake_sender("corrupt", move |ring, s| {
+            let mut bad = vec![2u8];
+            bad.extend_from_slice(&42u64.to_le_bytes());
+            bad.extend_from_slice(&[0, 0xde, 0xad, 0xbe, 0xef]);
+            ring.push(Some(&bad), s).unwrap();
+            ring.push(Some(&[99, 1, 2, 3]), s).unwrap();
+            let mut good = vec![2u8];
+            good.extend_from_slice(&44u64.to_le_bytes());
+            good.push(0);
+            good.extend_from_slice(&descriptor);
+            ring.push(None, s).unwrap();
+            s.write_all(&raw_frame(&good)).unwrap();
+            ring.push(Some(&[4, 5, 0, 0, 0, b'b', b'y', b'e', b'!', b'!']), s)
+                .unwrap();
+            // The acknowledgements of batches 42 and 44.
+            let mut acks = Vec::new();
+            for _ in 0..2 {
+                let mut frame = [0u8; 13];
+                s.read_exact(&mut frame).unwrap();
+                assert_eq!(&frame[..5], &[9, 0, 0, 0, 16]);
+                acks.push(u64::from_le_bytes(frame[5..].try_into().unwrap()));
+            }
+            acks_tx.send(acks).unwrap();
+        });
+        assert!(is_invalid_data(r.recv()), "a malformed batch");
+        assert!(is_invalid_data(r.recv()), "an unknown frame");
+        let got = r.recv().unwrap().unwrap();
+        assert_eq!(got.num_rows(), 0);
+        drop(got);
+        let e = r.recv().unwrap_err();
+        assert!(
+            matches!(&e, Error::Arrow(ArrowError::IpcError(m)) if m.contains("bye!!")),
+            "{e}"
+        );
+        assert!(r.recv().is_err(), "an aborted stream stays aborted");
+        assert_eq!(acks_rx.recv_timeout(Duration::from_secs(10)).unwrap(), vec![42, 44]);
+        fake.join().unwrap();
     }
 }

@@ -17,6 +17,7 @@ use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Event, Stream};
 use crate::error::{Error, Result};
 use crate::ipc::channel::protocol::{Frame, Link};
+use crate::ipc::channel::ring::RingWriter;
 use crate::ipc::descriptor::BatchDescriptor;
 use crate::ipc::event::{IpcEvent, IpcEventHandle};
 use crate::ipc::io_error;
@@ -164,20 +165,25 @@ impl Shared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Greets a new receiver and starts reading its acknowledgements.
+    /// Greets a new receiver, hands it its ring and starts reading its acknowledgements.
     fn add_peer(self: &Arc<Self>, socket: UnixStream) {
         if socket.set_nonblocking(false).is_err() || socket.set_write_timeout(Some(self.write_timeout)).is_err() {
             return;
         }
         let Ok(reader) = socket.try_clone() else { return };
+        let Ok(ring) = RingWriter::create() else {
+            return;
+        };
+        let Ok(handover) = Frame::ring(&ring) else { return };
         let link = Arc::new(Link::new(socket));
         let id = {
             let mut st = self.lock();
             // Under the lock, so that a concurrent finish cannot slip between the greeting and the
             // registration; a fresh socket's buffer takes these small frames without blocking.
-            if link.send(&self.hello).is_err() {
+            if link.send(&self.hello).is_err() || link.send(&handover).is_err() {
                 return;
             }
+            link.attach(ring);
             if let Some(last) = &st.last
                 && link.send(last).is_err()
             {
