@@ -1174,6 +1174,49 @@ fn acknowledgements_free_room_for_more() {
     assert_eq!(sender.status().sent, 3);
 }
 
+/// Frames go through the shared-memory ring unless they carry descriptors (CPU regions) or are too
+/// large for it; then they go on the socket, announced in the ring. One stream mixing all three
+/// arrives in order.
+#[test]
+fn frames_through_the_ring_and_the_socket_keep_their_order() {
+    let stream = Stream::cpu();
+    let batch = small_batch(300);
+    let path = socket_path("ring-order");
+    let sender = Sender::bind(&path, batch.schema(), SenderOptions::default()).unwrap();
+    let mut r = connected(&path);
+    sender.wait_for_receivers(1, Duration::from_secs(10)).unwrap();
+    let empty = upload(&batch.slice(0, 0), MemoryResource::SharedHost, &stream);
+    let shared = upload(&batch, MemoryResource::SharedHost, &stream);
+    // Empty batches have no regions: ring entries, about 300 bytes each, so 10,000 of them go round
+    // the 1 MiB ring about three times. Every thousandth batch has a region: on the socket.
+    let rounds = 10_000;
+    std::thread::scope(|scope| {
+        let sender = &sender;
+        let (empty, shared) = (&empty, &shared);
+        scope.spawn(move || {
+            for i in 0..rounds {
+                sender.send(if i % 1000 == 500 { shared } else { empty }).unwrap();
+            }
+            // A reason over a quarter of the ring (and over the socket's buffer): on the socket.
+            sender.abort(&"why ".repeat(100_000)).unwrap();
+        });
+        for i in 0..rounds {
+            let got = r.recv().unwrap().unwrap();
+            match i % 1000 == 500 {
+                true => check_batch("from the socket", &dtoh(&got, &stream).unwrap(), &batch),
+                false => assert_eq!(got.num_rows(), 0, "batch {i}"),
+            }
+        }
+        let e = r.recv().unwrap_err();
+        assert!(
+            matches!(&e, Error::Arrow(arrow_schema::ArrowError::IpcError(m)) if m.len() > 400_000 && m.ends_with("why ")),
+            "the long abort: {}",
+            e.to_string().chars().take(200).collect::<String>()
+        );
+    });
+    sender.wait_idle(Duration::from_secs(10)).unwrap();
+}
+
 #[test]
 fn two_receivers_release_a_batch_when_both_are_done() {
     let stream = Stream::cpu();
