@@ -73,9 +73,8 @@ pub struct PeerArgs {
 /// The consumers of `bench`'s IPC rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 enum PeerRole {
-    /// Receives over the channel, keeping its mappings and polling its socket, and writes the moment
-    /// each `recv` returned
-    /// to stdout (8 bytes, little-endian nanoseconds of `CLOCK_MONOTONIC`).
+    /// Receives over the channel, keeping its mappings and polling for frames, and writes the moment
+    /// each `recv` returned to stdout (8 bytes, little-endian nanoseconds of `CLOCK_MONOTONIC`).
     Retain,
     /// Receives over the channel and copies every buffer into device memory of its own.
     DeviceReader,
@@ -478,7 +477,7 @@ pub fn peer(args: &PeerArgs) -> BoxResult<()> {
     }
     let options = ReceiverOptions {
         retain_mappings: true,
-        // The latency consumer polls its socket, so that no thread wake-up is timed.
+        // The latency consumer polls for frames, so that no thread wake-up is timed.
         poll: match args.role {
             PeerRole::Retain => Duration::from_millis(2),
             _ => Duration::ZERO,
