@@ -356,10 +356,13 @@ impl BatchDescriptor {
         }
         w.bytes(&self.metadata);
         w.u32(self.locations.len() as u32);
-        for l in &self.locations {
-            w.u32(l.region);
-            w.u64(l.offset);
-            w.u64(l.len);
+        // Written in place, 20 bytes each: one length check instead of three per location.
+        let start = w.buf.len();
+        w.buf.resize(start + 20 * self.locations.len(), 0);
+        for (out, l) in w.buf[start..].chunks_exact_mut(20).zip(&self.locations) {
+            out[..4].copy_from_slice(&l.region.to_le_bytes());
+            out[4..12].copy_from_slice(&l.offset.to_le_bytes());
+            out[12..].copy_from_slice(&l.len.to_le_bytes());
         }
     }
 
