@@ -1,7 +1,8 @@
 //! pyarrow (Arrow C++) interop:
 //!
-//! - through the C Device Data Interface: builds the `ffi-helper` C library and runs
-//!   `tests/pyarrow_interop.py` against it;
+//! - through the C Device Data Interface: builds the `ffi-helper` C library (or takes the one
+//!   `ARROW_CUDA_FFI_HELPER` names, on a machine without cargo) and runs `tests/pyarrow_interop.py`
+//!   against it;
 //! - through Arrow IPC: Arrow C++ reads the device messages of every type (dictionaries included),
 //!   copied to the host, as it reads arrow-rs's stream of the same batch;
 //! - through CUDA IPC: another process (Python with CuPy) reads a serialized handle as Arrow C++'s
@@ -35,9 +36,12 @@ fn pyarrow_available() -> bool {
         .unwrap_or(false)
 }
 
-/// Builds `ffi-helper` into this workspace's target directory and returns the path of the cdylib,
-/// as cargo reports it.
+/// The `ffi-helper` cdylib: the one `ARROW_CUDA_FFI_HELPER` names (built elsewhere, for a machine
+/// without cargo), or else built into this workspace's target directory, at the path cargo reports.
 fn build_helper() -> PathBuf {
+    if let Some(prebuilt) = std::env::var_os("ARROW_CUDA_FFI_HELPER") {
+        return PathBuf::from(prebuilt);
+    }
     let output = Command::new(env!("CARGO"))
         .current_dir(manifest_dir())
         .args(["build", "--quiet", "-p", "ffi-helper", "--message-format=json"])
