@@ -6,8 +6,9 @@
 //!   process. [`shm`]: shared host memory (memfd), which stands in for CUDA IPC on the CPU device.
 //! - [`descriptor`]: zero-copy descriptors of batches already in exportable memory (Arrow's
 //!   "Dissociated IPC"): metadata plus `(region, offset, length)` per buffer.
-//! - [`channel`]: a sender and receivers in different processes over a Unix socket, with
-//!   acknowledgements, back-pressure and recovery from a peer's death.
+//! - [`channel`]: a sender and receivers in different processes over a Unix socket and a
+//!   shared-memory ring per receiver, with acknowledgements, back-pressure and recovery from a
+//!   peer's death.
 //!
 //! What crosses the process boundary is host metadata; the bodies never pass through host memory
 //! (on the CPU device they are shared memory). Linux only.
