@@ -1,6 +1,6 @@
 //! Predicates a GPU table evaluates itself: recognised from DataFusion logical expressions, and
 //! evaluated on the host with arrow-rs kernels (the CPU device) or turned into CUDA C
-//! ([`super::kernels`]).
+//! (`super::predicate_codegen`).
 
 use std::collections::BTreeSet;
 

@@ -18,9 +18,10 @@ use ::datafusion::physical_plan::{DisplayFormatType, SendableRecordBatchStream};
 use arrow_array::{Array, RecordBatch, RecordBatchOptions};
 use arrow_schema::SchemaRef;
 
-use super::kernels::Filtered;
+use super::device_filter::Filtered;
+use super::error::DfResult;
 use super::predicate::Predicate;
-use super::{DfResult, TableData};
+use super::table::TableData;
 use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Stream};
 use crate::transfer::PendingBatch;
@@ -301,10 +302,10 @@ fn scan_batch(
         Some(predicate) if batch.device().is_host_accessible() => {
             Scanned::Host(host_filter(batch, predicate, plan, limit, stream)?)
         }
-        Some(predicate) => match super::kernels::filter_compact(batch, predicate, &plan.output, limit, stream)? {
+        Some(predicate) => match super::device_filter::filter_compact(batch, predicate, &plan.output, limit, stream)? {
             Filtered::Empty => return Ok(None),
             Filtered::Device(compacted) => download(&compacted, compacted.num_rows(), plan, stream)?,
-            Filtered::Host(host) => Scanned::Host(super::kernels::host_batch(host, plan.schema.clone())?),
+            Filtered::Host(host) => Scanned::Host(super::device_filter::host_batch(host, plan.schema.clone())?),
         },
     };
     let rows = match &out {

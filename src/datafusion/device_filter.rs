@@ -1,0 +1,393 @@
+//! The GPU side of a GPU table scan: CUDA C kernels compiled at run time with NVRTC.
+//!
+//! A scan with a pushed-down predicate runs, on the batch's device and in the order of one stream:
+//!
+//! 1. `pred`: a kernel generated from the predicate tree (one thread per row) reads the columns it
+//!    needs, with their offsets and validity bitmaps, in SQL's three-valued logic, and writes a
+//!    selection byte per row: 1 only where the predicate is true. Literals live in a small device
+//!    buffer, so the source depends only on the predicate's shape and the column types: each
+//!    shape compiles once per context.
+//! 2. `tile_count_u8`, `scan_tiles`: the selected rows are counted per tile of 2048 rows and the
+//!    tile counts prefix-summed; the total is the only value read back before compaction.
+//! 3. `select_indices`: each tile scans its selection in shared memory and writes the indices of
+//!    its selected rows, up to the scan's remaining limit.
+//! 4. Compaction of every projected column by those indices: `gather_w1` .. `gather_w16` and
+//!    `gather_fixed` (fixed-width values), `gather_bits` (validity bitmaps and booleans,
+//!    re-packed), and for `Utf8`/`Binary` (`i32` offsets) and their large variants (`i64`):
+//!    `string_lengths_*`, `tile_sum_u64` + `scan_tiles` + `scan_write_*` (new offsets from the
+//!    prefix sum of the selected lengths) and `gather_bytes_*` (the bytes). `Utf8View` and
+//!    `BinaryView` gather their views and keep their data buffers.
+//!
+//! Only the compacted columns are copied to the host. A projected column of a type the
+//! compaction does not handle (lists, structs, dictionaries...) makes the scan download the
+//! selection bytes and the projected columns and filter them on the host instead.
+//!
+//! Compiled modules are cached per (device, source). Without a driver, a GPU or the NVRTC
+//! library, every entry point returns an [`Error`], never panics: the libraries and the entry
+//! points cudarc calls are probed first.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use arrow_array::{BooleanArray, RecordBatch, RecordBatchOptions};
+use arrow_buffer::BooleanBuffer;
+use arrow_schema::DataType;
+use cudarc::driver::{CudaContext, CudaStream};
+
+use super::nvrtc::{BLOCK, TILE, available, function, launch};
+use super::predicate::Predicate;
+use super::predicate_codegen::generate;
+use crate::array::{DeviceArrayData, DeviceRecordBatch};
+use crate::device::{Device, Stream};
+use crate::error::{Error, Result};
+use crate::memory::{DeviceBuffer, MemoryResource};
+
+/// The kernels every scan shares: counting, prefix sums, index selection and gathers.
+pub(crate) const SCAN_KERNELS: &str = include_str!("kernels/scan.cu");
+
+/// What a filtered scan of one batch produced.
+pub(crate) enum Filtered {
+    /// No row was selected (or the limit was 0).
+    Empty,
+    /// The selected rows of the projected columns, compacted on the device.
+    Device(DeviceRecordBatch),
+    /// The selected rows, filtered on the host because a projected column's type has no
+    /// compaction kernel.
+    Host(RecordBatch),
+}
+
+/// Allocations of a scan, in stream order on its device.
+struct Scratch {
+    resource: MemoryResource,
+    stream: Stream,
+}
+
+impl Scratch {
+    fn alloc(&self, len: usize) -> Result<DeviceBuffer> {
+        DeviceBuffer::alloc(self.resource, len.max(1), &self.stream)
+    }
+}
+
+/// Evaluates `predicate` on `batch` (on a CUDA device) and compacts the `output` columns to the
+/// first `limit` selected rows; see the module docs for the kernels.
+pub(crate) fn filter_compact(
+    batch: &DeviceRecordBatch,
+    predicate: &Predicate,
+    output: &[usize],
+    limit: usize,
+    stream: &Stream,
+) -> Result<Filtered> {
+    let device = batch.device();
+    let Device::Cuda(_) = device else {
+        return Err(Error::Unsupported(format!(
+            "GPU filters run on CUDA devices, not {device}"
+        )));
+    };
+    available()?;
+    let stream = crate::memory::stream_for(stream, device, device)?;
+    let cuda = stream
+        .cuda()
+        .cloned()
+        .ok_or_else(|| Error::Unsupported("a GPU filter needs a CUDA stream".into()))?;
+    if cuda.context().ordinal() != device.ordinal().unwrap_or(usize::MAX) {
+        return Err(Error::InvalidArgument(format!(
+            "stream of cuda:{} for a batch on {device}",
+            cuda.context().ordinal()
+        )));
+    }
+    let n = batch.num_rows();
+    if n == 0 || limit == 0 {
+        return Ok(Filtered::Empty);
+    }
+    if n > u32::MAX as usize {
+        return Err(Error::InvalidArgument(format!(
+            "a batch of {n} rows (at most 2^32 - 1 per batch)"
+        )));
+    }
+    stream.wait(batch.ready())?;
+    let ctx = cuda.context().clone();
+    let scratch = Scratch {
+        resource: MemoryResource::default_for(device),
+        stream: stream.clone(),
+    };
+    let result = run(&ctx, &cuda, &scratch, batch, predicate, output, limit, n);
+    // Scratch memory is freed when this returns: let the kernels finish first, also on error.
+    let synced = stream.synchronize();
+    let out = result?;
+    synced?;
+    Ok(out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(
+    ctx: &Arc<CudaContext>,
+    cuda: &Arc<CudaStream>,
+    scratch: &Scratch,
+    batch: &DeviceRecordBatch,
+    predicate: &Predicate,
+    output: &[usize],
+    limit: usize,
+    n: usize,
+) -> Result<Filtered> {
+    let stream = &scratch.stream;
+    let n64 = n as u64;
+    // 1. The predicate.
+    let mut cols = BTreeSet::new();
+    predicate.columns(&mut cols);
+    let cols: Vec<usize> = cols.into_iter().collect();
+    let generated = generate(predicate, batch, &cols)?;
+    let pred = function(ctx, &generated.source, "pred")?;
+    let lit = DeviceBuffer::from_host(&generated.literals, scratch.resource, stream)?;
+    let sel = scratch.alloc(n)?;
+    let mut keep = Vec::new();
+    let mut args = vec![n64, sel.address(), lit.address()];
+    for &c in &cols {
+        let a = batch.column(c);
+        let values = a.buffers().first().map_or(0, DeviceBuffer::address);
+        let data = match a.data_type() {
+            DataType::Utf8 | DataType::LargeUtf8 => a.buffers().get(1).map_or(0, DeviceBuffer::address),
+            DataType::Utf8View => {
+                let table: Vec<u8> = a.buffers()[1..]
+                    .iter()
+                    .flat_map(|b| b.address().to_le_bytes())
+                    .collect();
+                let t = DeviceBuffer::from_host(&table, scratch.resource, stream)?;
+                let addr = t.address();
+                keep.push(t);
+                addr
+            }
+            _ => 0,
+        };
+        let nulls = match (a.nulls(), a.null_count()) {
+            (Some(_), Some(0)) | (None, _) => 0,
+            (Some(b), _) => b.address(),
+        };
+        args.extend([values, data, nulls, a.offset() as u64]);
+    }
+    launch(cuda, &pred, n64.div_ceil(BLOCK as u64), BLOCK, &args)?;
+    // 2. Count and prefix-sum the tiles.
+    let (tiles, total) = scan_u8(ctx, cuda, scratch, &sel, n64)?;
+    let m = (total as usize).min(limit);
+    if m == 0 {
+        return Ok(Filtered::Empty);
+    }
+    // A projected column without a compaction kernel: filter on the host.
+    if output.iter().any(|&c| !compactable(batch.column(c).data_type())) {
+        let mut bytes = vec![0u8; n];
+        sel.copy_to_host(0, &mut bytes, stream)?;
+        let mask = BooleanArray::new(BooleanBuffer::collect_bool(n, |i| bytes[i] != 0), None);
+        let host = crate::transfer::dtoh(&batch.project(output)?, stream)?;
+        let filtered = arrow_select::filter::filter_record_batch(&host, &mask)?;
+        return Ok(Filtered::Host(filtered.slice(0, m)));
+    }
+    // 3. Indices of the first m selected rows.
+    let idx = scratch.alloc(m * 4)?;
+    let select = function(ctx, SCAN_KERNELS, "select_indices")?;
+    launch(
+        cuda,
+        &select,
+        n64.div_ceil(TILE),
+        BLOCK,
+        &[sel.address(), n64, tiles.address(), m as u64, idx.address()],
+    )?;
+    // 4. Compact the projected columns.
+    let schema = Arc::new(batch.schema().project(output)?);
+    let columns = output
+        .iter()
+        .map(|&c| compact(ctx, cuda, scratch, batch.column(c), &idx, m))
+        .collect::<Result<Vec<_>>>()?;
+    let out = DeviceRecordBatch::try_new(schema, columns, m, stream.record()?)?;
+    // The scratch buffers (selection, indices, literals, view tables) drop on return.
+    stream.synchronize()?;
+    drop(keep);
+    Ok(Filtered::Device(out))
+}
+
+/// Counts the nonzero selection bytes: returns the exclusive prefix sums of the tiles (with the
+/// total at the end) and the total.
+fn scan_u8(
+    ctx: &Arc<CudaContext>,
+    cuda: &Arc<CudaStream>,
+    scratch: &Scratch,
+    sel: &DeviceBuffer,
+    n: u64,
+) -> Result<(DeviceBuffer, u64)> {
+    let ntiles = n.div_ceil(TILE);
+    let tiles = scratch.alloc((ntiles as usize + 1) * 8)?;
+    let count = function(ctx, SCAN_KERNELS, "tile_count_u8")?;
+    launch(cuda, &count, ntiles, BLOCK, &[sel.address(), n, tiles.address()])?;
+    let scan = function(ctx, SCAN_KERNELS, "scan_tiles")?;
+    launch(cuda, &scan, 1, BLOCK, &[tiles.address(), ntiles])?;
+    let mut total = [0u8; 8];
+    tiles.copy_to_host(ntiles as usize * 8, &mut total, &scratch.stream)?;
+    Ok((tiles, u64::from_le_bytes(total)))
+}
+
+/// Whether [`compact`] handles a column of this type.
+fn compactable(dt: &DataType) -> bool {
+    matches!(
+        dt,
+        DataType::Boolean
+            | DataType::Utf8
+            | DataType::Binary
+            | DataType::LargeUtf8
+            | DataType::LargeBinary
+            | DataType::Utf8View
+            | DataType::BinaryView
+            | DataType::FixedSizeBinary(_)
+    ) || (dt.is_primitive() && dt.primitive_width().is_some())
+}
+
+/// The rows `idx[0..m]` of `a`, in new device memory.
+fn compact(
+    ctx: &Arc<CudaContext>,
+    cuda: &Arc<CudaStream>,
+    scratch: &Scratch,
+    a: &DeviceArrayData,
+    idx: &DeviceBuffer,
+    m: usize,
+) -> Result<DeviceArrayData> {
+    let m64 = m as u64;
+    let off = a.offset() as u64;
+    let grid = m64.div_ceil(BLOCK as u64);
+    let bits = |src: &DeviceBuffer| -> Result<DeviceBuffer> {
+        let out = scratch.alloc(m.div_ceil(8))?;
+        let f = function(ctx, SCAN_KERNELS, "gather_bits")?;
+        let bytes = m64.div_ceil(8);
+        launch(
+            cuda,
+            &f,
+            bytes.div_ceil(BLOCK as u64),
+            BLOCK,
+            &[src.address(), off, idx.address(), m64, out.address()],
+        )?;
+        Ok(out)
+    };
+    let nulls = match (a.nulls(), a.null_count()) {
+        (Some(_), Some(0)) | (None, _) => None,
+        (Some(b), _) => Some(bits(b)?),
+    };
+    let null_count = if nulls.is_none() { Some(0) } else { None };
+    let buffer = |i: usize| {
+        a.buffers()
+            .get(i)
+            .ok_or_else(|| Error::InvalidData(format!("{} array without buffer {i}", a.data_type())))
+    };
+    let dt = a.data_type().clone();
+    let buffers = match &dt {
+        DataType::Boolean => vec![bits(buffer(0)?)?],
+        DataType::Utf8 | DataType::Binary | DataType::LargeUtf8 | DataType::LargeBinary => {
+            let large = matches!(dt, DataType::LargeUtf8 | DataType::LargeBinary);
+            let (lengths_fn, write_fn, bytes_fn, width) = if large {
+                ("string_lengths_i64", "scan_write_i64", "gather_bytes_i64", 8)
+            } else {
+                ("string_lengths_i32", "scan_write_i32", "gather_bytes_i32", 4)
+            };
+            let (offsets, data) = (buffer(0)?, buffer(1)?);
+            let lengths = scratch.alloc(m * 8)?;
+            launch(
+                cuda,
+                &function(ctx, SCAN_KERNELS, lengths_fn)?,
+                grid,
+                BLOCK,
+                &[offsets.address(), off, idx.address(), m64, lengths.address()],
+            )?;
+            let ntiles = m64.div_ceil(TILE);
+            let tiles = scratch.alloc((ntiles as usize + 1) * 8)?;
+            launch(
+                cuda,
+                &function(ctx, SCAN_KERNELS, "tile_sum_u64")?,
+                ntiles,
+                BLOCK,
+                &[lengths.address(), m64, tiles.address()],
+            )?;
+            launch(
+                cuda,
+                &function(ctx, SCAN_KERNELS, "scan_tiles")?,
+                1,
+                BLOCK,
+                &[tiles.address(), ntiles],
+            )?;
+            let mut total = [0u8; 8];
+            tiles.copy_to_host(ntiles as usize * 8, &mut total, &scratch.stream)?;
+            let total = u64::from_le_bytes(total) as usize;
+            if !large && total > i32::MAX as usize {
+                return Err(Error::InvalidData(format!(
+                    "{total} bytes of strings overflow i32 offsets"
+                )));
+            }
+            let new_offsets = scratch.alloc((m + 1) * width)?;
+            launch(
+                cuda,
+                &function(ctx, SCAN_KERNELS, write_fn)?,
+                ntiles,
+                BLOCK,
+                &[lengths.address(), m64, tiles.address(), new_offsets.address()],
+            )?;
+            let new_data = scratch.alloc(total)?;
+            launch(
+                cuda,
+                &function(ctx, SCAN_KERNELS, bytes_fn)?,
+                grid,
+                BLOCK,
+                &[
+                    offsets.address(),
+                    off,
+                    data.address(),
+                    idx.address(),
+                    m64,
+                    new_offsets.address(),
+                    new_data.address(),
+                ],
+            )?;
+            vec![new_offsets, new_data.slice(0, total)?]
+        }
+        DataType::Utf8View | DataType::BinaryView => {
+            let views = scratch.alloc(m * 16)?;
+            launch(
+                cuda,
+                &function(ctx, SCAN_KERNELS, "gather_w16")?,
+                grid,
+                BLOCK,
+                &[buffer(0)?.address(), off, idx.address(), m64, views.address()],
+            )?;
+            let mut b = vec![views];
+            b.extend(a.buffers()[1..].iter().cloned());
+            b
+        }
+        other => {
+            let width = match other {
+                DataType::FixedSizeBinary(w) => *w as usize,
+                _ => other
+                    .primitive_width()
+                    .ok_or_else(|| Error::Unsupported(format!("GPU compaction of {other}")))?,
+            };
+            let out = scratch.alloc(m * width)?;
+            let src = buffer(0)?.address();
+            let (name, args) = match width {
+                1 => ("gather_w1", vec![src, off, idx.address(), m64, out.address()]),
+                2 => ("gather_w2", vec![src, off, idx.address(), m64, out.address()]),
+                4 => ("gather_w4", vec![src, off, idx.address(), m64, out.address()]),
+                8 => ("gather_w8", vec![src, off, idx.address(), m64, out.address()]),
+                16 => ("gather_w16", vec![src, off, idx.address(), m64, out.address()]),
+                w => (
+                    "gather_fixed",
+                    vec![src, off, w as u64, idx.address(), m64, out.address()],
+                ),
+            };
+            launch(cuda, &function(ctx, SCAN_KERNELS, name)?, grid, BLOCK, &args)?;
+            vec![out.slice(0, m * width)?]
+        }
+    };
+    DeviceArrayData::try_new(dt, m, 0, null_count, nulls, buffers, vec![])
+}
+
+/// Wraps a host-filtered batch with the scan's schema and row count.
+pub(crate) fn host_batch(batch: RecordBatch, schema: arrow_schema::SchemaRef) -> Result<RecordBatch> {
+    let options = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
+    Ok(RecordBatch::try_new_with_options(
+        schema,
+        batch.columns().to_vec(),
+        &options,
+    )?)
+}

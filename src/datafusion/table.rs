@@ -1,0 +1,239 @@
+//! [`GpuTable`]: a DataFusion [`TableProvider`] whose columns live in device memory.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use ::datafusion::catalog::{Session, TableProvider};
+use ::datafusion::common::{DataFusionError, Statistics};
+use ::datafusion::datasource::source::DataSourceExec;
+use ::datafusion::execution::context::SessionContext;
+use ::datafusion::logical_expr::{Expr, TableProviderFilterPushDown, TableType};
+use ::datafusion::physical_plan::{ExecutionPlan, SendableRecordBatchStream};
+use ::datafusion::prelude::{CsvReadOptions, ParquetReadOptions};
+use arrow_array::RecordBatch;
+use arrow_schema::SchemaRef;
+use async_trait::async_trait;
+use futures::StreamExt;
+
+use super::error::DfResult;
+use super::lanes::DeviceLane;
+use super::options::LoadOptions;
+use super::predicate::{Predicate, supports_filter};
+use super::source::GpuScan;
+use super::staging::{Stager, host_bytes, redistribute};
+use crate::array::DeviceRecordBatch;
+use crate::device::Device;
+
+/// What a table holds: device batches per partition, where each partition lives, statistics.
+#[derive(Debug)]
+pub(crate) struct TableData {
+    pub(crate) schema: SchemaRef,
+    pub(crate) partitions: Vec<Vec<DeviceRecordBatch>>,
+    pub(crate) partition_devices: Vec<Device>,
+    pub(crate) partition_stats: Vec<Statistics>,
+    pub(crate) stats: Statistics,
+    pub(crate) lanes: HashMap<Device, Arc<DeviceLane>>,
+}
+
+/// A DataFusion table whose columns live in device memory.
+///
+/// Build it from host batches ([`GpuTable::try_new`]), from any other provider
+/// ([`GpuTable::from_provider`]) or from Parquet and CSV files ([`GpuTable::from_parquet`],
+/// [`GpuTable::from_csv`]), then register it with `SessionContext::register_table`.
+#[derive(Debug, Clone)]
+pub struct GpuTable {
+    pub(crate) data: Arc<TableData>,
+}
+
+impl GpuTable {
+    /// Stages `partitions` of host batches (all of `schema`) on the devices of `options`,
+    /// partition `i` on device `i % devices`. Checks beforehand that every device has room for its
+    /// share and fails with [`DataFusionError::ResourcesExhausted`] when one has not.
+    pub fn try_new(schema: SchemaRef, partitions: Vec<Vec<RecordBatch>>, options: &LoadOptions) -> DfResult<Self> {
+        let partitions = redistribute(partitions, options.partitions);
+        let total_rows = partitions.iter().flatten().map(|b| b.num_rows() as u64).sum();
+        let total_bytes = partitions.iter().flatten().map(host_bytes).sum();
+        let mut stager = Stager::new(schema, partitions.len(), options, Some((total_rows, total_bytes)))?;
+        // Check each device's share before copying anything.
+        let mut need: HashMap<Device, u64> = HashMap::new();
+        for (i, p) in partitions.iter().enumerate() {
+            *need.entry(stager.device_of(i)).or_default() += p.iter().map(host_bytes).sum::<u64>();
+        }
+        for (device, bytes) in need {
+            stager.check_room(device, bytes)?;
+        }
+        for (i, p) in partitions.into_iter().enumerate() {
+            for batch in p {
+                stager.stage(i, &batch)?;
+            }
+        }
+        stager.finish()
+    }
+
+    /// Stages host batches as one partition per batch.
+    pub fn from_batches(schema: SchemaRef, batches: Vec<RecordBatch>, options: &LoadOptions) -> DfResult<Self> {
+        let partitions = batches.into_iter().map(|b| vec![b]).collect();
+        Self::try_new(schema, partitions, options)
+    }
+
+    /// Scans `provider` through a fresh `SessionContext` and stages its batches as they arrive,
+    /// keeping its partitioning (or the one of [`LoadOptions::with_partitions`]).
+    pub async fn from_provider(provider: Arc<dyn TableProvider>, options: &LoadOptions) -> DfResult<Self> {
+        let ctx = SessionContext::new();
+        let df = ctx.read_table(provider)?;
+        let streams = df.execute_stream_partitioned().await?;
+        Self::from_streams(streams, options).await
+    }
+
+    /// Reads Parquet files (a file, a directory or a glob, as `SessionContext::read_parquet`
+    /// takes them) with DataFusion's reader and stages the batches as they arrive.
+    pub async fn from_parquet(path: impl AsRef<Path>, options: &LoadOptions) -> DfResult<Self> {
+        let ctx = SessionContext::new();
+        let df = ctx
+            .read_parquet(path_str(path.as_ref())?, ParquetReadOptions::default())
+            .await?;
+        Self::from_streams(df.execute_stream_partitioned().await?, options).await
+    }
+
+    /// Reads CSV files with DataFusion's reader (`csv` says how: header, delimiter, schema...)
+    /// and stages the batches as they arrive.
+    pub async fn from_csv(path: impl AsRef<Path>, csv: CsvReadOptions<'_>, options: &LoadOptions) -> DfResult<Self> {
+        let ctx = SessionContext::new();
+        let df = ctx.read_csv(path_str(path.as_ref())?, csv).await?;
+        Self::from_streams(df.execute_stream_partitioned().await?, options).await
+    }
+
+    async fn from_streams(streams: Vec<SendableRecordBatchStream>, options: &LoadOptions) -> DfResult<Self> {
+        let schema = match streams.first() {
+            Some(s) => s.schema(),
+            None => {
+                return Err(DataFusionError::Plan("the source has no partitions".into()));
+            }
+        };
+        let n_out = options.partitions.unwrap_or(streams.len());
+        let mut stager = Stager::new(schema, n_out, options, None)?;
+        let mut next = 0usize;
+        for (i, mut s) in streams.into_iter().enumerate() {
+            while let Some(batch) = s.next().await {
+                let batch = batch?;
+                if batch.num_rows() == 0 {
+                    continue;
+                }
+                let target = match options.partitions {
+                    None => i,
+                    Some(n) => {
+                        next += 1;
+                        (next - 1) % n
+                    }
+                };
+                stager.stage(target, &batch)?;
+            }
+        }
+        stager.finish()
+    }
+
+    /// The table's schema.
+    pub fn schema_ref(&self) -> &SchemaRef {
+        &self.data.schema
+    }
+
+    /// The device batches of each partition.
+    pub fn partitions(&self) -> &[Vec<DeviceRecordBatch>] {
+        &self.data.partitions
+    }
+
+    /// The device each partition lives on.
+    pub fn partition_devices(&self) -> &[Device] {
+        &self.data.partition_devices
+    }
+
+    /// The number of rows.
+    pub fn num_rows(&self) -> usize {
+        self.data
+            .partitions
+            .iter()
+            .flatten()
+            .map(DeviceRecordBatch::num_rows)
+            .sum()
+    }
+
+    /// The bytes of device memory the table holds.
+    pub fn size_in_bytes(&self) -> usize {
+        self.data
+            .partitions
+            .iter()
+            .flatten()
+            .map(DeviceRecordBatch::size_in_bytes)
+            .sum()
+    }
+
+    /// Exact statistics computed on the host batches while staging: row count, and per column
+    /// the null count and (for the types DataFusion's `MIN`/`MAX` handle) the minimum and maximum.
+    pub fn statistics_ref(&self) -> &Statistics {
+        &self.data.stats
+    }
+
+    /// A scan of the whole table with no projection, filter or limit; see [`GpuScan`].
+    pub fn scan_source(&self) -> GpuScan {
+        GpuScan::new(self.data.clone())
+    }
+}
+
+fn path_str(p: &Path) -> DfResult<&str> {
+    p.to_str()
+        .ok_or_else(|| DataFusionError::Plan(format!("path {} is not UTF-8", p.display())))
+}
+
+#[async_trait]
+impl TableProvider for GpuTable {
+    fn schema(&self) -> SchemaRef {
+        self.data.schema.clone()
+    }
+
+    fn table_type(&self) -> TableType {
+        TableType::Base
+    }
+
+    async fn scan(
+        &self,
+        _state: &dyn Session,
+        projection: Option<&Vec<usize>>,
+        filters: &[Expr],
+        limit: Option<usize>,
+    ) -> DfResult<Arc<dyn ExecutionPlan>> {
+        let mut predicates = Vec::with_capacity(filters.len());
+        for f in filters {
+            match Predicate::from_expr(f, &self.data.schema) {
+                Some(p) => predicates.push(p),
+                None => {
+                    return Err(DataFusionError::Plan(format!(
+                        "filter {f} was not accepted for pushdown into a GPU table"
+                    )));
+                }
+            }
+        }
+        let source = GpuScan::new(self.data.clone())
+            .with_projection(projection.cloned())?
+            .with_filters(filters.to_vec(), predicates)
+            .with_limit(limit);
+        Ok(DataSourceExec::from_data_source(source))
+    }
+
+    fn supports_filters_pushdown(&self, filters: &[&Expr]) -> DfResult<Vec<TableProviderFilterPushDown>> {
+        Ok(filters
+            .iter()
+            .map(|f| {
+                if supports_filter(f, &self.data.schema) {
+                    TableProviderFilterPushDown::Exact
+                } else {
+                    TableProviderFilterPushDown::Unsupported
+                }
+            })
+            .collect())
+    }
+
+    fn statistics(&self) -> Option<Statistics> {
+        Some(self.data.stats.clone())
+    }
+}
