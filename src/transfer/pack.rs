@@ -1,0 +1,276 @@
+//! Packing an upload: how each planned operation writes its destination bytes from its source
+//! ([`PackOp`]), filling a range of the allocation's image in staging ([`fill_part`]), and the
+//! parts of a plan cut off while planning goes on, which pool threads pack ([`Part`], [`Handoff`]).
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, TryLockError};
+
+use arrow_buffer::Buffer;
+
+use super::plan::Plan;
+
+/// How an operation's destination bytes are made from its source.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Transform {
+    /// A plain copy.
+    Copy,
+    /// A bitmap of `bits` bits whose first bit is bit `shift` (1..=7) of the first source byte,
+    /// moved to bit 0. The bits past the last are zeroed, as arrow-rs zeroes them when it shifts a
+    /// bitmap.
+    ShiftBits { shift: u8, bits: usize },
+    /// Little-endian `i32` offsets minus a base.
+    Rebase32(i32),
+    /// Little-endian `i64` offsets minus a base.
+    Rebase64(i64),
+}
+
+/// Produces `dst..dst + len` of the destination from `src`.
+#[derive(Clone, Debug)]
+pub(crate) struct PackOp<'a> {
+    pub src: &'a [u8],
+    pub dst: usize,
+    pub len: usize,
+    pub transform: Transform,
+    /// The arrow buffer `src` lies in, for plain copies: kept alive while a DMA reads it directly.
+    pub owner: Option<&'a Buffer>,
+}
+
+impl PackOp<'_> {
+    /// Writes destination bytes `dst + at .. dst + at + out.len()` of this operation into `out`.
+    /// `at` is a multiple of the element size (so of 64, or 0).
+    fn write(&self, at: usize, out: &mut [u8]) {
+        let src = &self.src[at.min(self.src.len())..];
+        match self.transform {
+            Transform::Copy => out.copy_from_slice(&src[..out.len()]),
+            Transform::ShiftBits { shift, bits } => {
+                for (j, o) in out.iter_mut().enumerate() {
+                    let lo = src[j] >> shift;
+                    let hi = src.get(j + 1).map_or(0, |h| h << (8 - shift));
+                    *o = lo | hi;
+                }
+                let tail = bits % 8;
+                if tail != 0
+                    && at + out.len() == self.len
+                    && let Some(last) = out.last_mut()
+                {
+                    *last &= (1u8 << tail) - 1;
+                }
+            }
+            Transform::Rebase32(base) => {
+                for (o, s) in out.chunks_exact_mut(4).zip(src.chunks_exact(4)) {
+                    let v = i32::from_le_bytes([s[0], s[1], s[2], s[3]]).wrapping_sub(base);
+                    o.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            Transform::Rebase64(base) => {
+                for (o, s) in out.chunks_exact_mut(8).zip(src.chunks_exact(8)) {
+                    let v = i64::from_le_bytes(s.try_into().unwrap_or_default()).wrapping_sub(base);
+                    o.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+    }
+}
+
+/// A part of a plan cut off while planning goes on, packed into its share of the staging by
+/// whichever thread gets to it first: a pool thread it was handed to, or the planning thread once it
+/// needs it.
+pub(crate) struct Part<'a> {
+    range: Range<usize>,
+    ops: Vec<PackOp<'a>>,
+    /// Where the part goes, until a thread takes it to pack it there.
+    out: Mutex<Option<&'a mut [u8]>>,
+    /// Set once the bytes are written (not from the lock: another thread may hold it to find the
+    /// part packed already).
+    packed: AtomicBool,
+}
+
+impl<'a> Part<'a> {
+    /// The part of `plan` in `range` (from [`Plan::cut`]), to be packed into `out`.
+    pub fn new(plan: &Plan<'a>, range: Range<usize>, out: &'a mut [u8]) -> Part<'a> {
+        Part {
+            ops: plan.ops_in(range.clone()).to_vec(),
+            range,
+            out: Mutex::new(Some(out)),
+            packed: AtomicBool::new(false),
+        }
+    }
+
+    /// The part's range of the allocation.
+    pub fn range(&self) -> Range<usize> {
+        self.range.clone()
+    }
+
+    /// Packs the part unless that was done; spins while another thread packs it (for some
+    /// microseconds: sleeping and being woken would take longer).
+    pub fn pack(&self) {
+        loop {
+            let mut out = match self.out.try_lock() {
+                Ok(out) => out,
+                Err(TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(TryLockError::WouldBlock) => {
+                    std::hint::spin_loop();
+                    continue;
+                }
+            };
+            if let Some(out) = out.take() {
+                fill_part(&self.ops, self.range.start, out);
+                self.packed.store(true, Ordering::Release);
+            }
+            return;
+        }
+    }
+
+    /// Whether a thread has packed the part; its bytes are then visible to this thread (and to a
+    /// DMA it issues).
+    pub fn is_packed(&self) -> bool {
+        self.packed.load(Ordering::Acquire)
+    }
+}
+
+/// Parts on their way from the planning thread, which cuts them, to pool threads that pack them
+/// while planning goes on.
+#[derive(Default)]
+pub(crate) struct Handoff<'a> {
+    queue: Mutex<VecDeque<Arc<Part<'a>>>>,
+    queued: AtomicUsize,
+    closed: AtomicBool,
+}
+
+impl<'a> Handoff<'a> {
+    /// Queues a part for the pool threads.
+    pub fn push(&self, part: Arc<Part<'a>>) {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner()).push_back(part);
+        self.queued.fetch_add(1, Ordering::Release);
+    }
+
+    /// Says that no more parts will come: [`Handoff::pack`] returns once the queue is empty.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+    }
+
+    /// A pool thread's job: packs parts as they come until the handoff is closed and empty,
+    /// spinning in between (planning cuts one every few microseconds, and waking a sleeping
+    /// thread takes longer).
+    pub fn pack(&self) {
+        loop {
+            // Read first: once closed, every part pushed is in the queue.
+            let closed = self.closed.load(Ordering::Acquire);
+            if self.queued.load(Ordering::Acquire) > 0 {
+                let next = self.queue.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
+                if let Some(part) = next {
+                    self.queued.fetch_sub(1, Ordering::AcqRel);
+                    part.pack();
+                    continue;
+                }
+            }
+            if closed {
+                return;
+            }
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// Writes destination bytes `start..start + out.len()` with `ops` (those of the range, or more),
+/// zeroing the gaps between buffers. `start` must be a multiple of [`ALIGNMENT`].
+pub(crate) fn fill_part(ops: &[PackOp<'_>], start: usize, out: &mut [u8]) {
+    let end = start + out.len();
+    let first = ops.partition_point(|op| op.dst + op.len <= start);
+    let mut cursor = start;
+    for op in ops[first..].iter().take_while(|op| op.dst < end) {
+        let from = op.dst.max(start);
+        let to = (op.dst + op.len).min(end);
+        out[cursor - start..from - start].fill(0);
+        op.write(from - op.dst, &mut out[from - start..to - start]);
+        cursor = to;
+    }
+    out[cursor - start..].fill(0);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use arrow_array::{Array, ArrayRef, BooleanArray, Int32Array, StringArray};
+    use arrow_data::ArrayData;
+
+    use super::*;
+
+    /// Parts cut while planning, each packed into its own staging, hold exactly the bytes the
+    /// whole plan fills: every range, the gaps between buffers and the alignment at each cut.
+    #[test]
+    fn cut_parts_pack_what_the_whole_plan_fills() {
+        let strings: ArrayRef = Arc::new(StringArray::from_iter(
+            (0..3000).map(|i| (i % 7 != 0).then(|| format!("v{i}"))),
+        ));
+        let arrays: Vec<ArrayRef> = vec![
+            Arc::new(Int32Array::from_iter((0..1000).map(|i| (i % 3 != 0).then_some(i)))),
+            strings.slice(13, 2000),
+            Arc::new(BooleanArray::from_iter((0..999).map(|i| Some(i % 2 == 0))).slice(3, 900)),
+            strings.slice(1, 5),
+            Arc::new(Int32Array::from(Vec::<i32>::new())),
+        ];
+        let data: Vec<ArrayData> = arrays.iter().map(|a| a.to_data()).collect();
+        let mut plan = Plan::default();
+        let mut ranges = Vec::new();
+        for (i, d) in data.iter().enumerate() {
+            if i % 2 == 1 {
+                ranges.push(plan.cut());
+            }
+            plan.array(d).unwrap();
+        }
+        ranges.push(plan.cut());
+        assert_eq!(plan.uncut(), 0);
+        assert_eq!(ranges.last().unwrap().end, plan.size());
+        assert!(ranges.windows(2).all(|w| w[0].end == w[1].start));
+        let mut whole = vec![0xAAu8; plan.size()];
+        plan.fill(0, &mut whole);
+        let mut staging = vec![0x55u8; plan.size()];
+        let mut free = staging.as_mut_slice();
+        let parts: Vec<Arc<Part<'_>>> = ranges
+            .iter()
+            .map(|range| {
+                let (out, rest) = std::mem::take(&mut free).split_at_mut(range.len());
+                free = rest;
+                Arc::new(Part::new(&plan, range.clone(), out))
+            })
+            .collect();
+        for (part, range) in parts.iter().zip(&ranges) {
+            assert_eq!(&part.range(), range);
+            assert!(!part.is_packed());
+        }
+        // A packed part stays packed while another thread holds it to find it packed (an upload
+        // once read such a moment as "not packed" and left the part unsent).
+        parts[0].pack();
+        let done = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                (0..100_000).for_each(|_| parts[0].pack());
+                done.store(true, Ordering::Release);
+            });
+            while !done.load(Ordering::Acquire) {
+                assert!(parts[0].is_packed());
+            }
+        });
+        // Two threads pack what is handed off; this one packs the rest, as an upload does.
+        let handoff = Handoff::default();
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                s.spawn(|| handoff.pack());
+            }
+            for part in &parts[..2] {
+                handoff.push(part.clone());
+            }
+            handoff.close();
+            for part in &parts {
+                part.pack();
+                assert!(part.is_packed());
+            }
+        });
+        drop((parts, handoff));
+        assert_eq!(staging, whole);
+    }
+}

@@ -1,0 +1,351 @@
+//! Host to device: [`htod`] and its variants.
+//!
+//! Every buffer is planned (see `plan`) into one device allocation and packed into pinned staging
+//! on the pool's threads (see `pack`): a small batch part by part while it is still being planned,
+//! a large one in chunks while the previous chunk's DMA runs. The device arrays are views of the
+//! allocation. A host-accessible destination is filled in place.
+
+use std::cell::OnceCell;
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::Arc;
+
+use arrow_array::{Array, RecordBatch};
+use arrow_data::ArrayData;
+use cudarc::driver::sys;
+
+use crate::array::{DeviceArrayData, DeviceRecordBatch};
+use crate::device::{Device, Event, Stream};
+use crate::error::{Error, Result, try_collect};
+use crate::memory::pinned::PinnedPool;
+use crate::memory::{ALIGNMENT, DeviceBuffer, MemoryResource, copy, stream_for};
+
+use super::deferred::{Keep, defer_release, release_finished};
+use super::layout::Layout;
+use super::pack::{Handoff, Part};
+use super::plan::Plan;
+
+/// Bytes packed and sent per DMA on large uploads.
+const CHUNK: usize = 32 << 20;
+/// The first bytes of an upload, packed into one staging block while the batch is planned.
+const EARLY: usize = 4 << 20;
+/// The bytes of that block handed to a pool thread at a time.
+const SEGMENT: usize = 128 << 10;
+/// Pool threads that pack those parts.
+const PACKERS: usize = 4;
+/// Chunks whose DMA may be in flight while the next is packed.
+const IN_FLIGHT: usize = 4;
+
+/// Copies `batch` to `device` and returns when the copy has finished.
+pub fn htod(batch: &RecordBatch, device: Device, stream: &Stream) -> Result<DeviceRecordBatch> {
+    let out = htod_async(batch, MemoryResource::default_for(device), stream)?;
+    out.ready().synchronize()?;
+    Ok(out)
+}
+
+/// Copies `batch` into memory of `resource`. Returns once `batch` has been read (it may be dropped
+/// then); the result's [`DeviceRecordBatch::ready`] event completes when the data is in place.
+pub fn htod_async(batch: &RecordBatch, resource: MemoryResource, stream: &Stream) -> Result<DeviceRecordBatch> {
+    let arrays: Vec<&dyn Array> = batch.columns().iter().map(|c| c.as_ref()).collect();
+    let (columns, ready) = upload(&arrays, resource, stream)?;
+    DeviceRecordBatch::try_new(batch.schema(), columns, batch.num_rows(), ready)
+}
+
+/// Copies one array to `device` and returns when the copy has finished.
+pub fn htod_array(array: &dyn Array, device: Device, stream: &Stream) -> Result<DeviceArrayData> {
+    let (mut columns, ready) = upload(&[array], MemoryResource::default_for(device), stream)?;
+    ready.synchronize()?;
+    Ok(columns.remove(0))
+}
+
+/// Copies `arrays` into one allocation of `resource`; returns the device arrays and the event of
+/// the last copy.
+fn upload(arrays: &[&dyn Array], resource: MemoryResource, stream: &Stream) -> Result<(Vec<DeviceArrayData>, Event)> {
+    let device = resource.device();
+    let stream = stream_for(stream, device, Device::Cpu)?;
+    match device.ordinal().filter(|_| !device.is_host_accessible()) {
+        None => upload_in_place(arrays, resource, &stream),
+        Some(ordinal) => upload_staged(arrays, resource, &stream, ordinal),
+    }
+}
+
+/// [`upload`] into host-accessible memory: the plan fills the allocation itself.
+fn upload_in_place(
+    arrays: &[&dyn Array],
+    resource: MemoryResource,
+    stream: &Stream,
+) -> Result<(Vec<DeviceArrayData>, Event)> {
+    let device = resource.device();
+    let data: Vec<ArrayData> = arrays.iter().map(|a| a.to_data()).collect();
+    let mut plan = Plan::default();
+    let layouts = try_collect(data.iter().map(|d| plan.array(d)))?;
+    let mut memory = DeviceBuffer::alloc(resource, plan.size(), stream)?;
+    let out = memory
+        .host_slice_mut()
+        .ok_or_else(|| Error::Unsupported(format!("{device} is not host-accessible")))?;
+    plan.fill_parallel(0, out);
+    let columns = try_collect(layouts.iter().map(|l| l.to_device(&memory)))?;
+    Ok((columns, Event::completed()))
+}
+
+/// [`upload`] to a GPU (CUDA device `ordinal`), through pinned staging.
+///
+/// The first [`EARLY`] bytes are packed into one pinned staging block while the batch is still
+/// being planned: every [`SEGMENT`] bytes planned are cut off as a part, which one of [`PACKERS`]
+/// pool threads (started with the upload, so they are awake by then) packs; this thread packs the
+/// parts no pool thread has started on once it needs them. They go to the device in a few copies,
+/// each of the parts packed since the last, while the device arrays are built. The rest of a larger
+/// batch goes through [`send_chunks`].
+fn upload_staged(
+    arrays: &[&dyn Array],
+    resource: MemoryResource,
+    stream: &Stream,
+    ordinal: usize,
+) -> Result<(Vec<DeviceArrayData>, Event)> {
+    let device = resource.device();
+    let pool = PinnedPool::shared(MemoryResource::PinnedHost(ordinal))?;
+    release_finished();
+    stream.bind()?;
+    // Chunks of a large batch, each with the event of its copy: their staging goes back to the
+    // pool as they complete, so a few chunks' worth of it serves the whole batch.
+    let mut in_flight: VecDeque<(Keep, Event)> = VecDeque::new();
+    // What the other copies read: kept until the last copy is done.
+    let mut keep: Vec<Keep> = Vec::new();
+    // The first EARLY bytes are packed into one block, part by part while the rest is planned.
+    let mut early = pool.take(EARLY)?;
+    let early_at = early.address();
+    let send_early = |memory: &DeviceBuffer, range: Range<usize>| {
+        // SAFETY: the range lies in both allocations; `early` is kept until the copy is done.
+        unsafe {
+            copy(
+                memory.address() + range.start as u64,
+                device,
+                early_at + range.start as u64,
+                Device::CudaHost(ordinal),
+                range.len(),
+                stream,
+            )
+        }
+    };
+    let free = early
+        .host_slice_mut()
+        .ok_or_else(|| Error::Unsupported("staging is not host memory".into()))?;
+    // Filled once the packers have been started (below): copying the arrays' layouts out takes
+    // long enough for them to wake.
+    let data: OnceCell<Vec<ArrayData>> = OnceCell::new();
+    let handoff = Handoff::default();
+    let result = rayon::in_place_scope(|scope| {
+        // The packers start first, to be awake by the time the first part is cut (if one will be).
+        let bytes: usize = arrays.iter().map(|a| a.get_buffer_memory_size()).sum();
+        if bytes >= 2 * SEGMENT {
+            start_packers(scope, &handoff);
+        }
+        let to_data = || arrays.iter().map(|a| a.to_data()).collect::<Vec<_>>();
+        let planned = plan_in_parts(data.get_or_init(to_data), free, &handoff);
+        // The packers stop once the queue is empty, however planning ended.
+        handoff.close();
+        let (plan, layouts, parts, rest) = planned?;
+        let memory = DeviceBuffer::alloc(resource, plan.size(), stream)?;
+        // Sends the parts packed since the last call, in one copy.
+        let mut sent = 0;
+        let send_packed = |sent: &mut usize| {
+            let packed = parts
+                .iter()
+                .skip_while(|p| p.range().end <= *sent)
+                .take_while(|p| p.is_packed())
+                .last()
+                .map_or(*sent, |p| p.range().end);
+            if packed > *sent {
+                send_early(&memory, *sent..packed)?;
+                *sent = packed;
+            }
+            Ok::<_, Error>(())
+        };
+        send_packed(&mut sent)?;
+        send_chunks(&plan, rest, &memory, &pool, stream, &mut keep, &mut in_flight)?;
+        // The device arrays are built while the pool packs, and what it has packed is sent on the
+        // way, so that little is left to copy at the end.
+        let mut columns = Vec::with_capacity(layouts.len());
+        for (i, layout) in layouts.iter().enumerate() {
+            columns.push(layout.to_device(&memory)?);
+            if i % 32 == 31 {
+                send_packed(&mut sent)?;
+            }
+        }
+        // Parts no pool thread has started on are packed here, so nothing waits on an idle pool.
+        parts.iter().for_each(|p| p.pack());
+        send_packed(&mut sent)?;
+        Ok((columns, stream.record()?))
+    });
+    keep.push(Box::new(early));
+    retire(result.as_ref().ok().map(|(_, e)| e), stream, keep, in_flight);
+    result
+}
+
+/// Starts up to [`PACKERS`] pool threads in `scope` that pack what `handoff` is given.
+fn start_packers<'s>(scope: &rayon::Scope<'s>, handoff: &'s Handoff<'_>) {
+    let packers = rayon::current_num_threads().min(PACKERS);
+    scope.spawn(move |s| {
+        for _ in 1..packers {
+            s.spawn(move |_| handoff.pack());
+        }
+        handoff.pack();
+    });
+}
+
+/// Keeps what an upload's copies read until they are done: `in_flight` until their own events,
+/// `keep` until `done` (the last copy's event) or, when there is none (the upload failed), until an
+/// event recorded now; when none can be recorded, the stream is synchronised instead.
+fn retire(done: Option<&Event>, stream: &Stream, keep: Vec<Keep>, mut in_flight: VecDeque<(Keep, Event)>) {
+    match done.cloned().or_else(|| stream.record().ok()) {
+        Some(done) => in_flight.extend(keep.into_iter().map(|k| (k, done.clone()))),
+        None => {
+            let _ = stream.synchronize();
+        }
+    }
+    defer_release(in_flight);
+}
+
+/// Sends `rest` of `plan` (what was not packed while planning) into `memory`: plain copies of at
+/// least [`DIRECT_MIN`] bytes from pinned memory straight from their source, the rest through
+/// [`CHUNK`]s of pinned staging from `pool` packed on every core, each sent while the next is packed.
+/// What the copies read goes to `keep` (kept until the last copy is done) or, for the staging, to
+/// `in_flight` with its copy's event.
+fn send_chunks(
+    plan: &Plan<'_>,
+    rest: Range<usize>,
+    memory: &DeviceBuffer,
+    pool: &Arc<PinnedPool>,
+    stream: &Stream,
+    keep: &mut Vec<Keep>,
+    in_flight: &mut VecDeque<(Keep, Event)>,
+) -> Result<()> {
+    if rest.is_empty() {
+        return Ok(());
+    }
+    let device = memory.device();
+    let pinned_host = Device::CudaHost(device.ordinal().unwrap_or(0));
+    let direct: Vec<_> = plan
+        .direct_copies(DIRECT_MIN, is_pinned)
+        .into_iter()
+        .filter(|d| d.dst >= rest.start)
+        .collect();
+    // The ranges between direct copies go through staging.
+    let mut staged = Vec::with_capacity(direct.len() + 1);
+    let mut at = rest.start;
+    for d in direct {
+        if d.dst > at {
+            staged.push(at..d.dst);
+        }
+        at = (d.dst + d.src.len()).next_multiple_of(ALIGNMENT);
+        // SAFETY: the source is pinned host memory of an arrow buffer kept alive (in `keep`) until
+        // the last copy completes; the destination lies inside `memory`.
+        unsafe {
+            copy(
+                memory.address() + d.dst as u64,
+                device,
+                d.src.as_ptr() as u64,
+                pinned_host,
+                d.src.len(),
+                stream,
+            )?
+        };
+        keep.push(Box::new(d.owner));
+    }
+    if at < rest.end {
+        staged.push(at..rest.end);
+    }
+    for range in staged {
+        for start in range.clone().step_by(CHUNK) {
+            let len = CHUNK.min(range.end - start);
+            if in_flight.len() >= IN_FLIGHT
+                && let Some((_, done)) = in_flight.pop_front()
+            {
+                done.synchronize()?;
+            }
+            let mut stage = pool.take(len)?;
+            let out = stage
+                .host_slice_mut()
+                .ok_or_else(|| Error::Unsupported("staging is not host memory".into()))?;
+            plan.fill_parallel(start, out);
+            // SAFETY: both ranges are valid; the staging block is kept (in `in_flight`, then the
+            // deferred list) until the event recorded after the copy completes.
+            unsafe {
+                copy(
+                    memory.address() + start as u64,
+                    device,
+                    stage.address(),
+                    stage.device(),
+                    len,
+                    stream,
+                )?
+            };
+            in_flight.push_back((Box::new(stage), stream.record()?));
+        }
+    }
+    Ok(())
+}
+
+/// Plans `data`, cutting off every [`SEGMENT`] bytes of the first [`EARLY`] as a part to be packed
+/// into the front of `free` and handing it to `handoff`. Returns the plan, the arrays' layouts, the
+/// parts in order, and the range left for packing in chunks (empty when the whole plan was cut).
+#[allow(clippy::type_complexity)]
+fn plan_in_parts<'a>(
+    data: &'a [ArrayData],
+    mut free: &'a mut [u8],
+    handoff: &Handoff<'a>,
+) -> Result<(Plan<'a>, Vec<Layout>, Vec<Arc<Part<'a>>>, Range<usize>)> {
+    let mut plan = Plan::default();
+    let mut layouts = Vec::with_capacity(data.len());
+    let mut parts = Vec::new();
+    let mut cut = |plan: &mut Plan<'a>, free: &mut &'a mut [u8]| {
+        let range = plan.cut();
+        let (out, rest) = std::mem::take(free).split_at_mut(range.len());
+        *free = rest;
+        let part = Arc::new(Part::new(plan, range, out));
+        handoff.push(part.clone());
+        parts.push(part);
+    };
+    for d in data {
+        if plan.size() <= EARLY && plan.uncut() >= SEGMENT {
+            cut(&mut plan, &mut free);
+        }
+        layouts.push(plan.array(d)?);
+        if plan.size() > EARLY {
+            // No more parts: the pool threads need not wait for the rest of the planning.
+            handoff.close();
+        }
+    }
+    let rest = match plan.size() <= EARLY {
+        true => {
+            if plan.uncut() > 0 {
+                cut(&mut plan, &mut free);
+            }
+            0..0
+        }
+        false => plan.cut(),
+    };
+    Ok((plan, layouts, parts, rest))
+}
+
+/// Plain copies at least this large from pinned memory skip the staging.
+const DIRECT_MIN: usize = 1 << 20;
+
+/// Whether host memory is page-locked (and so can be the source of an asynchronous DMA).
+fn is_pinned(src: &[u8]) -> bool {
+    let mut kind = 0u32;
+    let mut attribute = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE;
+    let mut out = (&mut kind as *mut u32).cast::<std::ffi::c_void>();
+    // SAFETY: a query about an address with one 4-byte `CUmemorytype` out-parameter. Unlike
+    // cuPointerGetAttribute, the plural form succeeds for memory the driver does not know (pageable
+    // memory), leaving the type 0, so it raises no API error.
+    let status = unsafe { sys::cuPointerGetAttributes(1, &mut attribute, &mut out, src.as_ptr() as u64) };
+    status == sys::CUresult::CUDA_SUCCESS && kind == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32
+}
+
+impl DeviceRecordBatch {
+    /// Copies a host batch to `device` on the device's shared stream; returns when it is there.
+    pub fn from_record_batch(batch: &RecordBatch, device: Device) -> Result<Self> {
+        htod(batch, device, &Stream::shared(device)?)
+    }
+}
