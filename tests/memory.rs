@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use arrow_cuda::memory::pinned::PinnedPool;
-use arrow_cuda::memory::{StridedView, register, register_mut};
+use arrow_cuda::memory::{Element, StridedView, register, register_mut, view};
 use arrow_cuda::{Device, DeviceBuffer, Error, MemoryResource, Stream};
 use half::f16;
 
@@ -999,4 +999,34 @@ fn async_view_copies_complete_by_their_event() {
             assert!(matches!(err, Error::SizeMismatch { .. }), "{err}");
         }
     });
+}
+
+#[test]
+fn views_show_their_element_and_layout_and_clones_share_the_buffer() {
+    common::each_device(|device, stream| {
+        for resource in resources(device) {
+            let v = StridedView::<f32>::zeroed(resource, &[4, 3], stream).unwrap();
+            let shown = format!("{v:?}");
+            assert!(
+                shown.starts_with("StridedView<f32>(shape [4, 3], strides [12, 4], offset 0 of "),
+                "{shown}"
+            );
+            let h = StridedView::<f16>::zeroed(resource, &[2], stream).unwrap();
+            assert!(format!("{h:?}").starts_with("StridedView<f16>("), "{h:?}");
+
+            // A clone is the same view of the same allocation, which is read-only while both live.
+            let copy = v.clone();
+            assert_eq!(
+                (copy.shape(), copy.strides(), copy.address()),
+                (v.shape(), v.strides(), v.address())
+            );
+            assert!(copy.buffer().shares_allocation(v.buffer()));
+            assert!(!v.buffer().is_mutable());
+            drop(copy);
+            assert!(v.buffer().is_mutable());
+        }
+    });
+    assert_eq!(view::c_strides(&[2, 3, 4], 4), vec![48, 16, 4]);
+    assert_eq!(view::c_strides(&[], 8), Vec::<isize>::new());
+    assert_eq!((<f64 as Element>::NAME, <f16 as Element>::NAME), ("f64", "f16"));
 }
