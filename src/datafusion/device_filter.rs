@@ -139,31 +139,8 @@ fn run(
     let pred = function(ctx, &generated.source, "pred")?;
     let lit = DeviceBuffer::from_host(&generated.literals, scratch.resource, stream)?;
     let sel = scratch.alloc(n)?;
-    let mut keep = Vec::new();
     let mut args = vec![n64, sel.address(), lit.address()];
-    for &c in &cols {
-        let a = batch.column(c);
-        let values = a.buffers().first().map_or(0, DeviceBuffer::address);
-        let data = match a.data_type() {
-            DataType::Utf8 | DataType::LargeUtf8 => a.buffers().get(1).map_or(0, DeviceBuffer::address),
-            DataType::Utf8View => {
-                let table: Vec<u8> = a.buffers()[1..]
-                    .iter()
-                    .flat_map(|b| b.address().to_le_bytes())
-                    .collect();
-                let t = DeviceBuffer::from_host(&table, scratch.resource, stream)?;
-                let addr = t.address();
-                keep.push(t);
-                addr
-            }
-            _ => 0,
-        };
-        let nulls = match (a.nulls(), a.null_count()) {
-            (Some(_), Some(0)) | (None, _) => 0,
-            (Some(b), _) => b.address(),
-        };
-        args.extend([values, data, nulls, a.offset() as u64]);
-    }
+    let keep = column_args(batch, &cols, &mut args, scratch.resource, stream)?;
     launch(cuda, &pred, n64.div_ceil(BLOCK as u64), BLOCK, &args)?;
     // 2. Count and prefix-sum the tiles.
     let (tiles, total) = scan_u8(ctx, cuda, scratch, &sel, n64)?;
@@ -390,4 +367,43 @@ pub(crate) fn host_batch(batch: RecordBatch, schema: arrow_schema::SchemaRef) ->
         batch.columns().to_vec(),
         &options,
     )?)
+}
+
+/// Appends the kernel arguments of `cols` (see [`Codegen::column_params`]) to `args`; returns the
+/// device buffers the arguments point into that must live until the kernels finish (the buffer
+/// tables of view columns).
+///
+/// [`Codegen::column_params`]: super::predicate_codegen::Codegen::column_params
+pub(crate) fn column_args(
+    batch: &DeviceRecordBatch,
+    cols: &[usize],
+    args: &mut Vec<u64>,
+    resource: MemoryResource,
+    stream: &Stream,
+) -> Result<Vec<DeviceBuffer>> {
+    let mut keep = Vec::new();
+    for &c in cols {
+        let a = batch.column(c);
+        let values = a.buffers().first().map_or(0, DeviceBuffer::address);
+        let data = match a.data_type() {
+            DataType::Utf8 | DataType::LargeUtf8 => a.buffers().get(1).map_or(0, DeviceBuffer::address),
+            DataType::Utf8View => {
+                let table: Vec<u8> = a.buffers()[1..]
+                    .iter()
+                    .flat_map(|b| b.address().to_le_bytes())
+                    .collect();
+                let t = DeviceBuffer::from_host(&table, resource, stream)?;
+                let addr = t.address();
+                keep.push(t);
+                addr
+            }
+            _ => 0,
+        };
+        let nulls = match (a.nulls(), a.null_count()) {
+            (Some(_), Some(0)) | (None, _) => 0,
+            (Some(b), _) => b.address(),
+        };
+        args.extend([values, data, nulls, a.offset() as u64]);
+    }
+    Ok(keep)
 }

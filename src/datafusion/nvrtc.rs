@@ -97,9 +97,15 @@ fn module(ctx: &Arc<CudaContext>, source: &str) -> Result<Arc<CudaModule>> {
         .unwrap_or_else(|p| p.into_inner())
         .entry(cc)
         .or_insert_with(|| Box::leak(format!("compute_{}{}", cc.0, cc.1).into_boxed_str()));
+    // Device stages hold decimals in `__int128`, which NVRTC accepts only when asked.
     let options = CompileOptions {
         arch: Some(arch),
         name: Some("arrow_cuda_datafusion.cu".into()),
+        options: if source.contains("__int128") {
+            vec!["--device-int128".into()]
+        } else {
+            vec![]
+        },
         ..Default::default()
     };
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, options)
@@ -122,6 +128,18 @@ pub(crate) const TILE: u64 = 2048;
 
 /// Launches `f` with 8-byte arguments (device pointers and `unsigned long long`).
 pub(crate) fn launch(stream: &Arc<CudaStream>, f: &CudaFunction, grid: u64, block: u32, args: &[u64]) -> Result<()> {
+    launch_shared(stream, f, grid, block, 0, args)
+}
+
+/// Launches `f` with 8-byte arguments and `shared` bytes of dynamic shared memory per block.
+pub(crate) fn launch_shared(
+    stream: &Arc<CudaStream>,
+    f: &CudaFunction,
+    grid: u64,
+    block: u32,
+    shared: u32,
+    args: &[u64],
+) -> Result<()> {
     if grid == 0 {
         return Ok(());
     }
@@ -133,12 +151,12 @@ pub(crate) fn launch(stream: &Arc<CudaStream>, f: &CudaFunction, grid: u64, bloc
     let cfg = LaunchConfig {
         grid_dim: (grid, 1, 1),
         block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: shared,
     };
-    // SAFETY: every kernel in this module takes exactly these 8-byte parameters (pointers and
+    // SAFETY: every kernel of this crate takes exactly these 8-byte parameters (pointers and
     // `unsigned long long`), in this order; the pointers are live device allocations of the
-    // stream's device, kept alive by the caller until the stream is synchronised, and the sizes
-    // passed bound every access the kernels make.
+    // stream's device, kept alive by the caller until the stream is synchronised, the sizes
+    // passed bound every access the kernels make, and `shared` is what the kernel indexes.
     unsafe { b.launch(cfg) }.map_err(Error::driver("cuLaunchKernel"))?;
     Ok(())
 }

@@ -12,7 +12,7 @@ use crate::array::DeviceRecordBatch;
 use crate::error::{Error, Result};
 
 /// Helpers the generated predicate kernels share; the generated kernel follows them.
-const PREDICATE_PRELUDE: &str = include_str!("kernels/predicate_prelude.cu");
+pub(crate) const PREDICATE_PRELUDE: &str = include_str!("kernels/predicate_prelude.cu");
 
 /// How a column's values are read and compared in a generated kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,9 +38,10 @@ pub(crate) struct Generated {
     pub(crate) literals: Vec<u8>,
 }
 
-struct Codegen<'a> {
+pub(crate) struct Codegen<'a> {
     batch: &'a DeviceRecordBatch,
-    body: String,
+    /// The statements emitted so far.
+    pub(crate) body: String,
     next: usize,
     slots: Vec<[u8; 16]>,
     strings: Vec<u8>,
@@ -48,18 +49,54 @@ struct Codegen<'a> {
     string_slots: Vec<usize>,
 }
 
-impl Codegen<'_> {
-    fn var(&mut self) -> usize {
+impl<'a> Codegen<'a> {
+    /// A generator for kernels over `batch`'s columns (only their types are read).
+    pub(crate) fn new(batch: &'a DeviceRecordBatch) -> Self {
+        Codegen {
+            batch,
+            body: String::new(),
+            next: 0,
+            slots: vec![],
+            strings: vec![],
+            string_slots: vec![],
+        }
+    }
+
+    /// The kernel parameters of column `c`: values, data (string bytes or the view buffers'
+    /// addresses), validity and offset.
+    pub(crate) fn column_params(c: usize) -> String {
+        format!(", const unsigned char* c{c}_v, const unsigned char* c{c}_d, const unsigned char* c{c}_n, u64 c{c}_o")
+    }
+
+    /// The literal buffer: slots, then string bytes; string slots hold offsets from the buffer start.
+    pub(crate) fn literal_buffer(&mut self) -> Result<Vec<u8>> {
+        let base = self.slots.len() * 16;
+        for &s in &self.string_slots {
+            let rel = u32::from_le_bytes(self.slots[s][..4].try_into().expect("4 bytes"));
+            let abs =
+                u32::try_from(base + rel as usize).map_err(|_| Error::InvalidArgument("literals over 4 GiB".into()))?;
+            self.slots[s][..4].copy_from_slice(&abs.to_le_bytes());
+        }
+        self.string_slots.clear();
+        let mut literals: Vec<u8> = self.slots.iter().flatten().copied().collect();
+        literals.extend_from_slice(&self.strings);
+        if literals.is_empty() {
+            literals.resize(16, 0);
+        }
+        Ok(literals)
+    }
+
+    pub(crate) fn var(&mut self) -> usize {
         self.next += 1;
         self.next
     }
 
-    fn slot(&mut self, bytes: [u8; 16]) -> usize {
+    pub(crate) fn slot(&mut self, bytes: [u8; 16]) -> usize {
         self.slots.push(bytes);
         (self.slots.len() - 1) * 16
     }
 
-    fn string_slot(&mut self, s: &[u8]) -> Result<usize> {
+    pub(crate) fn string_slot(&mut self, s: &[u8]) -> Result<usize> {
         let rel = u32::try_from(self.strings.len())
             .map_err(|_| Error::InvalidArgument("string literals over 4 GiB".into()))?;
         let len = u32::try_from(s.len()).map_err(|_| Error::InvalidArgument("string literal over 4 GiB".into()))?;
@@ -155,7 +192,7 @@ impl Codegen<'_> {
     }
 
     /// Emits the statements that compute a string column's pointer and length at element `e`.
-    fn string_value(&mut self, col: usize) -> Result<(String, String)> {
+    pub(crate) fn string_value(&mut self, col: usize) -> Result<(String, String)> {
         let n = self.var();
         let (p, l) = (format!("sp{n}"), format!("sl{n}"));
         let (v, d) = (format!("c{col}_v"), format!("c{col}_d"));
@@ -204,7 +241,7 @@ impl Codegen<'_> {
     }
 
     /// Emits code for `p`; returns the names of its (value, known) booleans.
-    fn emit(&mut self, p: &Predicate) -> Result<(String, String)> {
+    pub(crate) fn emit(&mut self, p: &Predicate) -> Result<(String, String)> {
         let n = self.var();
         let (v, k) = (format!("v{n}"), format!("k{n}"));
         let line = |s: &mut String, text: String| {
@@ -283,14 +320,7 @@ impl Codegen<'_> {
 /// Generates the predicate kernel `pred(n, sel, lit, c<i>_v, c<i>_d, c<i>_n, c<i>_o ...)` for the
 /// columns `cols` (ascending), with its literal buffer.
 pub(crate) fn generate(predicate: &Predicate, batch: &DeviceRecordBatch, cols: &[usize]) -> Result<Generated> {
-    let mut g = Codegen {
-        batch,
-        body: String::new(),
-        next: 0,
-        slots: vec![],
-        strings: vec![],
-        string_slots: vec![],
-    };
+    let mut g = Codegen::new(batch);
     for &c in cols {
         g.body.push_str(&format!("    u64 e{c} = c{c}_o + i;\n"));
     }
@@ -298,26 +328,12 @@ pub(crate) fn generate(predicate: &Predicate, batch: &DeviceRecordBatch, cols: &
     let mut source = String::from(PREDICATE_PRELUDE);
     source.push_str("extern \"C\" __global__ void pred(u64 n, unsigned char* sel, const unsigned char* lit");
     for &c in cols {
-        source.push_str(&format!(
-            ", const unsigned char* c{c}_v, const unsigned char* c{c}_d, const unsigned char* c{c}_n, u64 c{c}_o"
-        ));
+        source.push_str(&Codegen::column_params(c));
     }
     source.push_str(") {\n    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;\n    if (i >= n) return;\n");
     source.push_str(&g.body);
     source.push_str(&format!("    sel[i] = ({k} && {v}) ? 1 : 0;\n}}\n"));
-    // Literal buffer: slots, then string bytes; string slots hold offsets from the buffer start.
-    let base = g.slots.len() * 16;
-    for &s in &g.string_slots {
-        let rel = u32::from_le_bytes(g.slots[s][..4].try_into().expect("4 bytes"));
-        let abs =
-            u32::try_from(base + rel as usize).map_err(|_| Error::InvalidArgument("literals over 4 GiB".into()))?;
-        g.slots[s][..4].copy_from_slice(&abs.to_le_bytes());
-    }
-    let mut literals: Vec<u8> = g.slots.iter().flatten().copied().collect();
-    literals.extend_from_slice(&g.strings);
-    if literals.is_empty() {
-        literals.resize(16, 0);
-    }
+    let literals = g.literal_buffer()?;
     Ok(Generated { source, literals })
 }
 

@@ -91,7 +91,22 @@ impl GpuScan {
         self.projection.as_deref()
     }
 
-    fn output_columns(&self) -> Vec<usize> {
+    /// The table scanned.
+    pub(crate) fn table(&self) -> &Arc<TableData> {
+        &self.table
+    }
+
+    /// The conjunction of the pushed-down filters.
+    pub(crate) fn predicate(&self) -> Option<&Arc<Predicate>> {
+        self.predicate.as_ref()
+    }
+
+    /// The limit, if any.
+    pub(crate) fn limit(&self) -> Option<usize> {
+        self.fetch
+    }
+
+    pub(crate) fn output_columns(&self) -> Vec<usize> {
         match &self.projection {
             Some(p) => p.clone(),
             None => (0..self.table.schema.fields().len()).collect(),

@@ -1,0 +1,311 @@
+//! The CUDA side of a stage: the generated kernels run over each batch of one device, the groups
+//! and accumulators stay in device memory until the last batch, and only they are copied to the
+//! host (a few bytes per group).
+//!
+//! The group table starts small and grows by four (re-inserting the groups found so far with
+//! `stage_rehash`) whenever a batch finds it full; the batch's `stage_groups` then runs again,
+//! which is safe because inserting a key is idempotent and no accumulator has been touched yet.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaFunction, CudaStream};
+
+use super::super::device_filter::column_args;
+use super::super::nvrtc::{BLOCK, function, launch, launch_shared};
+use super::codegen::StageSource;
+use super::layout::{Groups, StagePlan};
+use super::{Outcome, StageResult};
+use crate::array::DeviceRecordBatch;
+use crate::device::{Device, Stream};
+use crate::error::Error;
+use crate::memory::{DeviceBuffer, MemoryResource};
+
+/// Group-table slots a stage starts with.
+const INITIAL_SLOTS: u64 = 4096;
+/// Dynamic shared memory a block may use for its groups' accumulators.
+const SHARED_BYTES: u64 = 32 << 10;
+/// Blocks of the grid-stride accumulation.
+const MAX_BLOCKS: u64 = 2048;
+
+const FLAG_TABLE_FULL: u32 = 1;
+const FLAG_LONG_KEY: u32 = 2;
+const FLAG_OVERFLOW: u32 = 4;
+const FLAG_DIV_ZERO: u32 = 8;
+
+/// Kernels of one stage on one device.
+struct Kernels {
+    groups: Option<CudaFunction>,
+    accumulate: CudaFunction,
+    init: CudaFunction,
+    rehash: CudaFunction,
+}
+
+/// The device side of a stage over the batches of one device.
+pub(crate) struct DeviceStage<'p> {
+    plan: &'p StagePlan,
+    stream: Stream,
+    cuda: Arc<CudaStream>,
+    resource: MemoryResource,
+    kernels: Kernels,
+    lit: DeviceBuffer,
+    nw: u64,
+    nslots: u64,
+    /// Group table: slot states (`u32`) and key words, `mask + 1` slots.
+    state: DeviceBuffer,
+    keys: DeviceBuffer,
+    mask: u64,
+    /// At most this many groups before the table grows; the dense arrays below hold as many.
+    max_groups: u64,
+    group_keys: DeviceBuffer,
+    count: DeviceBuffer,
+    /// Accumulator slots, slot-major with a stride of `max_groups`.
+    acc: DeviceBuffer,
+    flags: DeviceBuffer,
+    /// Time spent compiling (or finding compiled) kernels.
+    pub(crate) compile_time: Duration,
+}
+
+impl<'p> DeviceStage<'p> {
+    /// Prepares a stage of `plan` on `device` (CUDA), compiling its kernels once per context.
+    pub(crate) fn new(plan: &'p StagePlan, source: &StageSource, device: Device, stream: &Stream) -> StageResult<Self> {
+        let stream = crate::memory::stream_for(stream, device, device)?;
+        let cuda = stream
+            .cuda()
+            .cloned()
+            .ok_or_else(|| Error::Unsupported("a device stage needs a CUDA stream".into()))?;
+        let ctx = cuda.context().clone();
+        let started = Instant::now();
+        let (_, nw) = plan.key_layout();
+        let kernels = Kernels {
+            groups: (nw > 0)
+                .then(|| function(&ctx, &source.source, "stage_groups"))
+                .transpose()?,
+            accumulate: function(&ctx, &source.source, "stage_accumulate")?,
+            init: function(&ctx, &source.source, "stage_init")?,
+            rehash: function(&ctx, &source.source, "stage_rehash")?,
+        };
+        let compile_time = started.elapsed();
+        let resource = MemoryResource::default_for(device);
+        let (slots, _) = plan.slot_layout();
+        let nslots = slots.len() as u64;
+        let nw = nw as u64;
+        let (slots_n, max_groups) = if nw == 0 {
+            (1, 1)
+        } else {
+            (INITIAL_SLOTS, INITIAL_SLOTS / 2)
+        };
+        let alloc = |len: u64| DeviceBuffer::alloc(resource, (len as usize).max(1), &stream);
+        let zeroed = |len: u64| DeviceBuffer::zeroed(resource, (len as usize).max(1), &stream);
+        let mut s = DeviceStage {
+            lit: DeviceBuffer::from_host(&source.literals, resource, &stream)?,
+            state: zeroed(slots_n * 4)?,
+            keys: alloc(slots_n * nw * 8)?,
+            mask: slots_n - 1,
+            max_groups,
+            group_keys: alloc(max_groups * nw * 8)?,
+            count: zeroed(4)?,
+            acc: alloc(nslots * max_groups * 8)?,
+            flags: zeroed(4)?,
+            plan,
+            cuda,
+            resource,
+            kernels,
+            nw,
+            nslots,
+            compile_time,
+            stream,
+        };
+        s.init_acc(0)?;
+        Ok(s)
+    }
+
+    fn alloc(&self, len: u64) -> StageResult<DeviceBuffer> {
+        Ok(DeviceBuffer::alloc(self.resource, (len as usize).max(1), &self.stream)?)
+    }
+
+    /// Sets the accumulators of groups `from..max_groups` to their initial values.
+    fn init_acc(&mut self, from: u64) -> StageResult<()> {
+        let n = self.max_groups - from;
+        let args = [self.acc.address(), self.max_groups, from, self.max_groups];
+        launch(&self.cuda, &self.kernels.init, n.div_ceil(BLOCK as u64), BLOCK, &args)?;
+        Ok(())
+    }
+
+    fn read_u32(&self, b: &DeviceBuffer) -> StageResult<u32> {
+        let mut x = [0u8; 4];
+        b.copy_to_host(0, &mut x, &self.stream)?;
+        Ok(u32::from_le_bytes(x))
+    }
+
+    fn write_u32(&mut self, which: Which, v: u32) -> StageResult<()> {
+        let b = match which {
+            Which::Flags => &mut self.flags,
+            Which::Count => &mut self.count,
+        };
+        b.copy_from_host(0, &v.to_le_bytes(), &self.stream)?;
+        Ok(())
+    }
+
+    /// Raises the errors the kernels flagged.
+    fn check(&self, flags: u32) -> StageResult<()> {
+        if flags & FLAG_LONG_KEY != 0 {
+            return Err(Outcome::GiveBack(format!(
+                "a group key string longer than {} bytes",
+                super::layout::MAX_KEY_STRING
+            )));
+        }
+        if flags & FLAG_DIV_ZERO != 0 {
+            return Err(Outcome::Fail(arrow_schema::ArrowError::DivideByZero.into()));
+        }
+        if flags & FLAG_OVERFLOW != 0 {
+            return Err(Outcome::Fail(
+                arrow_schema::ArrowError::ArithmeticOverflow("in a device stage's arithmetic".into()).into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Quadruples the group table and the dense arrays, keeping the groups found so far.
+    fn grow(&mut self, groups: u64) -> StageResult<()> {
+        let slots = (self.mask + 1) * 4;
+        let max_groups = slots / 2;
+        let (nw, nslots) = (self.nw, self.nslots);
+        let state = DeviceBuffer::zeroed(self.resource, slots as usize * 4, &self.stream)?;
+        let keys = self.alloc(slots * nw * 8)?;
+        let mut group_keys = self.alloc(max_groups * nw * 8)?;
+        group_keys.copy_from(0, &self.group_keys.slice(0, (groups * nw * 8) as usize)?, &self.stream)?;
+        let args = [
+            group_keys.address(),
+            nw,
+            groups,
+            state.address(),
+            keys.address(),
+            slots - 1,
+        ];
+        launch(
+            &self.cuda,
+            &self.kernels.rehash,
+            groups.div_ceil(BLOCK as u64),
+            BLOCK,
+            &args,
+        )?;
+        let acc = self.alloc(nslots * max_groups * 8)?;
+        let old = std::mem::replace(&mut self.acc, acc);
+        let old_stride = self.max_groups;
+        self.max_groups = max_groups;
+        self.init_acc(0)?;
+        for s in 0..nslots {
+            let column = old.slice((s * old_stride * 8) as usize, (groups * 8) as usize)?;
+            self.acc
+                .copy_from((s * max_groups * 8) as usize, &column, &self.stream)?;
+        }
+        self.state = state;
+        self.keys = keys;
+        self.group_keys = group_keys;
+        self.mask = slots - 1;
+        Ok(())
+    }
+
+    /// Adds the rows of `batch` (on this stage's device).
+    pub(crate) fn add(&mut self, batch: &DeviceRecordBatch) -> StageResult<()> {
+        let n = batch.num_rows() as u64;
+        if n == 0 {
+            return Ok(());
+        }
+        if n > u32::MAX as u64 {
+            return Err(Outcome::GiveBack(format!("a batch of {n} rows")));
+        }
+        self.stream.wait(batch.ready())?;
+        let mut cols = Vec::new();
+        let _views = column_args(batch, &self.plan.columns, &mut cols, self.resource, &self.stream)?;
+        let row_group = if self.nw > 0 { Some(self.alloc(n * 4)?) } else { None };
+        let mut groups = 1;
+        if let (Some(rg), Some(f)) = (&row_group, self.kernels.groups.clone()) {
+            loop {
+                let mut args = vec![
+                    n,
+                    rg.address(),
+                    self.state.address(),
+                    self.keys.address(),
+                    self.mask,
+                    self.group_keys.address(),
+                    self.count.address(),
+                    self.max_groups,
+                    self.flags.address(),
+                    self.lit.address(),
+                ];
+                args.extend_from_slice(&cols);
+                launch(&self.cuda, &f, n.div_ceil(BLOCK as u64), BLOCK, &args)?;
+                let flags = self.read_u32(&self.flags)?;
+                let count = self.read_u32(&self.count)? as u64;
+                self.check(flags)?;
+                if flags & FLAG_TABLE_FULL == 0 {
+                    groups = count;
+                    break;
+                }
+                let kept = count.min(self.max_groups);
+                self.write_u32(Which::Count, kept as u32)?;
+                self.write_u32(Which::Flags, 0)?;
+                self.grow(kept)?;
+            }
+        }
+        let shared = self.nslots * groups * 8 <= SHARED_BYTES;
+        let mut args = vec![
+            n,
+            row_group.as_ref().map_or(0, DeviceBuffer::address),
+            self.acc.address(),
+            self.max_groups,
+            groups,
+            shared as u64,
+            self.flags.address(),
+            self.lit.address(),
+        ];
+        args.extend_from_slice(&cols);
+        let grid = n.div_ceil(BLOCK as u64).min(MAX_BLOCKS);
+        let bytes = if shared { (self.nslots * groups * 8) as u32 } else { 0 };
+        launch_shared(&self.cuda, &self.kernels.accumulate, grid, BLOCK, bytes, &args)?;
+        let flags = self.read_u32(&self.flags)?;
+        self.check(flags)?;
+        Ok(())
+    }
+
+    /// Copies the groups and their accumulators to the host.
+    pub(crate) fn finish(self) -> StageResult<(Groups, u64)> {
+        let count = if self.nw == 0 {
+            1
+        } else {
+            self.read_u32(&self.count)? as u64
+        };
+        let mut keys = vec![0u8; (count * self.nw * 8) as usize];
+        if !keys.is_empty() {
+            self.group_keys.copy_to_host(0, &mut keys, &self.stream)?;
+        }
+        let mut acc = vec![0u8; (self.nslots * self.max_groups * 8) as usize];
+        self.acc.copy_to_host(0, &mut acc, &self.stream)?;
+        let words = |b: &[u8]| -> Vec<u64> {
+            b.chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect()
+        };
+        let all = words(&acc);
+        let stride = self.max_groups as usize;
+        let acc = (0..self.nslots as usize)
+            .flat_map(|s| all[s * stride..s * stride + count as usize].iter().copied())
+            .collect();
+        let copied = (keys.len() + all.len() * 8) as u64;
+        Ok((
+            Groups {
+                count: count as usize,
+                keys: words(&keys),
+                acc,
+            },
+            copied,
+        ))
+    }
+}
+
+enum Which {
+    Flags,
+    Count,
+}

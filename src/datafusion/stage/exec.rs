@@ -1,0 +1,233 @@
+//! [`DeviceStageExec`]: the execution plan node of a device stage.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ::datafusion::common::tree_node::TreeNodeRecursion;
+use ::datafusion::execution::TaskContext;
+use ::datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
+use ::datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+use ::datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
+use ::datafusion::physical_plan::metrics::{Count, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet, Time};
+use ::datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use ::datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties, SendableRecordBatchStream,
+};
+use arrow_array::RecordBatch;
+use futures::{StreamExt, TryStreamExt};
+
+use super::super::error::DfResult;
+use super::device::DeviceStage;
+use super::host::HostStage;
+use super::layout::{Groups, StagePlan};
+use super::output::state_batch;
+use super::{Outcome, StageResult};
+use crate::device::Device;
+
+/// A device stage: a GPU table's scan, its filters, computed projections and a partial
+/// aggregation, run where the table lives; it emits DataFusion's partial aggregate state, one batch
+/// per device, in one partition. When the device cannot finish (a group key string longer than
+/// the key words hold, device memory exhausted) it gives the work back: the original DataFusion
+/// plan runs instead, and the answer is the same.
+pub struct DeviceStageExec {
+    plan: Arc<StagePlan>,
+    /// The partial aggregate this stage replaced, run when the stage gives its work back.
+    original: Arc<dyn ExecutionPlan>,
+    properties: Arc<PlanProperties>,
+    metrics: ExecutionPlanMetricsSet,
+}
+
+impl fmt::Debug for DeviceStageExec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceStageExec").field("plan", &self.plan).finish()
+    }
+}
+
+impl DeviceStageExec {
+    pub(crate) fn new(plan: StagePlan, original: Arc<dyn ExecutionPlan>) -> Self {
+        let properties = PlanProperties::new(
+            EquivalenceProperties::new(plan.schema.clone()),
+            Partitioning::UnknownPartitioning(1),
+            EmissionType::Final,
+            Boundedness::Bounded,
+        );
+        DeviceStageExec {
+            plan: Arc::new(plan),
+            original,
+            properties: Arc::new(properties),
+            metrics: ExecutionPlanMetricsSet::new(),
+        }
+    }
+}
+
+impl DisplayAs for DeviceStageExec {
+    fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let p = &self.plan;
+        let list = |v: &[Arc<dyn PhysicalExpr>]| v.iter().map(|e| e.to_string()).collect::<Vec<_>>().join(", ");
+        match t {
+            DisplayFormatType::Default | DisplayFormatType::Verbose => {
+                write!(f, "DeviceStageExec: scan={} columns", p.columns.len())?;
+                if p.predicate.is_some() {
+                    write!(f, ", pushed predicate")?;
+                }
+                if !p.filters.is_empty() {
+                    write!(f, ", filter=[{}]", list(&p.filters))?;
+                }
+                write!(f, ", group_by=[{}]", list(&p.keys))?;
+                let aggs: Vec<&str> = p.aggs.iter().map(|a| a.name.as_str()).collect();
+                write!(f, ", aggr=[{}], output=partial", aggs.join(", "))
+            }
+            DisplayFormatType::TreeRender => write!(f, "group_by={}\naggr={}", p.keys.len(), p.aggs.len()),
+        }
+    }
+}
+
+/// The stage's metrics for one execution.
+struct Metrics {
+    rows_in: Count,
+    output_rows: Count,
+    device_time: Time,
+    compile_time: Time,
+    bytes_to_host: Count,
+}
+
+impl Metrics {
+    fn new(set: &ExecutionPlanMetricsSet) -> Self {
+        Metrics {
+            rows_in: MetricBuilder::new(set).counter("rows_in", 0),
+            output_rows: MetricBuilder::new(set).output_rows(0),
+            device_time: MetricBuilder::new(set).elapsed_compute(0),
+            compile_time: MetricBuilder::new(set).subset_time("kernel_compile_time", 0),
+            bytes_to_host: MetricBuilder::new(set).counter("bytes_to_host", 0),
+        }
+    }
+}
+
+/// Runs the stage over every partition of the table, one state batch per device.
+async fn run(plan: Arc<StagePlan>, metrics: &Metrics) -> StageResult<Vec<RecordBatch>> {
+    let table = &plan.table;
+    let mut devices: Vec<Device> = table.partition_devices.clone();
+    devices.sort();
+    devices.dedup();
+    let mut out = Vec::with_capacity(devices.len());
+    for device in devices {
+        let lease = table.lanes[&device].acquire().await?;
+        let stream = lease.stream();
+        let started = Instant::now();
+        let batches = table
+            .partitions
+            .iter()
+            .zip(&table.partition_devices)
+            .filter(|(_, d)| **d == device)
+            .flat_map(|(p, _)| p.iter());
+        let groups = if device.is_host_accessible() {
+            let mut stage = HostStage::new(&plan)?;
+            for b in batches {
+                metrics.rows_in.add(b.num_rows());
+                stage.add(b, stream)?;
+            }
+            stage.finish()
+        } else {
+            let source = plan
+                .source
+                .as_ref()
+                .ok_or_else(|| Outcome::GiveBack("no kernels were generated".into()))?;
+            let mut stage = DeviceStage::new(&plan, source, device, stream)?;
+            metrics.compile_time.add_duration(stage.compile_time);
+            for b in batches {
+                metrics.rows_in.add(b.num_rows());
+                stage.add(b)?;
+            }
+            let (groups, bytes) = stage.finish()?;
+            metrics.bytes_to_host.add(bytes as usize);
+            groups
+        };
+        let groups = if plan.keys.is_empty() && groups.count == 0 {
+            // Without keys there is always one group, as DataFusion's partial aggregate emits.
+            let (slots, _) = plan.slot_layout();
+            Groups {
+                count: 1,
+                keys: vec![],
+                acc: slots.iter().map(|s| s.init()).collect(),
+            }
+        } else {
+            groups
+        };
+        let batch = state_batch(&plan, &groups)?;
+        metrics.device_time.add_duration(started.elapsed());
+        metrics.output_rows.add(batch.num_rows());
+        out.push(batch);
+    }
+    Ok(out)
+}
+
+impl ExecutionPlan for DeviceStageExec {
+    fn name(&self) -> &str {
+        "DeviceStageExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        &self.properties
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![]
+    }
+
+    fn apply_expressions(
+        &self,
+        f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> DfResult<TreeNodeRecursion>,
+    ) -> DfResult<TreeNodeRecursion> {
+        let p = &self.plan;
+        let exprs = p
+            .filters
+            .iter()
+            .chain(&p.keys)
+            .chain(p.aggs.iter().map(|a| &a.arg))
+            .chain(p.aggs.iter().filter_map(|a| a.filter.as_ref()));
+        for e in exprs {
+            if f(e)? == TreeNodeRecursion::Stop {
+                return Ok(TreeNodeRecursion::Stop);
+            }
+        }
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn with_new_children(self: Arc<Self>, _children: Vec<Arc<dyn ExecutionPlan>>) -> DfResult<Arc<dyn ExecutionPlan>> {
+        Ok(self)
+    }
+
+    fn execute(&self, partition: usize, context: Arc<TaskContext>) -> DfResult<SendableRecordBatchStream> {
+        if partition != 0 {
+            return Err(::datafusion::common::DataFusionError::Internal(format!(
+                "a device stage has one partition, not {partition}"
+            )));
+        }
+        let plan = self.plan.clone();
+        let original = self.original.clone();
+        let schema = plan.schema.clone();
+        let metrics = Metrics::new(&self.metrics);
+        let fut = async move {
+            match run(plan.clone(), &metrics).await {
+                Ok(batches) => {
+                    Ok(futures::stream::iter(batches.into_iter().map(Ok)).boxed() as futures::stream::BoxStream<_>)
+                }
+                Err(Outcome::GiveBack(why)) => {
+                    log::info!("arrow-cuda: a device stage gives its work back to DataFusion: {why}");
+                    let s = CoalescePartitionsExec::new(original).execute(0, context)?;
+                    Ok(s.boxed())
+                }
+                Err(Outcome::Fail(e)) => Err(e),
+            }
+        };
+        Ok(Box::pin(RecordBatchStreamAdapter::new(
+            schema,
+            futures::stream::once(fut).try_flatten(),
+        )))
+    }
+
+    fn metrics(&self) -> Option<MetricsSet> {
+        Some(self.metrics.clone_inner())
+    }
+}

@@ -1,0 +1,671 @@
+//! The expression compiler: DataFusion [`PhysicalExpr`] trees over a GPU table's columns become
+//! CUDA C statements that compute a value and its validity per row, with DataFusion's types and
+//! semantics:
+//!
+//! - integers wrap at their type's width (DataFusion's `+ - *` default to wrapping), and integer
+//!   division or remainder by zero raises the stage's division flag, as DataFusion errors;
+//! - `Decimal128` arithmetic is exact 128-bit integer arithmetic with arrow's rescaling and its
+//!   overflow checks (an overflow raises the stage's overflow flag: DataFusion errors too);
+//! - floats are computed in their own width; comparisons of floats use arrow's total order after
+//!   `-0.0` becomes `+0.0`, as the scan's predicates do;
+//! - `AND`, `OR`, `NOT`, `IS [NOT] NULL`, `CASE` and `IN` follow SQL's three-valued logic.
+//!
+//! Literals live in the kernel's literal buffer (see [`Codegen`]), so the source depends only on the
+//! expressions' shape and types. Anything else is [`Error::Unsupported`]: the rule then leaves the
+//! plan to DataFusion.
+
+use std::sync::Arc;
+
+use ::datafusion::common::ScalarValue;
+use ::datafusion::logical_expr::Operator;
+use ::datafusion::physical_expr::PhysicalExpr;
+use ::datafusion::physical_expr::ScalarFunctionExpr;
+use ::datafusion::physical_expr::expressions::{
+    BinaryExpr, CaseExpr, CastExpr, Column, InListExpr, IsNotNullExpr, IsNullExpr, LikeExpr, Literal, NotExpr,
+};
+use arrow_schema::{DataType, Schema};
+
+use super::super::predicate_codegen::Codegen;
+use crate::error::{Error, Result};
+
+/// A compiled expression: the names of its value and validity variables, and its type.
+#[derive(Clone, Debug)]
+pub(crate) struct Val {
+    /// The value (for strings: the pointer to the bytes).
+    pub(crate) v: String,
+    /// Whether the value is valid (not null).
+    pub(crate) k: String,
+    /// For strings: the length in bytes.
+    pub(crate) len: Option<String>,
+    /// The DataFusion type.
+    pub(crate) dt: DataType,
+}
+
+fn unsupported<T>(what: impl std::fmt::Display) -> Result<T> {
+    Err(Error::Unsupported(format!("device expression: {what}")))
+}
+
+/// The C type a value of `dt` is held in, or `None` when the compiler does not handle `dt`.
+pub(crate) fn c_type(dt: &DataType) -> Option<&'static str> {
+    use DataType::*;
+    Some(match dt {
+        Int8 | Int16 | Int32 | Int64 | UInt8 | UInt16 | UInt32 | Date32 | Date64 => "long long",
+        Boolean => "bool",
+        Float32 => "float",
+        Float64 => "double",
+        Decimal128(_, s) if *s >= 0 => "i128",
+        Utf8 | LargeUtf8 | Utf8View => "const unsigned char*",
+        _ => return None,
+    })
+}
+
+/// The C type that wraps an integer result of `dt` to its width.
+fn int_width(dt: &DataType) -> Option<&'static str> {
+    use DataType::*;
+    Some(match dt {
+        Int8 => "signed char",
+        Int16 => "short",
+        Int32 | Date32 => "int",
+        Int64 | Date64 => "long long",
+        UInt8 => "unsigned char",
+        UInt16 => "unsigned short",
+        UInt32 => "unsigned int",
+        _ => return None,
+    })
+}
+
+fn is_int(dt: &DataType) -> bool {
+    int_width(dt).is_some() && !matches!(dt, DataType::Date32 | DataType::Date64)
+}
+
+fn is_string(dt: &DataType) -> bool {
+    matches!(dt, DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View)
+}
+
+/// Compiles expressions into the body of a [`Codegen`]; the kernel declares `u64 e<c>` for every
+/// column `c` it reads and `bool ovf, dz` (overflow and division by zero of kept rows).
+pub(crate) struct ExprCompiler<'c, 'a> {
+    pub(crate) g: &'c mut Codegen<'a>,
+    schema: &'c Schema,
+}
+
+impl<'c, 'a> ExprCompiler<'c, 'a> {
+    /// A compiler of expressions whose columns index `schema` (the table's schema).
+    pub(crate) fn new(g: &'c mut Codegen<'a>, schema: &'c Schema) -> Self {
+        ExprCompiler { g, schema }
+    }
+
+    fn line(&mut self, text: impl AsRef<str>) {
+        self.g.body.push_str("    ");
+        self.g.body.push_str(text.as_ref());
+        self.g.body.push('\n');
+    }
+
+    fn fresh(&mut self) -> (String, String) {
+        let n = self.g.var();
+        (format!("x{n}"), format!("k{n}"))
+    }
+
+    /// Declares the result variables of a value of `dt` (assigned later).
+    fn declare(&mut self, dt: &DataType) -> Result<Val> {
+        let ty = c_type(dt).map_or_else(|| unsupported(dt), Ok)?;
+        let (v, k) = self.fresh();
+        let len = if is_string(dt) {
+            let l = format!("{v}_len");
+            self.line(format!("{ty} {v} = 0; u64 {l} = 0; bool {k} = false;"));
+            Some(l)
+        } else {
+            self.line(format!("{ty} {v} = 0; bool {k} = false;"));
+            None
+        };
+        Ok(Val {
+            v,
+            k,
+            len,
+            dt: dt.clone(),
+        })
+    }
+
+    fn assign(&mut self, to: &Val, from: &Val) {
+        let mut s = format!("{} = {}; {} = {};", to.v, from.v, to.k, from.k);
+        if let (Some(a), Some(b)) = (&to.len, &from.len) {
+            s.push_str(&format!(" {a} = {b};"));
+        }
+        self.line(s);
+    }
+
+    /// Compiles `expr`; its statements are appended to the body.
+    pub(crate) fn compile(&mut self, expr: &Arc<dyn PhysicalExpr>) -> Result<Val> {
+        let dt = expr
+            .data_type(self.schema)
+            .map_err(|e| Error::Unsupported(format!("device expression type: {e}")))?;
+        if let Some(c) = expr.downcast_ref::<Column>() {
+            return self.column(c.index());
+        }
+        if let Some(l) = expr.downcast_ref::<Literal>() {
+            return self.literal(l.value());
+        }
+        if let Some(b) = expr.downcast_ref::<BinaryExpr>() {
+            return self.binary(b, &dt);
+        }
+        if let Some(n) = expr.downcast_ref::<NotExpr>() {
+            let a = self.compile(n.arg())?;
+            if a.dt != DataType::Boolean {
+                return unsupported("NOT of a non-boolean");
+            }
+            let (v, k) = self.fresh();
+            self.line(format!("bool {k} = {}; bool {v} = !{};", a.k, a.v));
+            return Ok(Val { v, k, len: None, dt });
+        }
+        if let Some(n) = expr.downcast_ref::<IsNullExpr>() {
+            let a = self.compile(n.arg())?;
+            let (v, k) = self.fresh();
+            self.line(format!("bool {k} = true; bool {v} = !{};", a.k));
+            return Ok(Val { v, k, len: None, dt });
+        }
+        if let Some(n) = expr.downcast_ref::<IsNotNullExpr>() {
+            let a = self.compile(n.arg())?;
+            let (v, k) = self.fresh();
+            self.line(format!("bool {k} = true; bool {v} = {};", a.k));
+            return Ok(Val { v, k, len: None, dt });
+        }
+        if let Some(c) = expr.downcast_ref::<CastExpr>() {
+            let a = self.compile(c.expr())?;
+            return self.cast(a, c.cast_type());
+        }
+        if let Some(c) = expr.downcast_ref::<CaseExpr>() {
+            return self.case(c, &dt);
+        }
+        if let Some(i) = expr.downcast_ref::<InListExpr>() {
+            return self.in_list(i);
+        }
+        if let Some(l) = expr.downcast_ref::<LikeExpr>() {
+            return self.like(l);
+        }
+        if let Some(f) = expr.downcast_ref::<ScalarFunctionExpr>() {
+            return self.function(f, &dt);
+        }
+        unsupported(expr)
+    }
+
+    fn column(&mut self, c: usize) -> Result<Val> {
+        let dt = self.schema.field(c).data_type().clone();
+        let (v, k) = self.fresh();
+        let src = format!("c{c}_v");
+        let e = format!("e{c}");
+        self.line(format!("bool {k} = valid(c{c}_n, {e});"));
+        if is_string(&dt) {
+            let (p, l) = self.g.string_value(c)?;
+            return Ok(Val {
+                v: p,
+                k,
+                len: Some(l),
+                dt,
+            });
+        }
+        use DataType::*;
+        let load = match &dt {
+            Int8 => format!("(long long)((const signed char*){src})[{e}]"),
+            Int16 => format!("(long long)((const short*){src})[{e}]"),
+            Int32 | Date32 => format!("(long long)((const int*){src})[{e}]"),
+            Int64 | Date64 => format!("((const long long*){src})[{e}]"),
+            UInt8 => format!("(long long)((const unsigned char*){src})[{e}]"),
+            UInt16 => format!("(long long)((const unsigned short*){src})[{e}]"),
+            UInt32 => format!("(long long)((const unsigned int*){src})[{e}]"),
+            Boolean => format!("bit({src}, {e})"),
+            Float32 => format!("((const float*){src})[{e}]"),
+            Float64 => format!("((const double*){src})[{e}]"),
+            Decimal128(_, s) if *s >= 0 => format!("*(const i128*)({src} + 16 * {e})"),
+            other => return unsupported(other),
+        };
+        let ty = c_type(&dt).map_or_else(|| unsupported(&dt), Ok)?;
+        self.line(format!("{ty} {v} = {load};"));
+        Ok(Val { v, k, len: None, dt })
+    }
+
+    fn literal(&mut self, value: &ScalarValue) -> Result<Val> {
+        let dt = value.data_type();
+        if value.is_null() {
+            let out = self.declare(&dt)?;
+            return Ok(out);
+        }
+        let (v, k) = self.fresh();
+        let int = |x: i64| {
+            let mut b = [0u8; 16];
+            b[..8].copy_from_slice(&x.to_le_bytes());
+            b
+        };
+        let (bytes, load) = match value {
+            ScalarValue::Int8(Some(x)) => (int(*x as i64), "long long"),
+            ScalarValue::Int16(Some(x)) => (int(*x as i64), "long long"),
+            ScalarValue::Int32(Some(x)) | ScalarValue::Date32(Some(x)) => (int(*x as i64), "long long"),
+            ScalarValue::Int64(Some(x)) | ScalarValue::Date64(Some(x)) => (int(*x), "long long"),
+            ScalarValue::UInt8(Some(x)) => (int(*x as i64), "long long"),
+            ScalarValue::UInt16(Some(x)) => (int(*x as i64), "long long"),
+            ScalarValue::UInt32(Some(x)) => (int(*x as i64), "long long"),
+            ScalarValue::Boolean(Some(x)) => (int(*x as i64), "bool"),
+            ScalarValue::Float32(Some(x)) => (int(x.to_bits() as i64), "float"),
+            ScalarValue::Float64(Some(x)) => (int(x.to_bits() as i64), "double"),
+            ScalarValue::Decimal128(Some(x), _, s) if *s >= 0 => (x.to_le_bytes(), "i128"),
+            ScalarValue::Utf8(Some(s)) | ScalarValue::LargeUtf8(Some(s)) | ScalarValue::Utf8View(Some(s)) => {
+                let slot = self.g.string_slot(s.as_bytes())?;
+                let l = format!("{v}_len");
+                self.line(format!(
+                    "const unsigned char* {v} = lit + *(const u32*)(lit + {slot}); \
+                     u64 {l} = *(const u32*)(lit + {slot} + 4); bool {k} = true;"
+                ));
+                return Ok(Val { v, k, len: Some(l), dt });
+            }
+            other => return unsupported(format!("literal {other:?}")),
+        };
+        let slot = self.g.slot(bytes);
+        let read = match load {
+            "float" => format!("__int_as_float((int)*(const long long*)(lit + {slot}))"),
+            "double" => format!("__longlong_as_double(*(const long long*)(lit + {slot}))"),
+            "bool" => format!("*(const long long*)(lit + {slot}) != 0"),
+            "i128" => format!("*(const i128*)(lit + {slot})"),
+            _ => format!("*(const long long*)(lit + {slot})"),
+        };
+        self.line(format!("{load} {v} = {read}; bool {k} = true;"));
+        Ok(Val { v, k, len: None, dt })
+    }
+
+    fn binary(&mut self, b: &BinaryExpr, dt: &DataType) -> Result<Val> {
+        let op = *b.op();
+        match op {
+            Operator::And | Operator::Or => {
+                let l = self.compile(b.left())?;
+                let r = self.compile(b.right())?;
+                let (v, k) = self.fresh();
+                let (va, ka, vb, kb) = (&l.v, &l.k, &r.v, &r.k);
+                self.line(if op == Operator::And {
+                    format!(
+                        "bool {k} = ({ka} && {kb}) || ({ka} && !{va}) || ({kb} && !{vb}); \
+                         bool {v} = {ka} && {va} && {kb} && {vb};"
+                    )
+                } else {
+                    format!(
+                        "bool {k} = ({ka} && {kb}) || ({ka} && {va}) || ({kb} && {vb}); \
+                         bool {v} = ({ka} && {va}) || ({kb} && {vb});"
+                    )
+                });
+                Ok(Val {
+                    v,
+                    k,
+                    len: None,
+                    dt: DataType::Boolean,
+                })
+            }
+            Operator::Eq | Operator::NotEq | Operator::Lt | Operator::LtEq | Operator::Gt | Operator::GtEq => {
+                let l = self.compile(b.left())?;
+                let r = self.compile(b.right())?;
+                self.compare(op, &l, &r)
+            }
+            Operator::Plus | Operator::Minus | Operator::Multiply | Operator::Divide | Operator::Modulo => {
+                let l = self.compile(b.left())?;
+                let r = self.compile(b.right())?;
+                self.arithmetic(op, &l, &r, dt)
+            }
+            other => unsupported(format!("operator {other}")),
+        }
+    }
+
+    fn compare(&mut self, op: Operator, l: &Val, r: &Val) -> Result<Val> {
+        let c = match op {
+            Operator::Eq => "==",
+            Operator::NotEq => "!=",
+            Operator::Lt => "<",
+            Operator::LtEq => "<=",
+            Operator::Gt => ">",
+            _ => ">=",
+        };
+        let test = match (&l.dt, &r.dt) {
+            (a, b) if is_string(a) && is_string(b) => {
+                let (ll, rl) = (l.len.as_ref().expect("string"), r.len.as_ref().expect("string"));
+                format!("(str_cmp({}, {ll}, {}, {rl}) {c} 0)", l.v, r.v)
+            }
+            (DataType::Float32, DataType::Float32) => format!("(fkey32({}) {c} fkey32({}))", l.v, r.v),
+            (DataType::Float64, DataType::Float64) => format!("(fkey64({}) {c} fkey64({}))", l.v, r.v),
+            (DataType::Decimal128(_, s1), DataType::Decimal128(_, s2)) if s1 == s2 => format!("({} {c} {})", l.v, r.v),
+            (a, b) if (is_int(a) && is_int(b)) || (a == b && matches!(a, DataType::Date32 | DataType::Date64)) => {
+                format!("({} {c} {})", l.v, r.v)
+            }
+            (DataType::Boolean, DataType::Boolean) => format!("((int){} {c} (int){})", l.v, r.v),
+            (a, b) => return unsupported(format!("comparison of {a} with {b}")),
+        };
+        let (v, k) = self.fresh();
+        self.line(format!("bool {k} = {} && {}; bool {v} = {k} && {test};", l.k, r.k));
+        Ok(Val {
+            v,
+            k,
+            len: None,
+            dt: DataType::Boolean,
+        })
+    }
+
+    fn arithmetic(&mut self, op: Operator, l: &Val, r: &Val, dt: &DataType) -> Result<Val> {
+        let (v, k) = self.fresh();
+        let (a, b) = (&l.v, &r.v);
+        let both = format!("{} && {}", l.k, r.k);
+        match (&l.dt, &r.dt, dt) {
+            (x, y, DataType::Float64) | (x, y, DataType::Float32)
+                if x == dt && y == dt && !matches!(op, Operator::Modulo) =>
+            {
+                let ty = c_type(dt).expect("float");
+                let c = arith_c(op);
+                self.line(format!("bool {k} = {both}; {ty} {v} = {a} {c} {b};"));
+            }
+            (x, y, out) if is_int(x) && is_int(y) && is_int(out) && x == out && y == out => {
+                let w = int_width(out).expect("integer");
+                let expr = match op {
+                    Operator::Plus | Operator::Minus | Operator::Multiply => format!(
+                        "(long long)({w})((unsigned long long){a} {} (unsigned long long){b})",
+                        arith_c(op)
+                    ),
+                    _ => {
+                        // Checked, as arrow's `div` and `rem`: zero divisors and MIN / -1 are errors.
+                        let min = match out {
+                            DataType::Int8 => "-128LL",
+                            DataType::Int16 => "-32768LL",
+                            DataType::Int32 => "(-2147483647LL - 1)",
+                            DataType::Int64 => "(-9223372036854775807LL - 1)",
+                            _ => "1LL",
+                        };
+                        self.line(format!(
+                            "if ({both} && {b} == 0) dz = true; \
+                             if ({both} && {b} == -1 && {a} == {min} && {min} != 1LL) ovf = true;"
+                        ));
+                        format!(
+                            "({b} == 0 || ({b} == -1 && {a} == {min})) ? 0LL : (long long)({w})({a} {} {b})",
+                            arith_c(op)
+                        )
+                    }
+                };
+                self.line(format!("bool {k} = {both}; long long {v} = {expr};"));
+            }
+            (DataType::Decimal128(p1, s1), DataType::Decimal128(p2, s2), DataType::Decimal128(p, s))
+                if *s1 >= 0 && *s2 >= 0 =>
+            {
+                let (p1, s1, p2, s2) = (*p1 as i32, *s1 as i32, *p2 as i32, *s2 as i32);
+                let (want_p, want_s) = match op {
+                    Operator::Plus | Operator::Minus => {
+                        let rs = s1.max(s2);
+                        ((rs + (p1 - s1).max(p2 - s2) + 1).min(38), rs)
+                    }
+                    Operator::Multiply => ((p1 + p2 + 1).min(38), s1 + s2),
+                    Operator::Divide => {
+                        let rs = (s1 + 4).min(38);
+                        ((rs - s1 + s2 + p1).min(38), rs)
+                    }
+                    _ => {
+                        let rs = s1.max(s2);
+                        ((rs + (p1 - s1).min(p2 - s2)).min(38), rs)
+                    }
+                };
+                if (want_p, want_s) != (*p as i32, *s as i32) || want_s > 38 {
+                    return unsupported(format!("decimal {op} with result {dt}"));
+                }
+                let f = format!("ovf{v}");
+                let z = format!("dz{v}");
+                let expr = match op {
+                    Operator::Plus | Operator::Minus => {
+                        let rs = s1.max(s2);
+                        let name = if op == Operator::Plus {
+                            "add_checked"
+                        } else {
+                            "sub_checked"
+                        };
+                        if s1 == s2 {
+                            format!("{name}({a}, {b}, &{f})")
+                        } else {
+                            format!(
+                                "{name}(mul_checked({a}, pow10_128({}), &{f}), mul_checked({b}, pow10_128({}), &{f}), &{f})",
+                                rs - s1,
+                                rs - s2
+                            )
+                        }
+                    }
+                    Operator::Multiply => format!("mul_checked({a}, {b}, &{f})"),
+                    Operator::Divide => {
+                        let pow = want_s - s1 + s2;
+                        let (lm, rm) = if pow >= 0 { (pow, 0) } else { (0, -pow) };
+                        format!(
+                            "div_checked(mul_checked({a}, pow10_128({lm}), &{f}), mul_checked({b}, pow10_128({rm}), &{f}), &{f}, &{z})"
+                        )
+                    }
+                    _ => {
+                        let rs = s1.max(s2);
+                        format!(
+                            "rem_checked(mul_checked({a}, pow10_128({}), &{f}), mul_checked({b}, pow10_128({}), &{f}), &{f}, &{z})",
+                            rs - s1,
+                            rs - s2
+                        )
+                    }
+                };
+                self.line(format!(
+                    "bool {k} = {both}; bool {f} = false, {z} = false; i128 {v} = {k} ? {expr} : (i128)0; \
+                     if ({k} && {f}) ovf = true; if ({k} && {z}) dz = true;"
+                ));
+            }
+            (x, y, out) => return unsupported(format!("{x} {op} {y} -> {out}")),
+        }
+        Ok(Val {
+            v,
+            k,
+            len: None,
+            dt: dt.clone(),
+        })
+    }
+
+    fn cast(&mut self, a: Val, to: &DataType) -> Result<Val> {
+        use DataType::*;
+        if &a.dt == to {
+            return Ok(a);
+        }
+        let (v, k) = self.fresh();
+        let x = &a.v;
+        let ka = &a.k;
+        let expr = match (&a.dt, to) {
+            (from, out) if is_int(from) && is_int(out) => {
+                // Safe = false: a value that does not fit is an error, as arrow's cast reports it.
+                let w = int_width(out).expect("integer");
+                self.line(format!("if ({ka} && (long long)({w}){x} != {x}) ovf = true;"));
+                format!("(long long)({w}){x}")
+            }
+            (from, Float64) if is_int(from) => format!("(double){x}"),
+            (from, Float32) if is_int(from) => format!("(float){x}"),
+            (Float32, Float64) => format!("(double){x}"),
+            (from, Decimal128(p, s)) if is_int(from) && *s >= 0 => {
+                let f = format!("ovf{v}");
+                self.line(format!(
+                    "bool {f} = false; i128 {v}_t = mul_checked((i128){x}, pow10_128({s}), &{f}); \
+                     if ({ka} && ({f} || !fits_precision({v}_t, {p}))) ovf = true;"
+                ));
+                format!("{v}_t")
+            }
+            (Decimal128(_, s1), Decimal128(p, s2)) if *s1 >= 0 && s2 >= s1 => {
+                let f = format!("ovf{v}");
+                self.line(format!(
+                    "bool {f} = false; i128 {v}_t = mul_checked({x}, pow10_128({}), &{f}); \
+                     if ({ka} && ({f} || !fits_precision({v}_t, {p}))) ovf = true;",
+                    s2 - s1
+                ));
+                format!("{v}_t")
+            }
+            (Decimal128(_, s), Float64) if *s >= 0 => format!("(double){x} / (double)pow10_128({s})"),
+            (from, out) if is_string(from) && is_string(out) => {
+                let l = format!("{v}_len");
+                let len = a_len(&a)?;
+                self.line(format!(
+                    "bool {k} = {ka}; const unsigned char* {v} = {x}; u64 {l} = {len};"
+                ));
+                return Ok(Val {
+                    v,
+                    k,
+                    len: Some(l),
+                    dt: to.clone(),
+                });
+            }
+            (from, to) => return unsupported(format!("CAST({from} AS {to})")),
+        };
+        let ty = c_type(to).map_or_else(|| unsupported(to), Ok)?;
+        self.line(format!("bool {k} = {ka}; {ty} {v} = {expr};"));
+        Ok(Val {
+            v,
+            k,
+            len: None,
+            dt: to.clone(),
+        })
+    }
+
+    fn case(&mut self, c: &CaseExpr, dt: &DataType) -> Result<Val> {
+        if c.expr().is_some() {
+            return unsupported("CASE with a base expression");
+        }
+        let out = self.declare(dt)?;
+        // Each branch is evaluated only where it is taken, so an error in a branch that is not
+        // taken is not raised (as DataFusion evaluates branches on the rows that reach them).
+        let mut closes = 0;
+        for (when, then) in c.when_then_expr() {
+            let w = self.compile(when)?;
+            self.line(format!("if ({} && {}) {{", w.k, w.v));
+            let t = self.compile(then)?;
+            if &t.dt != dt {
+                return unsupported("CASE branch of another type");
+            }
+            self.assign(&out, &t);
+            self.line("} else {");
+            closes += 1;
+        }
+        if let Some(e) = c.else_expr() {
+            let e = self.compile(e)?;
+            if &e.dt != dt {
+                return unsupported("CASE else of another type");
+            }
+            self.assign(&out, &e);
+        }
+        for _ in 0..closes {
+            self.line("}");
+        }
+        Ok(out)
+    }
+
+    fn in_list(&mut self, i: &InListExpr) -> Result<Val> {
+        let x = self.compile(i.expr())?;
+        if matches!(x.dt, DataType::Float32 | DataType::Float64) {
+            return unsupported("IN lists of floats");
+        }
+        let mut tests = Vec::new();
+        for item in i.list() {
+            let Some(lit) = item.downcast_ref::<Literal>() else {
+                return unsupported("IN list of non-literals");
+            };
+            if lit.value().is_null() {
+                return unsupported("IN list with NULL");
+            }
+            let l = self.literal(lit.value())?;
+            let eq = self.compare(Operator::Eq, &x, &l)?;
+            tests.push(eq.v);
+        }
+        let (v, k) = self.fresh();
+        let any = if tests.is_empty() {
+            "false".to_string()
+        } else {
+            tests.join(" || ")
+        };
+        let not = if i.negated() { "!" } else { "" };
+        self.line(format!("bool {k} = {}; bool {v} = {k} && {not}({any});", x.k));
+        Ok(Val {
+            v,
+            k,
+            len: None,
+            dt: DataType::Boolean,
+        })
+    }
+
+    fn like(&mut self, l: &LikeExpr) -> Result<Val> {
+        if l.case_insensitive() {
+            return unsupported("ILIKE");
+        }
+        let Some(pattern) = l.pattern().downcast_ref::<Literal>() else {
+            return unsupported("LIKE with a pattern that is not a literal");
+        };
+        let pattern = match pattern.value() {
+            ScalarValue::Utf8(Some(p)) | ScalarValue::LargeUtf8(Some(p)) | ScalarValue::Utf8View(Some(p)) => p.clone(),
+            other => return unsupported(format!("LIKE pattern {other:?}")),
+        };
+        if pattern.contains('\\') {
+            return unsupported("LIKE pattern with escapes");
+        }
+        let x = self.compile(l.expr())?;
+        let len = a_len(&x)?;
+        let p = self.literal(&ScalarValue::Utf8(Some(pattern)))?;
+        let (v, k) = self.fresh();
+        let not = if l.negated() { "!" } else { "" };
+        self.line(format!(
+            "bool {k} = {}; bool {v} = {k} && {not}like_match({}, {len}, {}, {});",
+            x.k,
+            x.v,
+            p.v,
+            p.len.as_ref().expect("string")
+        ));
+        Ok(Val {
+            v,
+            k,
+            len: None,
+            dt: DataType::Boolean,
+        })
+    }
+
+    fn function(&mut self, f: &ScalarFunctionExpr, dt: &DataType) -> Result<Val> {
+        match f.name() {
+            "date_part" | "extract" => {
+                let [part, arg] = f.args() else {
+                    return unsupported("date_part arity");
+                };
+                let part = match part.downcast_ref::<Literal>().map(|l| l.value()) {
+                    Some(ScalarValue::Utf8(Some(p))) | Some(ScalarValue::Utf8View(Some(p))) => p.to_ascii_lowercase(),
+                    _ => return unsupported("date_part of a non-literal part"),
+                };
+                let x = self.compile(arg)?;
+                if x.dt != DataType::Date32 || !matches!(part.as_str(), "year" | "month") {
+                    return unsupported(format!("date_part('{part}', {})", x.dt));
+                }
+                let (v, k) = self.fresh();
+                let ty = c_type(dt).map_or_else(|| unsupported(dt), Ok)?;
+                let pick = if part == "year" { "y" } else { "m" };
+                self.line(format!(
+                    "bool {k} = {}; long long {v}_y = 0, {v}_m = 0; civil_from_days({}, &{v}_y, &{v}_m); \
+                     {ty} {v} = ({ty}){v}_{pick};",
+                    x.k, x.v
+                ));
+                if !matches!(dt, DataType::Int32 | DataType::Int64 | DataType::Float64) {
+                    return unsupported(format!("date_part returning {dt}"));
+                }
+                Ok(Val {
+                    v,
+                    k,
+                    len: None,
+                    dt: dt.clone(),
+                })
+            }
+            other => unsupported(format!("function {other}")),
+        }
+    }
+}
+
+fn a_len(v: &Val) -> Result<String> {
+    v.len
+        .clone()
+        .map_or_else(|| unsupported(format!("{} is not a string", v.dt)), Ok)
+}
+
+fn arith_c(op: Operator) -> &'static str {
+    match op {
+        Operator::Plus => "+",
+        Operator::Minus => "-",
+        Operator::Multiply => "*",
+        Operator::Divide => "/",
+        _ => "%",
+    }
+}

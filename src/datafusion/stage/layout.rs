@@ -1,0 +1,166 @@
+//! What a stage computes, lowered from the plan, and how its groups are laid out in memory: the
+//! key words of each group and the accumulator slots of each aggregate. The device kernels and the
+//! host implementation fill the same layout; [`super::output`] turns it into DataFusion's partial
+//! aggregate state.
+
+use std::sync::Arc;
+
+use ::datafusion::physical_expr::PhysicalExpr;
+use arrow_schema::{DataType, FieldRef, SchemaRef};
+
+use super::super::predicate::Predicate;
+use super::super::table::TableData;
+use super::codegen::StageSource;
+
+/// An aggregate function a stage runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AggKind {
+    /// `COUNT(x)` (and `COUNT(*)`, whose argument is a literal).
+    Count,
+    /// `SUM(x)`.
+    Sum,
+    /// `AVG(x)`.
+    Avg,
+    /// `MIN(x)`.
+    Min,
+    /// `MAX(x)`.
+    Max,
+}
+
+/// How an aggregate's values accumulate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Acc {
+    /// Only the count of non-null arguments.
+    Count,
+    /// A wrapping 128-bit integer sum (integers and decimals) in three slots.
+    Int128,
+    /// A `f64` sum.
+    Float,
+    /// The minimum of 64-bit integers (integers and dates).
+    MinI64,
+    /// The maximum of 64-bit integers.
+    MaxI64,
+}
+
+/// One accumulator slot's kind: how two partial values merge, and its initial value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SlotKind {
+    /// Unsigned 64-bit addition (counts, the parts of 128-bit sums); starts at 0.
+    Add,
+    /// `f64` addition; starts at 0.0.
+    AddF64,
+    /// Signed minimum; starts at `i64::MAX`.
+    Min,
+    /// Signed maximum; starts at `i64::MIN`.
+    Max,
+}
+
+impl SlotKind {
+    /// The slot's initial value, as stored.
+    pub(crate) fn init(self) -> u64 {
+        match self {
+            SlotKind::Add | SlotKind::AddF64 => 0,
+            SlotKind::Min => i64::MAX as u64,
+            SlotKind::Max => i64::MIN as u64,
+        }
+    }
+}
+
+/// An aggregate of a stage.
+#[derive(Debug)]
+pub(crate) struct AggSpec {
+    pub(crate) kind: AggKind,
+    pub(crate) acc: Acc,
+    /// The argument, over the table's columns.
+    pub(crate) arg: Arc<dyn PhysicalExpr>,
+    /// `FILTER (WHERE ...)`, over the table's columns.
+    pub(crate) filter: Option<Arc<dyn PhysicalExpr>>,
+    /// DataFusion's partial state fields of this aggregate.
+    pub(crate) state: Vec<FieldRef>,
+    /// The display name.
+    pub(crate) name: String,
+}
+
+impl AggSpec {
+    /// The accumulator slots: the count of non-null arguments first, then the values.
+    pub(crate) fn slots(&self) -> &'static [SlotKind] {
+        match self.acc {
+            Acc::Count => &[SlotKind::Add],
+            Acc::Int128 => &[SlotKind::Add, SlotKind::Add, SlotKind::Add, SlotKind::Add],
+            Acc::Float => &[SlotKind::Add, SlotKind::AddF64],
+            Acc::MinI64 => &[SlotKind::Add, SlotKind::Min],
+            Acc::MaxI64 => &[SlotKind::Add, SlotKind::Max],
+        }
+    }
+}
+
+/// The 64-bit words a group key of this type takes (strings of at most 15 bytes: the bytes and
+/// their length; longer ones make the stage give its work back to DataFusion).
+pub(crate) fn key_words(dt: &DataType) -> Option<usize> {
+    use DataType::*;
+    match dt {
+        Int8 | Int16 | Int32 | Int64 | UInt8 | UInt16 | UInt32 | Date32 | Date64 | Boolean => Some(1),
+        Decimal128(_, s) if *s >= 0 => Some(2),
+        Utf8 | LargeUtf8 | Utf8View => Some(2),
+        _ => None,
+    }
+}
+
+/// The longest string a group key holds in its two words.
+pub(crate) const MAX_KEY_STRING: usize = 15;
+
+/// A lowered stage: a GPU table's scan with its pushed-down predicate, the filters above it, the
+/// group keys and the aggregates, every expression over the table's columns.
+#[derive(Debug)]
+pub(crate) struct StagePlan {
+    pub(crate) table: Arc<TableData>,
+    pub(crate) predicate: Option<Arc<Predicate>>,
+    pub(crate) filters: Vec<Arc<dyn PhysicalExpr>>,
+    pub(crate) keys: Vec<Arc<dyn PhysicalExpr>>,
+    pub(crate) key_types: Vec<DataType>,
+    pub(crate) aggs: Vec<AggSpec>,
+    /// The output: DataFusion's partial aggregate schema (group columns, then state fields).
+    pub(crate) schema: SchemaRef,
+    /// The table columns the stage reads, ascending.
+    pub(crate) columns: Vec<usize>,
+    /// The kernels, generated when the plan was lowered.
+    pub(crate) source: Option<StageSource>,
+}
+
+impl StagePlan {
+    /// The first word of each key, and the number of key words (a last word holds the keys'
+    /// null bits); 0 words without keys.
+    pub(crate) fn key_layout(&self) -> (Vec<usize>, usize) {
+        let mut offsets = Vec::with_capacity(self.key_types.len());
+        let mut n = 0;
+        for dt in &self.key_types {
+            offsets.push(n);
+            n += key_words(dt).expect("checked when lowered");
+        }
+        if self.keys.is_empty() {
+            (offsets, 0)
+        } else {
+            (offsets, n + 1)
+        }
+    }
+
+    /// Every accumulator slot, and the first slot of each aggregate.
+    pub(crate) fn slot_layout(&self) -> (Vec<SlotKind>, Vec<usize>) {
+        let mut slots = Vec::new();
+        let mut first = Vec::with_capacity(self.aggs.len());
+        for a in &self.aggs {
+            first.push(slots.len());
+            slots.extend_from_slice(a.slots());
+        }
+        (slots, first)
+    }
+}
+
+/// What a stage accumulated on one device (or on the host): `count` groups, their key words
+/// (`count * words`, group-major) and their accumulators (`slots * count`, slot-major).
+#[derive(Debug, Default)]
+pub(crate) struct Groups {
+    pub(crate) count: usize,
+    pub(crate) keys: Vec<u64>,
+    pub(crate) acc: Vec<u64>,
+}

@@ -1,0 +1,207 @@
+//! A stage's output: its [`Groups`] as a batch of DataFusion's partial aggregate state (the group
+//! columns, then each aggregate's state fields as `AggregateFunctionExpr::state_fields` declares
+//! them), which DataFusion's `Final` aggregate merges.
+
+use std::sync::Arc;
+
+use arrow_array::builder::{
+    BooleanBuilder, Date32Builder, Date64Builder, Decimal128Builder, Float64Builder, Int8Builder, Int16Builder,
+    Int32Builder, Int64Builder, LargeStringBuilder, StringBuilder, StringViewBuilder, UInt8Builder, UInt16Builder,
+    UInt32Builder, UInt64Builder,
+};
+use arrow_array::{ArrayRef, RecordBatch, RecordBatchOptions};
+use arrow_schema::DataType;
+
+use super::layout::{Acc, AggKind, Groups, StagePlan};
+use crate::error::{Error, Result};
+
+/// An integer column of `dt` from `values` (`None` is null).
+fn int_column(dt: &DataType, values: impl Iterator<Item = Option<i128>>) -> Result<ArrayRef> {
+    macro_rules! build {
+        ($b:ty, $t:ty) => {{
+            let mut b = <$b>::new();
+            for v in values {
+                b.append_option(v.map(|v| v as $t));
+            }
+            Arc::new(b.finish()) as ArrayRef
+        }};
+    }
+    Ok(match dt {
+        DataType::Int8 => build!(Int8Builder, i8),
+        DataType::Int16 => build!(Int16Builder, i16),
+        DataType::Int32 => build!(Int32Builder, i32),
+        DataType::Int64 => build!(Int64Builder, i64),
+        DataType::UInt8 => build!(UInt8Builder, u8),
+        DataType::UInt16 => build!(UInt16Builder, u16),
+        DataType::UInt32 => build!(UInt32Builder, u32),
+        DataType::UInt64 => build!(UInt64Builder, u64),
+        DataType::Date32 => build!(Date32Builder, i32),
+        DataType::Date64 => build!(Date64Builder, i64),
+        DataType::Boolean => {
+            let mut b = BooleanBuilder::new();
+            for v in values {
+                b.append_option(v.map(|v| v != 0));
+            }
+            Arc::new(b.finish())
+        }
+        DataType::Decimal128(p, s) => {
+            let mut b = Decimal128Builder::new();
+            for v in values {
+                b.append_option(v);
+            }
+            Arc::new(b.finish().with_precision_and_scale(*p, *s)?)
+        }
+        other => return Err(Error::Unsupported(format!("a stage output column of {other}"))),
+    })
+}
+
+/// Whether a stage can produce a state field of this type for this accumulator.
+pub(crate) fn state_type_supported(acc: Acc, field: usize, dt: &DataType) -> bool {
+    match (acc, field) {
+        (_, 0) if matches!(dt, DataType::Int64 | DataType::UInt64) => true,
+        (Acc::Float, _) => *dt == DataType::Float64,
+        _ => matches!(
+            dt,
+            DataType::Int8
+                | DataType::Int16
+                | DataType::Int32
+                | DataType::Int64
+                | DataType::UInt8
+                | DataType::UInt16
+                | DataType::UInt32
+                | DataType::UInt64
+                | DataType::Date32
+                | DataType::Date64
+                | DataType::Decimal128(..)
+        ),
+    }
+}
+
+/// The key of group `g`, column `j`, from its words.
+fn key_strings(groups: &Groups, nw: usize, at: usize, j: usize) -> Vec<Option<Vec<u8>>> {
+    (0..groups.count)
+        .map(|g| {
+            let w = &groups.keys[g * nw..(g + 1) * nw];
+            if w[nw - 1] >> j & 1 == 1 {
+                return None;
+            }
+            let (a, b) = (w[at], w[at + 1]);
+            let len = (b >> 56) as usize;
+            let mut bytes = a.to_le_bytes().to_vec();
+            bytes.extend_from_slice(&b.to_le_bytes()[..7]);
+            bytes.truncate(len);
+            Some(bytes)
+        })
+        .collect()
+}
+
+fn string_column(dt: &DataType, values: Vec<Option<Vec<u8>>>) -> Result<ArrayRef> {
+    let strings = values
+        .into_iter()
+        .map(|v| v.map(String::from_utf8).transpose())
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| Error::InvalidData(format!("a group key that is not UTF-8: {e}")))?;
+    Ok(match dt {
+        DataType::Utf8 => {
+            let mut b = StringBuilder::new();
+            strings.iter().for_each(|s| b.append_option(s.as_deref()));
+            Arc::new(b.finish())
+        }
+        DataType::LargeUtf8 => {
+            let mut b = LargeStringBuilder::new();
+            strings.iter().for_each(|s| b.append_option(s.as_deref()));
+            Arc::new(b.finish())
+        }
+        _ => {
+            let mut b = StringViewBuilder::new();
+            strings.iter().for_each(|s| b.append_option(s.as_deref()));
+            Arc::new(b.finish())
+        }
+    })
+}
+
+/// The 128-bit wrapping sum held in slots `s..s + 3` of group `g`.
+fn sum128(groups: &Groups, s: usize, g: usize) -> i128 {
+    let n = groups.count;
+    let p0 = groups.acc[s * n + g] as u128;
+    let p1 = groups.acc[(s + 1) * n + g] as u128;
+    let p2 = groups.acc[(s + 2) * n + g] as u128;
+    p0.wrapping_add(p1 << 32).wrapping_add(p2 << 64) as i128
+}
+
+/// The partial state batch of `groups`.
+pub(crate) fn state_batch(plan: &StagePlan, groups: &Groups) -> Result<RecordBatch> {
+    let (offsets, nw) = plan.key_layout();
+    let (_, first) = plan.slot_layout();
+    let n = groups.count;
+    let mut columns: Vec<ArrayRef> = Vec::with_capacity(plan.schema.fields().len());
+    for (j, dt) in plan.key_types.iter().enumerate() {
+        let at = offsets[j];
+        let column = match dt {
+            DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View => {
+                string_column(dt, key_strings(groups, nw, at, j))?
+            }
+            _ => {
+                let values = (0..n).map(|g| {
+                    let w = &groups.keys[g * nw..(g + 1) * nw];
+                    let null = w[nw - 1] >> j & 1 == 1;
+                    let v = match dt {
+                        DataType::Decimal128(..) => (w[at] as u128 | (w[at + 1] as u128) << 64) as i128,
+                        _ => w[at] as i64 as i128,
+                    };
+                    (!null).then_some(v)
+                });
+                int_column(dt, values)?
+            }
+        };
+        columns.push(column);
+    }
+    for (a, spec) in plan.aggs.iter().enumerate() {
+        let s = first[a];
+        let count = |g: usize| groups.acc[s * n + g];
+        for (f, field) in spec.state.iter().enumerate() {
+            let dt = field.data_type();
+            // COUNT's state and AVG's first state field are the count; everything else the value,
+            // null for a group without a non-null argument.
+            let is_count = spec.kind == AggKind::Count || (spec.kind == AggKind::Avg && f == 0);
+            let column = if is_count {
+                int_column(dt, (0..n).map(|g| Some(count(g) as i128)))?
+            } else {
+                match spec.acc {
+                    Acc::Float => {
+                        let mut b = Float64Builder::new();
+                        for g in 0..n {
+                            let v = f64::from_bits(groups.acc[(s + 1) * n + g]);
+                            b.append_option((count(g) > 0).then_some(v));
+                        }
+                        Arc::new(b.finish()) as ArrayRef
+                    }
+                    Acc::Int128 => {
+                        let wrap64 = matches!(dt, DataType::Int64 | DataType::UInt64);
+                        int_column(
+                            dt,
+                            (0..n).map(|g| {
+                                let v = sum128(groups, s + 1, g);
+                                // Integer sums wrap at 64 bits, as DataFusion's do.
+                                let v = if wrap64 { v as i64 as i128 } else { v };
+                                (count(g) > 0).then_some(v)
+                            }),
+                        )?
+                    }
+                    Acc::MinI64 | Acc::MaxI64 => int_column(
+                        dt,
+                        (0..n).map(|g| (count(g) > 0).then_some(groups.acc[(s + 1) * n + g] as i64 as i128)),
+                    )?,
+                    Acc::Count => return Err(Error::InvalidData("a COUNT with a value state".into())),
+                }
+            };
+            columns.push(column);
+        }
+    }
+    let options = RecordBatchOptions::new().with_row_count(Some(n));
+    Ok(RecordBatch::try_new_with_options(
+        plan.schema.clone(),
+        columns,
+        &options,
+    )?)
+}

@@ -1,0 +1,281 @@
+//! [`DeviceStageRule`]: the physical optimizer rule that replaces partial aggregates over GPU table
+//! scans with device stages.
+
+use std::sync::Arc;
+
+use ::datafusion::common::config::ConfigOptions;
+use ::datafusion::common::tree_node::{Transformed, TreeNode};
+use ::datafusion::datasource::source::DataSourceExec;
+use ::datafusion::physical_expr::PhysicalExpr;
+use ::datafusion::physical_expr::expressions::Column;
+use ::datafusion::physical_optimizer::PhysicalOptimizerRule;
+use ::datafusion::physical_plan::ExecutionPlan;
+use ::datafusion::physical_plan::Partitioning;
+use ::datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
+use ::datafusion::physical_plan::filter::FilterExec;
+use ::datafusion::physical_plan::projection::ProjectionExec;
+use ::datafusion::physical_plan::repartition::RepartitionExec;
+use arrow_schema::DataType;
+
+use super::super::error::DfResult;
+use super::super::nvrtc::gpu_kernels_available;
+use super::super::source::GpuScan;
+use super::codegen;
+use super::exec::DeviceStageExec;
+use super::layout::{Acc, AggKind, AggSpec, StagePlan, key_words};
+use super::output::state_type_supported;
+use crate::device::Device;
+
+/// Replaces each partial aggregate over a GPU table scan (through projections and filters) with one [`DeviceStageExec`], when the device can run all of it; everything else
+/// stays with DataFusion. See the [module docs](super) for where it sits among DataFusion's rules.
+#[derive(Debug, Default, Clone)]
+pub struct DeviceStageRule {
+    host_stages: bool,
+}
+
+impl DeviceStageRule {
+    /// A rule that places stages over tables on CUDA devices.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Also places stages over tables on the CPU device, run by their host implementation
+    /// (arrow-rs kernels). Off by default: DataFusion's own operators are the better choice there;
+    /// tests switch it on to prove the plan rewrite and the partial state without a GPU.
+    pub fn with_host_stages(mut self, on: bool) -> Self {
+        self.host_stages = on;
+        self
+    }
+}
+
+impl PhysicalOptimizerRule for DeviceStageRule {
+    fn optimize(&self, plan: Arc<dyn ExecutionPlan>, _config: &ConfigOptions) -> DfResult<Arc<dyn ExecutionPlan>> {
+        let out = plan.transform_down(|node| {
+            let Some(agg) = node.downcast_ref::<AggregateExec>() else {
+                return Ok(Transformed::no(node));
+            };
+            match self.lower(agg) {
+                Ok(stage) => Ok(Transformed::yes(Arc::new(DeviceStageExec::new(stage, node.clone())))),
+                Err(why) => {
+                    log::debug!("arrow-cuda: no device stage for {}: {why}", agg.name());
+                    Ok(Transformed::no(node))
+                }
+            }
+        })?;
+        Ok(out.data)
+    }
+
+    fn name(&self) -> &str {
+        "arrow_cuda_device_stages"
+    }
+
+    fn schema_check(&self) -> bool {
+        true
+    }
+}
+
+/// The subtree under an aggregate, down to the scan: its filters and the expressions of its output
+/// columns, all over the table's columns.
+struct Lowered<'a> {
+    scan: &'a GpuScan,
+    filters: Vec<Arc<dyn PhysicalExpr>>,
+    outputs: Vec<Arc<dyn PhysicalExpr>>,
+}
+
+/// `expr` with each column replaced by the expression that computes it.
+fn substitute(
+    expr: &Arc<dyn PhysicalExpr>,
+    outputs: &[Arc<dyn PhysicalExpr>],
+) -> Result<Arc<dyn PhysicalExpr>, String> {
+    Arc::clone(expr)
+        .transform(|e| {
+            Ok(match e.downcast_ref::<Column>() {
+                Some(c) => Transformed::yes(Arc::clone(&outputs[c.index()])),
+                None => Transformed::no(e),
+            })
+        })
+        .map(|t| t.data)
+        .map_err(|e| e.to_string())
+}
+
+fn walk(plan: &Arc<dyn ExecutionPlan>) -> Result<Lowered<'_>, String> {
+    if let Some(source) = plan.downcast_ref::<DataSourceExec>() {
+        let scan = source
+            .data_source()
+            .downcast_ref::<GpuScan>()
+            .ok_or("a data source that is not a GPU table")?;
+        if scan.limit().is_some() {
+            return Err("a scan with a limit".into());
+        }
+        let table = &scan.table().schema;
+        let outputs = scan
+            .output_columns()
+            .into_iter()
+            .map(|c| Arc::new(Column::new(table.field(c).name(), c)) as Arc<dyn PhysicalExpr>)
+            .collect();
+        return Ok(Lowered {
+            scan,
+            filters: vec![],
+            outputs,
+        });
+    }
+    if let Some(p) = plan.downcast_ref::<ProjectionExec>() {
+        let mut below = walk(p.input())?;
+        below.outputs = p
+            .expr()
+            .iter()
+            .map(|e| substitute(&e.expr, &below.outputs))
+            .collect::<Result<_, _>>()?;
+        return Ok(below);
+    }
+    if let Some(f) = plan.downcast_ref::<FilterExec>() {
+        if f.projection().is_some() {
+            return Err("a filter with a projection".into());
+        }
+        let mut below = walk(f.input())?;
+        let predicate = substitute(f.predicate(), &below.outputs)?;
+        below.filters.push(predicate);
+        return Ok(below);
+    }
+    if let Some(r) = plan.downcast_ref::<RepartitionExec>()
+        && matches!(r.partitioning(), Partitioning::RoundRobinBatch(_))
+    {
+        return walk(r.input());
+    }
+    Err(format!("{} under the aggregate", plan.name()))
+}
+
+impl DeviceStageRule {
+    fn lower(&self, agg: &AggregateExec) -> Result<StagePlan, String> {
+        if *agg.mode() != AggregateMode::Partial {
+            return Err(format!("mode {:?}", agg.mode()));
+        }
+        if agg.group_expr().has_grouping_set() || agg.limit_options().is_some() {
+            return Err("grouping sets or a limit".into());
+        }
+        let below = walk(agg.input())?;
+        let table = below.scan.table().clone();
+        let devices = &table.partition_devices;
+        let cuda = devices.iter().all(|d| matches!(d, Device::Cuda(_)));
+        let host = devices.iter().all(|d| d.is_host_accessible());
+        if cuda && !gpu_kernels_available() {
+            log::info!("arrow-cuda: device stages are off: NVRTC or the GPU is not usable here");
+            return Err("no NVRTC".into());
+        }
+        if !(cuda || (host && self.host_stages)) {
+            return Err("the table's devices".into());
+        }
+        if table
+            .partitions
+            .iter()
+            .map(|p| p.iter().map(|b| b.num_rows()).sum::<usize>())
+            .sum::<usize>()
+            > u32::MAX as usize
+        {
+            return Err("more than 2^32 rows".into());
+        }
+        let input_schema = agg.input_schema();
+        let mut keys = Vec::new();
+        let mut key_types = Vec::new();
+        for (e, _) in agg.group_expr().expr() {
+            let dt = e.data_type(&input_schema).map_err(|e| e.to_string())?;
+            key_words(&dt).ok_or_else(|| format!("a group key of {dt}"))?;
+            keys.push(substitute(e, &below.outputs)?);
+            key_types.push(dt);
+        }
+        let mut aggs = Vec::new();
+        for (a, filter) in agg.aggr_expr().iter().zip(agg.filter_expr()) {
+            if a.is_distinct() || !a.order_bys().is_empty() {
+                return Err(format!("{} with DISTINCT or ORDER BY", a.name()));
+            }
+            let kind = match a.fun().name().to_ascii_lowercase().as_str() {
+                "count" => AggKind::Count,
+                "sum" => AggKind::Sum,
+                "avg" => AggKind::Avg,
+                "min" => AggKind::Min,
+                "max" => AggKind::Max,
+                other => return Err(format!("aggregate {other}")),
+            };
+            let [arg] = a
+                .expressions()
+                .try_into()
+                .map_err(|_| "an aggregate of several arguments")?;
+            let dt = arg.data_type(&input_schema).map_err(|e| e.to_string())?;
+            let int = matches!(
+                dt,
+                DataType::Int8
+                    | DataType::Int16
+                    | DataType::Int32
+                    | DataType::Int64
+                    | DataType::UInt8
+                    | DataType::UInt16
+                    | DataType::UInt32
+            );
+            let acc = match (kind, &dt) {
+                (AggKind::Count, _) => Acc::Count,
+                (AggKind::Sum | AggKind::Avg, DataType::Decimal128(_, s)) if *s >= 0 => Acc::Int128,
+                (AggKind::Sum | AggKind::Avg, _) if int => Acc::Int128,
+                (AggKind::Sum | AggKind::Avg, DataType::Float32 | DataType::Float64) => Acc::Float,
+                (AggKind::Min, DataType::Date32 | DataType::Date64) => Acc::MinI64,
+                (AggKind::Max, DataType::Date32 | DataType::Date64) => Acc::MaxI64,
+                (AggKind::Min, _) if int => Acc::MinI64,
+                (AggKind::Max, _) if int => Acc::MaxI64,
+                (k, dt) => return Err(format!("{k:?} of {dt}")),
+            };
+            let state = a.state_fields().map_err(|e| e.to_string())?;
+            let expected = if kind == AggKind::Avg { 2 } else { 1 };
+            if state.len() != expected
+                || !state
+                    .iter()
+                    .enumerate()
+                    .all(|(i, f)| state_type_supported(acc, i, f.data_type()))
+            {
+                return Err(format!("the state of {}", a.name()));
+            }
+            aggs.push(AggSpec {
+                kind,
+                acc,
+                arg: substitute(&arg, &below.outputs)?,
+                filter: filter.as_ref().map(|f| substitute(f, &below.outputs)).transpose()?,
+                state,
+                name: a.name().to_string(),
+            });
+        }
+        let mut columns = std::collections::BTreeSet::new();
+        if let Some(p) = below.scan.predicate() {
+            p.columns(&mut columns);
+        }
+        let exprs = below
+            .filters
+            .iter()
+            .chain(&keys)
+            .chain(aggs.iter().map(|a| &a.arg))
+            .chain(aggs.iter().filter_map(|a| a.filter.as_ref()));
+        for e in exprs {
+            e.apply(|n| {
+                if let Some(c) = n.downcast_ref::<Column>() {
+                    columns.insert(c.index());
+                }
+                Ok(::datafusion::common::tree_node::TreeNodeRecursion::Continue)
+            })
+            .map_err(|e| e.to_string())?;
+        }
+        let mut plan = StagePlan {
+            predicate: below.scan.predicate().cloned(),
+            filters: below.filters,
+            keys,
+            key_types,
+            aggs,
+            schema: agg.schema(),
+            columns: columns.into_iter().collect(),
+            source: None,
+            table,
+        };
+        // The kernels are generated now, so a plan the device cannot run is never chosen; they
+        // compile when the stage first runs.
+        let first = plan.table.partitions.iter().flatten().next().ok_or("an empty table")?;
+        let source = codegen::generate(&plan, first).map_err(|e| e.to_string())?;
+        plan.source = Some(source);
+        Ok(plan)
+    }
+}
