@@ -87,12 +87,39 @@ pub enum Error {
     /// Data that crossed a C interface or a process boundary is malformed.
     #[error("invalid data: {0}")]
     InvalidData(String),
+    /// An I/O operation failed: a socket, shared memory, a wait that timed out. [`Error::io_kind`]
+    /// says what happened ([`std::io::ErrorKind::TimedOut`] for timeouts).
+    #[error("I/O error: {context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The operating system's error.
+        source: std::io::Error,
+    },
     /// An error from arrow-rs.
     #[error(transparent)]
     Arrow(#[from] ArrowError),
 }
 
 impl Error {
+    /// An I/O failure while doing `context`.
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Error {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// The [`std::io::ErrorKind`] of an I/O error ([`Error::Io`], or an arrow-rs I/O error), if
+    /// `self` is one.
+    pub fn io_kind(&self) -> Option<std::io::ErrorKind> {
+        match self {
+            Error::Io { source, .. } => Some(source.kind()),
+            Error::Arrow(ArrowError::IoError(_, source)) => Some(source.kind()),
+            _ => None,
+        }
+    }
+
     /// Wraps a driver error, naming the call that produced it.
     pub(crate) fn driver(call: &'static str) -> impl FnOnce(DriverError) -> Error {
         move |source| Error::Driver { call, source }
@@ -111,7 +138,48 @@ impl From<Error> for ArrowError {
     fn from(e: Error) -> Self {
         match e {
             Error::Arrow(e) => e,
+            Error::Io { context, source } => ArrowError::IoError(format!("{context}: {source}"), source),
             other => ArrowError::ExternalError(Box::new(other)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::ErrorKind;
+
+    use super::*;
+
+    #[test]
+    fn io_errors_keep_their_kind_through_arrow() {
+        let e = Error::io("waiting for a frame", ErrorKind::TimedOut.into());
+        assert_eq!(e.io_kind(), Some(ErrorKind::TimedOut));
+        assert!(e.to_string().contains("waiting for a frame"), "{e}");
+        match ArrowError::from(e) {
+            ArrowError::IoError(message, source) => {
+                assert_eq!(source.kind(), ErrorKind::TimedOut);
+                assert!(message.starts_with("waiting for a frame: "), "{message}");
+            }
+            other => panic!("not an I/O error: {other:?}"),
+        }
+        let arrow = Error::Arrow(ArrowError::IoError("x".into(), ErrorKind::UnexpectedEof.into()));
+        assert_eq!(arrow.io_kind(), Some(ErrorKind::UnexpectedEof));
+        assert_eq!(Error::InvalidData("x".into()).io_kind(), None);
+    }
+
+    #[cfg(feature = "datafusion")]
+    #[test]
+    fn io_errors_reach_datafusion_as_arrow_io_errors() {
+        use ::datafusion::common::DataFusionError;
+        let e = DataFusionError::from(Error::io("binding a socket", ErrorKind::AddrInUse.into()));
+        match e {
+            DataFusionError::ArrowError(a, _) => {
+                assert!(
+                    matches!(*a, ArrowError::IoError(_, ref s) if s.kind() == ErrorKind::AddrInUse),
+                    "{a:?}"
+                )
+            }
+            other => panic!("not an arrow I/O error: {other:?}"),
         }
     }
 }

@@ -20,8 +20,9 @@ use arrow_array::{
 };
 use arrow_cuda::ipc::{
     self, BatchDescriptor, BufferLocation, DeviceMessage, IpcMemHandle, Receiver, ReceiverOptions, Sender, SenderEvent,
-    SenderOptions, SharedMapping, SharedMemHandle,
+    SenderOptions,
 };
+use arrow_cuda::memory::SharedMemHandle;
 use arrow_cuda::transfer::{dtoh, htod_async};
 use arrow_cuda::{Device, DeviceBuffer, DeviceRecordBatch, Error, Event, MemoryResource, Stream};
 use arrow_ipc::writer::{DictionaryTracker, IpcDataGenerator, IpcWriteContext, IpcWriteOptions};
@@ -877,8 +878,8 @@ fn peer() {
             let (ba, bb) = (&a.column(1).buffers()[0], &b.column(1).buffers()[0]);
             assert_eq!(ba.address(), bb.address(), "the same allocation is mapped once");
             let open = match device {
-                Device::Cpu => SharedMapping::open_count(),
-                _ => ipc::OpenedHandle::open_count(),
+                Device::Cpu => ipc::testing::open_shared_mappings(),
+                _ => ipc::testing::open_cuda_mappings(),
             };
             // One mapping: the sender exports an allocation's handle once and sends the same bytes
             // every time (the driver may hand out new bytes for each export).
@@ -886,8 +887,8 @@ fn peer() {
             check_batch("shared", &dtoh(&a, &stream).unwrap(), &stream_batch(0));
             drop((a, b));
             let open = match device {
-                Device::Cpu => SharedMapping::open_count(),
-                _ => ipc::OpenedHandle::open_count(),
+                Device::Cpu => ipc::testing::open_shared_mappings(),
+                _ => ipc::testing::open_cuda_mappings(),
             };
             assert_eq!(open, 0, "closed with the last view");
             say("done");
@@ -1089,7 +1090,7 @@ fn a_killed_sender_makes_the_receiver_fail() {
         peer.child.kill().unwrap();
         let e = r.recv().unwrap_err();
         assert_eq!(
-            ipc::io_error_kind(&e),
+            e.io_kind(),
             Some(std::io::ErrorKind::UnexpectedEof),
             "{device}: {e}"
         );
@@ -1145,7 +1146,7 @@ fn acknowledgements_free_room_for_more() {
     // Only one byte may be in flight: the next batch waits for room, and times out.
     let other = upload(&batch, MemoryResource::SharedHost, &stream);
     let e = sender.send(&other).unwrap_err();
-    assert_eq!(ipc::io_error_kind(&e), Some(std::io::ErrorKind::TimedOut), "{e}");
+    assert_eq!(e.io_kind(), Some(std::io::ErrorKind::TimedOut), "{e}");
     assert_eq!(sender.status().in_flight_batches, 1, "a timed-out send lends nothing");
     // A view of one column keeps the whole batch lent.
     let column = got.column(1).clone();
@@ -1411,7 +1412,7 @@ fn corrupt_frames_from_a_sender_are_errors() {
     // frames after the greeting are tested in `src/ipc/channel/receiver.rs`: they go through the
     // shared-memory ring.)
     let e = fake_sender("no-ring", good(), |_| {}).unwrap_err();
-    assert_eq!(ipc::io_error_kind(&e), Some(std::io::ErrorKind::UnexpectedEof), "{e}");
+    assert_eq!(e.io_kind(), Some(std::io::ErrorKind::UnexpectedEof), "{e}");
     let mut ring = vec![5u8];
     ring.extend_from_slice(&(1u64 << 20).to_le_bytes());
     let e = fake_sender("ring-without-fds", [good(), raw_frame(&ring)].concat(), |_| {}).unwrap_err();

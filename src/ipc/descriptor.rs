@@ -24,11 +24,11 @@ use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Event};
 use crate::error::{Error, Result};
 use crate::ipc::handle::{IpcMemHandle, OpenedHandle};
-use crate::ipc::layout::BodyLayout;
+use crate::ipc::layout::{BodyLayout, needs_normalising};
 use crate::ipc::message::DeviceMessage;
-use crate::ipc::shm::{SharedMapping, SharedMemHandle, SharedRegion};
 use crate::ipc::wire::{Reader, Writer};
 use crate::ipc::{decode, handle};
+use crate::memory::shm::{SharedMapping, SharedMemHandle, SharedRegion};
 use crate::memory::{DeviceBuffer, MemoryResource};
 
 /// An exported base allocation.
@@ -99,77 +99,10 @@ impl BatchDescriptor {
     /// ([`Error::Unsupported`] otherwise; write a message instead). The caller must keep the batch
     /// alive and unchanged until the receivers are done with it.
     pub fn describe(batch: &DeviceRecordBatch) -> Result<BatchDescriptor> {
-        let device = batch.device();
-        // A batch with sliced arrays has no layout (Unsupported): it is sent as a message instead.
-        let mut layouts = BodyLayout::of(batch)?;
-        let mut regions = Vec::new();
-        // Region index by the region's address in this process.
-        let mut index: HashMap<u64, u32> = HashMap::new();
-        let mut locations = Vec::with_capacity(layouts.iter().map(|l| l.buffers.len()).sum());
-        // The last buffer placed, its region and its offset there: the next buffer is most often a
-        // view of the same allocation, which needs no lookup.
-        let mut last: Option<(&DeviceBuffer, u32, u64)> = None;
-        for b in layouts.iter().flat_map(|l| &l.buffers) {
-            let Some(src) = b.source else {
-                locations.push(BufferLocation::EMPTY);
-                continue;
-            };
-            if let Some((prev, region, prev_offset)) = last
-                && src.shares_allocation(prev)
-            {
-                // Views of one allocation lie in one region at the distance they lie apart.
-                let offset = prev_offset
-                    .wrapping_add(src.offset() as u64)
-                    .wrapping_sub(prev.offset() as u64);
-                locations.push(BufferLocation {
-                    region,
-                    offset,
-                    len: b.len as u64,
-                });
-                last = Some((src, region, offset));
-                continue;
-            }
-            let (key, offset, shared) = match (device, src.resource()) {
-                (Device::Cuda(o), MemoryResource::Device(r)) if r == o => {
-                    (src.address() - src.offset() as u64, src.offset(), None)
-                }
-                (Device::Cpu, _) => match SharedRegion::find(src) {
-                    Some((region, offset)) => (region.address(), offset, Some(region)),
-                    None => return Err(not_exportable(src)),
-                },
-                _ => return Err(not_exportable(src)),
-            };
-            let region = match index.get(&key) {
-                Some(i) => *i,
-                None => {
-                    regions.push(match (device, shared) {
-                        (Device::Cuda(o), _) => RegionHandle::Cuda {
-                            ordinal: o,
-                            handle: IpcMemHandle::export(src)?,
-                        },
-                        (_, Some(region)) => RegionHandle::Host(region.handle()?),
-                        (_, None) => return Err(not_exportable(src)),
-                    });
-                    let i = regions.len() as u32 - 1;
-                    index.insert(key, i);
-                    i
-                }
-            };
-            locations.push(BufferLocation {
-                region,
-                offset: offset as u64,
-                len: b.len as u64,
-            });
-            last = Some((src, region, offset as u64));
+        match Route::of(batch)? {
+            Route::Lend(located) => located.export(),
+            Route::Copy(why) => Err(Error::Unsupported(why)),
         }
-        let batch = layouts.pop().expect("a batch's layout");
-        Ok(BatchDescriptor {
-            device,
-            dictionaries: layouts.iter().map(BodyLayout::metadata).collect(),
-            metadata: batch.metadata(),
-            regions,
-            locations,
-        })
     }
 
     /// Describes a message written into one exportable allocation: a single region.
@@ -454,12 +387,134 @@ impl BatchDescriptor {
     }
 }
 
-fn not_exportable(b: &DeviceBuffer) -> Error {
-    Error::Unsupported(format!(
+/// How a batch can reach another process, decided before anything is exported or copied.
+pub(crate) enum Route<'a> {
+    /// Every buffer lies in memory another process can open: the batch is lent as it is.
+    Lend(Located<'a>),
+    /// The batch must be written into a message first, for the reason given (an array with an
+    /// offset or an unknown null count, or a buffer in memory no other process can open).
+    Copy(String),
+}
+
+impl<'a> Route<'a> {
+    /// Decides how `batch` travels. Errors are malformed batches only; a batch that cannot be lent
+    /// as it is is [`Route::Copy`].
+    pub(crate) fn of(batch: &'a DeviceRecordBatch) -> Result<Route<'a>> {
+        if needs_normalising(batch) {
+            return Ok(Route::Copy(
+                "an array with an offset or an unknown null count has no IPC layout as it is".into(),
+            ));
+        }
+        let device = batch.device();
+        let layouts = BodyLayout::of(batch)?;
+        let mut regions: Vec<Region<'a>> = Vec::new();
+        // Region index by the region's address in this process.
+        let mut index: HashMap<u64, u32> = HashMap::new();
+        let mut locations = Vec::with_capacity(layouts.iter().map(|l| l.buffers.len()).sum());
+        // The last buffer placed, its region and its offset there: the next buffer is most often a
+        // view of the same allocation, which needs no lookup.
+        let mut last: Option<(&DeviceBuffer, u32, u64)> = None;
+        for b in layouts.iter().flat_map(|l| &l.buffers) {
+            let Some(src) = b.source else {
+                locations.push(BufferLocation::EMPTY);
+                continue;
+            };
+            if let Some((prev, region, prev_offset)) = last
+                && src.shares_allocation(prev)
+            {
+                // Views of one allocation lie in one region at the distance they lie apart.
+                let offset = prev_offset
+                    .wrapping_add(src.offset() as u64)
+                    .wrapping_sub(prev.offset() as u64);
+                locations.push(BufferLocation {
+                    region,
+                    offset,
+                    len: b.len as u64,
+                });
+                last = Some((src, region, offset));
+                continue;
+            }
+            let (key, offset, shared) = match (device, src.resource()) {
+                (Device::Cuda(o), MemoryResource::Device(r)) if r == o => {
+                    (src.address() - src.offset() as u64, src.offset(), None)
+                }
+                (Device::Cpu, _) => match SharedRegion::find(src) {
+                    Some((region, offset)) => (region.address(), offset, Some(region)),
+                    None => return Ok(Route::Copy(not_exportable(src))),
+                },
+                _ => return Ok(Route::Copy(not_exportable(src))),
+            };
+            let region = *index.entry(key).or_insert_with(|| {
+                regions.push(Region { buffer: src, shared });
+                regions.len() as u32 - 1
+            });
+            locations.push(BufferLocation {
+                region,
+                offset: offset as u64,
+                len: b.len as u64,
+            });
+            last = Some((src, region, offset as u64));
+        }
+        Ok(Route::Lend(Located {
+            device,
+            layouts,
+            regions,
+            locations,
+        }))
+    }
+}
+
+/// One region of a [`Located`] batch: a buffer in it, and the shared region for host memory.
+struct Region<'a> {
+    buffer: &'a DeviceBuffer,
+    shared: Option<Arc<SharedRegion>>,
+}
+
+/// A batch whose every buffer was found in memory another process can open, and where each lies.
+pub(crate) struct Located<'a> {
+    device: Device,
+    layouts: Vec<BodyLayout<'a>>,
+    regions: Vec<Region<'a>>,
+    locations: Vec<BufferLocation>,
+}
+
+impl Located<'_> {
+    /// Exports the regions and builds the descriptor.
+    pub(crate) fn export(self) -> Result<BatchDescriptor> {
+        let Located {
+            device,
+            mut layouts,
+            regions,
+            locations,
+        } = self;
+        let regions = regions
+            .into_iter()
+            .map(|r| match (device, r.shared) {
+                (Device::Cuda(o), _) => Ok(RegionHandle::Cuda {
+                    ordinal: o,
+                    handle: IpcMemHandle::export(r.buffer)?,
+                }),
+                (_, Some(region)) => Ok(RegionHandle::Host(region.handle()?)),
+                (_, None) => Err(Error::Unsupported(not_exportable(r.buffer))),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let batch = layouts.pop().expect("a batch's layout");
+        Ok(BatchDescriptor {
+            device,
+            dictionaries: layouts.iter().map(BodyLayout::metadata).collect(),
+            metadata: batch.metadata(),
+            regions,
+            locations,
+        })
+    }
+}
+
+fn not_exportable(b: &DeviceBuffer) -> String {
+    format!(
         "{b:?} ({:?}) cannot be opened by another process; allocate from MemoryResource::Device or \
          MemoryResource::SharedHost, or write a message",
         b.resource()
-    ))
+    )
 }
 
 /// A region opened in this process.

@@ -10,7 +10,7 @@
 //! already open returns the same mapping, and the mapping is closed (`cuIpcCloseMemHandle`) when its
 //! last user drops it (the driver counts opens of one handle too). The exporter must not free
 //! memory that another process still has open (CUDA leaves that undefined): the channel
-//! ([`crate::ipc::channel`]) keeps lent memory until the receiver has closed its mapping.
+//! ([`crate::ipc::Sender`]) keeps lent memory until the receiver has closed its mapping.
 
 use std::fmt;
 use std::sync::{Arc, LazyLock};
@@ -19,7 +19,7 @@ use cudarc::driver::{CudaContext, sys};
 
 use crate::device::{self, Device};
 use crate::error::{Error, Result};
-use crate::ipc::cache::MappingCache;
+use crate::memory::cache::MappingCache;
 use crate::memory::{DeviceBuffer, MemoryResource};
 
 /// The size of a `CUipcMemHandle` (and of a `CUipcEventHandle`).
@@ -128,8 +128,10 @@ impl IpcMemHandle {
         Ok(IpcMemHandle { size, bytes: handle })
     }
 
-    /// Opens the allocation in this process on device `ordinal`, or returns the mapping this
-    /// process already has of it (see [`open`]).
+    /// Opens the allocation in this process on device `ordinal` (`cuIpcOpenMemHandle` with
+    /// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`), or returns the mapping this process already has of the
+    /// same handle, whatever ordinal it was opened on. The mapping is closed when the last `Arc`
+    /// drops. A handle that announces more bytes than the driver maps is [`Error::InvalidData`].
     pub fn open(&self, ordinal: usize) -> Result<Arc<OpenedHandle>> {
         open(self, ordinal)
     }
@@ -144,7 +146,7 @@ static OPENED: LazyLock<MappingCache<[u8; HANDLE_BYTES], OpenedHandle>> = LazyLo
 ///
 /// The size the handle announces is checked against the size of the mapped range the driver
 /// reports: a larger claim is [`Error::InvalidData`].
-pub fn open(handle: &IpcMemHandle, ordinal: usize) -> Result<Arc<OpenedHandle>> {
+pub(crate) fn open(handle: &IpcMemHandle, ordinal: usize) -> Result<Arc<OpenedHandle>> {
     OPENED.get_or_open(&handle.bytes, || {
         let ctx = device::context(ordinal)?;
         ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
@@ -237,8 +239,8 @@ impl OpenedHandle {
         unsafe { DeviceBuffer::from_raw_parts(self.address, self.size, self.device(), owner) }
     }
 
-    /// The number of mappings open in this process now.
-    pub fn open_count() -> usize {
+    /// The number of mappings open in this process now (a test hook: see `crate::ipc::testing`).
+    pub(crate) fn open_count() -> usize {
         OPENED.live()
     }
 }
@@ -290,7 +292,7 @@ mod tests {
 
     #[test]
     fn host_memory_is_not_exportable_through_cuda_ipc() {
-        let b = DeviceBuffer::alloc(MemoryResource::Host, 64, &crate::Stream::cpu()).unwrap();
+        let b = DeviceBuffer::alloc(MemoryResource::Host, 64, &crate::device::Stream::cpu()).unwrap();
         assert!(matches!(IpcMemHandle::export(&b), Err(Error::Unsupported(_))));
     }
 }

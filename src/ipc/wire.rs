@@ -265,7 +265,7 @@ pub(crate) enum RecvError {
 impl RecvError {
     pub fn into_error(self) -> Error {
         match self {
-            RecvError::Idle(e) => crate::ipc::io_error("waiting for a frame", e),
+            RecvError::Idle(e) => Error::io("waiting for a frame", e),
             RecvError::Broken(e) => e,
         }
     }
@@ -399,12 +399,12 @@ impl FrameReader {
                         let e = io::Error::new(io::ErrorKind::TimedOut, "a socket read timed out");
                         return Err(match have {
                             0 => RecvError::Idle(e),
-                            _ => RecvError::Broken(crate::ipc::io_error("reading a frame", e)),
+                            _ => RecvError::Broken(Error::io("reading a frame", e)),
                         });
                     }
-                    Err(e) => return Err(RecvError::Broken(crate::ipc::io_error("waiting for a frame", e))),
+                    Err(e) => return Err(RecvError::Broken(Error::io("waiting for a frame", e))),
                 },
-                Err(e) => return Err(RecvError::Broken(crate::ipc::io_error("reading a frame", e))),
+                Err(e) => return Err(RecvError::Broken(Error::io("reading a frame", e))),
             }
         }
     }

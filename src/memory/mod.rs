@@ -1,9 +1,15 @@
-//! Device memory: allocations, buffers, pinned host memory and strided views.
+//! Device memory: allocations, buffers, pinned host memory, shared host memory and strided views.
+//!
+//! Shared host memory ([`SharedMemHandle`], [`SharedMapping`]) is the CPU device's stand-in for
+//! CUDA IPC: memfds another process can map. Mappings opened from another process (memfds here,
+//! CUDA IPC handles in the IPC layer) are cached per process by one cache type (`cache.rs`).
 
 mod buffer;
+pub(crate) mod cache;
 pub mod pinned;
 pub mod register;
 mod resource;
+pub(crate) mod shm;
 pub mod view;
 
 pub use buffer::DeviceBuffer;
@@ -11,4 +17,5 @@ pub(crate) use buffer::{check_range, copy, stream_for};
 pub use register::{Registered, RegisteredMut, register, register_mut};
 pub(crate) use resource::Allocation;
 pub use resource::{ALIGNMENT, MemoryResource};
+pub use shm::{SharedMapping, SharedMemHandle};
 pub use view::{Element, StridedView};

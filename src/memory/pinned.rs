@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::device::Stream;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::memory::DeviceBuffer;
 use crate::memory::resource::{Allocation, MemoryResource};
 
@@ -52,7 +52,7 @@ impl PinnedPool {
             resource,
             MemoryResource::PinnedHost(_) | MemoryResource::WriteCombinedHost(_)
         ) {
-            return Err(crate::Error::InvalidArgument(format!(
+            return Err(Error::InvalidArgument(format!(
                 "{resource:?} is not pinned host memory"
             )));
         }

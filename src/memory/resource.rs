@@ -102,7 +102,7 @@ impl MemoryResource {
             }
             (MemoryResource::SharedHost, _) => {
                 // The region (fd and mapping) is owned by the allocation and unmapped when it drops.
-                let region = crate::ipc::shm::SharedRegion::create(size)?;
+                let region = crate::memory::shm::SharedRegion::create(size)?;
                 (region.address(), Release::Owner(Box::new(region)))
             }
             (MemoryResource::DevicePool(o), Some(ctx)) if ctx.has_async_alloc() => {

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arrow_array::{ArrayRef, Int64Array, RecordBatch};
-use arrow_cuda::ipc::{Receiver, ReceiverOptions, Sender, SenderOptions, default_message_resource, io_error_kind};
+use arrow_cuda::ipc::{Receiver, ReceiverOptions, Sender, SenderOptions, default_message_resource};
 use arrow_cuda::transfer::{dtoh, htod, htod_async};
 use arrow_cuda::{Device, DeviceBuffer, DeviceRecordBatch, MemoryResource, Result, Stream};
 use arrow_ipc::reader::StreamReader;
@@ -427,7 +427,7 @@ fn wait_for_peer(sender: &Sender, peer: &mut Peer) -> BoxResult<()> {
     loop {
         match sender.wait_for_receivers(1, Duration::from_millis(100)) {
             Ok(()) => return Ok(()),
-            Err(e) if io_error_kind(&e) == Some(std::io::ErrorKind::TimedOut) && Instant::now() < deadline => {
+            Err(e) if e.io_kind() == Some(std::io::ErrorKind::TimedOut) && Instant::now() < deadline => {
                 peer.check()?
             }
             Err(e) => return Err(e.into()),

@@ -19,10 +19,12 @@
 //! - truncated, oversized or corrupt frames: errors on either side, never a crash; a corrupt batch is
 //!   acknowledged so its memory is reclaimed.
 
+mod peers;
 mod protocol;
 mod receiver;
 mod ring;
 mod sender;
 
+pub use peers::{SenderEvent, SenderStatus};
 pub use receiver::{Receiver, ReceiverOptions};
-pub use sender::{Sender, SenderEvent, SenderOptions, SenderStatus};
+pub use sender::{Sender, SenderOptions};

@@ -18,7 +18,6 @@ use crate::ipc::channel::ring::{Entry, RingReader, Woken};
 use crate::ipc::descriptor::{BatchDescriptor, Mapping};
 use crate::ipc::event::{IpcEvent, IpcEventHandle};
 use crate::ipc::handle::HANDLE_BYTES;
-use crate::ipc::io_error;
 use crate::ipc::message::decode_schema;
 use crate::ipc::wire::{self, FrameReader, RecvError};
 
@@ -114,7 +113,7 @@ impl std::fmt::Debug for Receiver {
 
 /// The error of a connection that ended before the end of the stream.
 fn ended() -> Error {
-    io_error(
+    Error::io(
         "the sender's connection ended before the end of the stream",
         io::ErrorKind::UnexpectedEof.into(),
     )
@@ -139,12 +138,12 @@ impl Receiver {
                 {
                     std::thread::sleep(Duration::from_millis(10));
                 }
-                Err(e) => return Err(io_error(&format!("connecting to {}", path.display()), e)),
+                Err(e) => return Err(Error::io(format!("connecting to {}", path.display()), e)),
             }
         };
         socket
             .set_write_timeout(Some(options.ack_timeout))
-            .map_err(|e| io_error("configuring the channel socket", e))?;
+            .map_err(|e| Error::io("configuring the channel socket", e))?;
         // Kept for the receiver's life: a read may take frames after the greeting too.
         let mut reader = FrameReader::new(options.max_frame_bytes);
         let mut greeting = |what: &str| {
@@ -154,7 +153,7 @@ impl Receiver {
             let frame = reader
                 .recv(socket.as_fd(), Some(left))
                 .map_err(RecvError::into_error)?
-                .ok_or_else(|| io_error(what, io::ErrorKind::UnexpectedEof.into()))?;
+                .ok_or_else(|| Error::io(what, io::ErrorKind::UnexpectedEof.into()))?;
             Frame::decode(frame)
         };
         let schema = match greeting("reading the schema")? {
@@ -199,7 +198,7 @@ impl Receiver {
         }
         let frame = match self.next_frame() {
             Ok(decoded) => decoded?,
-            Err(RecvError::Idle(e)) => return Err(io_error("waiting for a batch", e)),
+            Err(RecvError::Idle(e)) => return Err(Error::io("waiting for a batch", e)),
             Err(RecvError::Broken(e)) => {
                 self.state = State::Broken(e.to_string());
                 return Err(e);
@@ -266,7 +265,7 @@ impl Receiver {
                             "no frame came",
                         )));
                     }
-                    Err(e) => return Err(RecvError::Broken(io_error("waiting for a frame", e))),
+                    Err(e) => return Err(RecvError::Broken(Error::io("waiting for a frame", e))),
                 },
             }
         }
@@ -437,7 +436,7 @@ mod tests {
             r.options.poll = poll;
             fake.join().unwrap();
             let e = r.recv().unwrap_err();
-            assert_eq!(crate::ipc::io_error_kind(&e), Some(io::ErrorKind::UnexpectedEof), "{e}");
+            assert_eq!(e.io_kind(), Some(io::ErrorKind::UnexpectedEof), "{e}");
         }
 
         // Nothing comes: a timeout, after which the receiver goes on.
@@ -448,7 +447,7 @@ mod tests {
         });
         r.options.recv_timeout = Some(Duration::from_millis(20));
         let e = r.recv().unwrap_err();
-        assert_eq!(crate::ipc::io_error_kind(&e), Some(io::ErrorKind::TimedOut), "{e}");
+        assert_eq!(e.io_kind(), Some(io::ErrorKind::TimedOut), "{e}");
         tx.send(()).unwrap();
         fake.join().unwrap();
         r.options.recv_timeout = Some(Duration::from_secs(10));

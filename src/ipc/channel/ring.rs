@@ -28,8 +28,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::ipc::shm;
 use crate::ipc::wire::wait_readable;
+use crate::memory::shm;
 
 /// The ring's size in bytes, a power of two. A 100-column batch's frame takes about 3 KiB.
 pub(crate) const CAPACITY: usize = 1 << 20;
@@ -127,7 +127,7 @@ fn eventfd() -> Result<OwnedFd> {
     // SAFETY: plain flags; the result is checked.
     let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
     if raw < 0 {
-        return Err(crate::ipc::io_error("eventfd", io::Error::last_os_error()));
+        return Err(Error::io("eventfd", io::Error::last_os_error()));
     }
     // SAFETY: a new descriptor that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(raw) })

@@ -1,13 +1,13 @@
-//! The producing end of a channel.
+//! The producing end of a channel: its options and the [`Sender`] itself (its receivers are kept in
+//! `peers.rs`).
 
 use std::any::Any;
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::io;
-use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -16,13 +16,11 @@ use arrow_schema::SchemaRef;
 use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Event, Stream};
 use crate::error::{Error, Result};
-use crate::ipc::channel::protocol::{Frame, Link};
-use crate::ipc::channel::ring::RingWriter;
-use crate::ipc::descriptor::BatchDescriptor;
+use crate::ipc::channel::peers::{InFlight, SenderEvent, SenderStatus, Shared, State, accept_loop};
+use crate::ipc::channel::protocol::Frame;
+use crate::ipc::descriptor::{BatchDescriptor, Route};
 use crate::ipc::event::{IpcEvent, IpcEventHandle};
-use crate::ipc::io_error;
 use crate::ipc::message::{default_message_resource, encode_schema, write_message_to};
-use crate::ipc::wire::FrameReader;
 use crate::memory::MemoryResource;
 
 /// How a [`Sender`] behaves.
@@ -56,251 +54,6 @@ impl Default for SenderOptions {
     }
 }
 
-/// Something that happened to a sender's receivers.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum SenderEvent {
-    /// A receiver connected.
-    Joined {
-        /// The receiver's number.
-        receiver: u64,
-    },
-    /// A receiver closed its connection holding nothing, after detaching or after the end.
-    Left {
-        /// The receiver's number.
-        receiver: u64,
-    },
-    /// A receiver's connection ended while it held batches, failed, or broke the protocol; what it
-    /// held was reclaimed.
-    Lost {
-        /// The receiver's number.
-        receiver: u64,
-        /// How many batches it held.
-        reclaimed: usize,
-        /// What happened.
-        reason: String,
-    },
-}
-
-/// A snapshot of a sender's state.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct SenderStatus {
-    /// Receivers connected now (detached ones included until they close).
-    pub receivers: usize,
-    /// Receivers that joined so far.
-    pub joined: u64,
-    /// Receivers that left cleanly.
-    pub left: u64,
-    /// Receivers lost (see [`SenderEvent::Lost`]).
-    pub lost: u64,
-    /// Batches sent to at least one receiver.
-    pub sent: u64,
-    /// Batches some receiver still holds.
-    pub in_flight_batches: usize,
-    /// The body bytes of those batches.
-    pub in_flight_bytes: u64,
-}
-
-struct Peer {
-    link: Arc<Link>,
-    detached: bool,
-}
-
-/// A batch lent to receivers.
-struct InFlight {
-    pending: BTreeSet<u64>,
-    bytes: u64,
-    /// Keeps the memory alive (and unreused) until every receiver is done.
-    _lease: Box<dyn Any + Send>,
-    event: Option<(IpcEvent, IpcEventHandle)>,
-}
-
-#[derive(Default)]
-struct State {
-    peers: BTreeMap<u64, Peer>,
-    in_flight: HashMap<u64, InFlight>,
-    in_flight_bytes: u64,
-    next_peer: u64,
-    status: SenderStatus,
-    events: Vec<SenderEvent>,
-    /// The last frame, once sent (`End` or `Abort`): late receivers get it after `Hello`.
-    last: Option<Frame>,
-    /// Interprocess events no batch uses now, by device ordinal, oldest first.
-    event_pool: HashMap<usize, VecDeque<(IpcEvent, IpcEventHandle)>>,
-}
-
-impl State {
-    /// Releases a batch every receiver is done with: its memory is freed (or given back to its
-    /// owner) before the lock is released, so a status that no longer counts it means it is gone;
-    /// its event goes back to the pool.
-    fn complete(&mut self, id: u64) {
-        if let Some(mut done) = self.in_flight.remove(&id) {
-            self.in_flight_bytes -= done.bytes;
-            if let Some(e) = done.event.take() {
-                self.recycle(e);
-            }
-        }
-    }
-
-    /// Keeps an event no batch uses for the next batch on its device.
-    fn recycle(&mut self, event: (IpcEvent, IpcEventHandle)) {
-        let ordinal = event.0.device().ordinal().unwrap_or(0);
-        self.event_pool.entry(ordinal).or_default().push_back(event);
-    }
-}
-
-/// Released interprocess events kept resting before one is recorded again.
-const SPARE_EVENTS: usize = 4;
-
-struct Shared {
-    state: Mutex<State>,
-    changed: Condvar,
-    closed: AtomicBool,
-    hello: Frame,
-    max_frame: usize,
-    write_timeout: Duration,
-}
-
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Greets a new receiver, hands it its ring and starts reading its acknowledgements.
-    fn add_peer(self: &Arc<Self>, socket: UnixStream) {
-        if socket.set_nonblocking(false).is_err() || socket.set_write_timeout(Some(self.write_timeout)).is_err() {
-            return;
-        }
-        let Ok(reader) = socket.try_clone() else { return };
-        let Ok(ring) = RingWriter::create() else {
-            return;
-        };
-        let Ok(handover) = Frame::ring(&ring) else { return };
-        let link = Arc::new(Link::new(socket));
-        let id = {
-            let mut st = self.lock();
-            // Under the lock, so that a concurrent finish cannot slip between the greeting and the
-            // registration; a fresh socket's buffer takes these small frames without blocking.
-            if link.send(&self.hello).is_err() || link.send(&handover).is_err() {
-                return;
-            }
-            link.attach(ring);
-            if let Some(last) = &st.last
-                && link.send(last).is_err()
-            {
-                return;
-            }
-            let id = st.next_peer;
-            st.next_peer += 1;
-            st.peers.insert(id, Peer { link, detached: false });
-            st.status.joined += 1;
-            st.events.push(SenderEvent::Joined { receiver: id });
-            id
-        };
-        self.changed.notify_all();
-        let shared = self.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("arrow-cuda-ipc-peer-{id}"))
-            .spawn(move || shared.read_peer(id, reader));
-        if let Err(e) = spawned {
-            self.disconnect(id, Some(format!("could not start its reader thread: {e}")));
-        }
-    }
-
-    /// Reads one receiver's frames until its connection ends.
-    fn read_peer(&self, id: u64, socket: UnixStream) {
-        let mut reader = FrameReader::new(self.max_frame);
-        let reason = loop {
-            match reader.recv(socket.as_fd(), None) {
-                Ok(None) => break None,
-                Ok(Some(frame)) => match Frame::decode(frame) {
-                    Ok(Frame::Ack(batch)) => self.ack(id, batch),
-                    Ok(Frame::Detach) => self.detach(id),
-                    Ok(other) => break Some(format!("protocol violation: a receiver sent {other:?}")),
-                    Err(e) => break Some(format!("protocol violation: {e}")),
-                },
-                Err(e) => break Some(e.into_error().to_string()),
-            }
-        };
-        self.disconnect(id, reason);
-    }
-
-    fn ack(&self, peer: u64, batch: u64) {
-        let mut st = self.lock();
-        let last = st
-            .in_flight
-            .get_mut(&batch)
-            .is_some_and(|f| f.pending.remove(&peer) && f.pending.is_empty());
-        if last {
-            st.complete(batch);
-            drop(st);
-            self.changed.notify_all();
-        }
-    }
-
-    fn detach(&self, peer: u64) {
-        if let Some(p) = self.lock().peers.get_mut(&peer) {
-            p.detached = true;
-        }
-        self.changed.notify_all();
-    }
-
-    /// Removes a receiver and reclaims every batch it held.
-    fn disconnect(&self, peer: u64, reason: Option<String>) {
-        {
-            let mut st = self.lock();
-            let Some(p) = st.peers.remove(&peer) else { return };
-            let _ = p.link.socket.shutdown(std::net::Shutdown::Both);
-            let held: Vec<u64> = st
-                .in_flight
-                .iter()
-                .filter(|(_, f)| f.pending.contains(&peer))
-                .map(|(id, _)| *id)
-                .collect();
-            for id in &held {
-                let last = st
-                    .in_flight
-                    .get_mut(id)
-                    .is_some_and(|f| f.pending.remove(&peer) && f.pending.is_empty());
-                if last {
-                    st.complete(*id);
-                }
-            }
-            let clean = held.is_empty() && reason.is_none() && (p.detached || st.last.is_some());
-            if clean {
-                st.status.left += 1;
-                st.events.push(SenderEvent::Left { receiver: peer });
-            } else {
-                st.status.lost += 1;
-                let reason = reason.unwrap_or_else(|| "the connection closed".into());
-                st.events.push(SenderEvent::Lost {
-                    receiver: peer,
-                    reclaimed: held.len(),
-                    reason,
-                });
-            }
-        }
-        self.changed.notify_all();
-    }
-
-    /// Sends `frame` to `peers`; a receiver whose socket fails is disconnected.
-    fn broadcast(&self, peers: &[(u64, Arc<Link>)], frame: &Frame) {
-        for (id, link) in peers {
-            if let Err(e) = link.send(frame) {
-                self.disconnect(*id, Some(format!("sending to it failed: {e}")));
-            }
-        }
-    }
-
-    /// The receivers still receiving.
-    fn active(st: &State) -> Vec<(u64, Arc<Link>)> {
-        st.peers
-            .iter()
-            .filter(|(_, p)| !p.detached)
-            .map(|(id, p)| (*id, p.link.clone()))
-            .collect()
-    }
-}
-
 /// The producing end of a channel: binds a Unix socket and lends record batches to every receiver
 /// that connects.
 ///
@@ -322,6 +75,9 @@ pub struct Sender {
     accept: Option<JoinHandle<()>>,
 }
 
+/// Released interprocess events kept resting before one is recorded again.
+const SPARE_EVENTS: usize = 4;
+
 impl std::fmt::Debug for Sender {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Sender({}, {:?})", self.path.display(), self.status())
@@ -336,29 +92,23 @@ impl Sender {
         let listener = match UnixListener::bind(&path) {
             Ok(l) => l,
             Err(e) if e.kind() == io::ErrorKind::AddrInUse && is_stale(&path) => {
-                std::fs::remove_file(&path).map_err(|e| io_error("removing a stale socket", e))?;
-                UnixListener::bind(&path).map_err(|e| io_error("binding the channel socket", e))?
+                std::fs::remove_file(&path).map_err(|e| Error::io("removing a stale socket", e))?;
+                UnixListener::bind(&path).map_err(|e| Error::io("binding the channel socket", e))?
             }
-            Err(e) => return Err(io_error(&format!("binding {}", path.display()), e)),
+            Err(e) => return Err(Error::io(format!("binding {}", path.display()), e)),
         };
         listener
             .set_nonblocking(true)
-            .map_err(|e| io_error("configuring the channel socket", e))?;
-        let shared = Arc::new(Shared {
-            state: Mutex::new(State::default()),
-            changed: Condvar::new(),
-            closed: AtomicBool::new(false),
-            hello: Frame::Hello {
-                schema: encode_schema(&schema),
-            },
-            max_frame: options.max_frame_bytes,
-            write_timeout: options.send_timeout,
-        });
+            .map_err(|e| Error::io("configuring the channel socket", e))?;
+        let hello = Frame::Hello {
+            schema: encode_schema(&schema),
+        };
+        let shared = Arc::new(Shared::new(hello, options.max_frame_bytes, options.send_timeout));
         let accepting = shared.clone();
         let accept = std::thread::Builder::new()
             .name("arrow-cuda-ipc-accept".into())
             .spawn(move || accept_loop(&listener, &accepting))
-            .map_err(|e| io_error("starting the accept thread", e))?;
+            .map_err(|e| Error::io("starting the accept thread", e))?;
         Ok(Sender {
             shared,
             schema,
@@ -414,7 +164,7 @@ impl Sender {
         while !done(&st) {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(io_error(&format!("waiting for {what}"), io::ErrorKind::TimedOut.into()));
+                return Err(Error::io(format!("waiting for {what}"), io::ErrorKind::TimedOut.into()));
             }
             st = self
                 .shared
@@ -457,13 +207,9 @@ impl Sender {
             return Err(Error::InvalidArgument("the stream has ended".into()));
         }
         let device = batch.device();
-        let described = match self.options.zero_copy {
-            true => match BatchDescriptor::describe(batch) {
-                Ok(d) => Some(d),
-                Err(Error::Unsupported(_)) => None,
-                Err(e) => return Err(e),
-            },
-            false => None,
+        let described = match self.route(batch)? {
+            Route::Lend(located) => Some(located.export()?),
+            Route::Copy(_) => None,
         };
         let estimate = described
             .as_ref()
@@ -482,22 +228,52 @@ impl Sender {
                 (BatchDescriptor::of_message(&message)?, Box::new(message), ready)
             }
         };
-        // Receivers may touch the bytes only after they are in place: on a GPU through an IPC event
-        // recorded after them (none when they are in place already: the device has finished
-        // writing them, so any later work sees them), on the CPU (shared memory) once they are there.
-        let event = match descriptor.device {
+        let event = self.order_after(descriptor.device, &ready, &stream)?;
+        self.lend(descriptor, lease, event)
+    }
+
+    /// How `batch` travels: lent as it is when [`SenderOptions::zero_copy`] is on and its memory
+    /// allows, else copied into a message. Decided before anything is exported or copied.
+    fn route<'a>(&self, batch: &'a DeviceRecordBatch) -> Result<Route<'a>> {
+        match self.options.zero_copy {
+            true => Route::of(batch),
+            false => Ok(Route::Copy("zero-copy sending is off".into())),
+        }
+    }
+
+    /// Orders the receivers' use of a batch on `device` after `ready`. Receivers may touch the
+    /// bytes only after they are in place: on a GPU through an IPC event recorded after them (none
+    /// when they are in place already: the device has finished writing them, so any later work
+    /// sees them), on the CPU (shared memory) once they are there.
+    fn order_after(
+        &self,
+        device: Device,
+        ready: &Event,
+        stream: &Stream,
+    ) -> Result<Option<(IpcEvent, IpcEventHandle)>> {
+        Ok(match device {
             Device::Cuda(_) if ready.is_complete()? => None,
             Device::Cuda(o) => {
-                stream.wait(&ready)?;
+                stream.wait(ready)?;
                 let e = self.take_event(o)?;
-                e.0.record(&stream)?;
+                e.0.record(stream)?;
                 Some(e)
             }
             _ => {
                 ready.synchronize()?;
                 None
             }
-        };
+        })
+    }
+
+    /// Lends a described batch to every receiver connected now, keeping `lease` (and `event`)
+    /// until each is done; returns its id, or 0 when no receiver was connected.
+    fn lend(
+        &self,
+        descriptor: BatchDescriptor,
+        lease: Box<dyn Any + Send>,
+        event: Option<(IpcEvent, IpcEventHandle)>,
+    ) -> Result<u64> {
         let bytes = descriptor.body_bytes();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let frame = Frame::Batch {
@@ -513,7 +289,7 @@ impl Sender {
                     st.recycle(e);
                 }
                 return match st.last {
-                    // `finish` ran since the check above.
+                    // `finish` ran since the check in `send`.
                     Some(_) => Err(Error::InvalidArgument("the stream has ended".into())),
                     None => Ok(0),
                 };
@@ -619,20 +395,52 @@ fn is_stale(path: &Path) -> bool {
     matches!(UnixStream::connect(path), Err(e) if e.kind() == io::ErrorKind::ConnectionRefused)
 }
 
-fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
-    use std::os::fd::AsRawFd;
-    while !shared.closed.load(Ordering::SeqCst) {
-        let mut poll = libc::pollfd {
-            fd: listener.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
+#[cfg(test)]
+mod tests {
+    use arrow_array::{ArrayRef, Int64Array, RecordBatch};
+
+    use super::*;
+    use crate::transfer::htod_async;
+
+    fn on_cpu(resource: MemoryResource) -> DeviceRecordBatch {
+        let ints: ArrayRef = Arc::new(Int64Array::from_iter_values(0..100));
+        let batch = RecordBatch::try_from_iter([("ints", ints)]).unwrap();
+        htod_async(&batch, resource, &Stream::cpu()).unwrap()
+    }
+
+    fn lent(route: Route<'_>) -> bool {
+        matches!(route, Route::Lend(_))
+    }
+
+    /// The path a batch takes is decided before anything is exported: lent as it is when its memory
+    /// can be opened by another process and its arrays have an IPC layout, copied otherwise.
+    #[test]
+    fn the_route_is_decided_up_front() {
+        let path = std::env::temp_dir().join(format!("acipc-unit-{}-route.sock", std::process::id()));
+        let shared = on_cpu(MemoryResource::SharedHost);
+        let sender = Sender::bind(&path, shared.schema().clone(), SenderOptions::default()).unwrap();
+        assert!(lent(sender.route(&shared).unwrap()));
+        let sliced = shared.slice(1, 10).unwrap();
+        assert!(!lent(sender.route(&sliced).unwrap()), "a slice has no IPC layout");
+        let private = on_cpu(MemoryResource::Host);
+        assert!(
+            !lent(sender.route(&private).unwrap()),
+            "plain host memory is not shared"
+        );
+        // The public `describe` reports the same decisions as `Unsupported`.
+        assert!(BatchDescriptor::describe(&shared).is_ok());
+        assert!(matches!(BatchDescriptor::describe(&sliced), Err(Error::Unsupported(_))));
+        assert!(matches!(
+            BatchDescriptor::describe(&private),
+            Err(Error::Unsupported(_))
+        ));
+
+        let copying = SenderOptions {
+            zero_copy: false,
+            ..SenderOptions::default()
         };
-        // SAFETY: one valid pollfd for the call.
-        unsafe { libc::poll(&mut poll, 1, 50) };
-        match listener.accept() {
-            Ok((socket, _)) => shared.add_peer(socket),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {}
-            Err(_) => std::thread::sleep(Duration::from_millis(50)),
-        }
+        let path2 = path.with_extension("copy.sock");
+        let sender2 = Sender::bind(&path2, shared.schema().clone(), copying).unwrap();
+        assert!(!lent(sender2.route(&shared).unwrap()), "zero copy is off");
     }
 }

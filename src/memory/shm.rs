@@ -1,6 +1,6 @@
 //! Shared host memory: what stands in for CUDA IPC on the CPU device.
 //!
-//! [`MemoryResource::SharedHost`](crate::MemoryResource::SharedHost) allocations are `memfd`s, sized
+//! [`MemoryResource::SharedHost`](crate::memory::MemoryResource::SharedHost) allocations are `memfd`s, sized
 //! with `ftruncate`, sealed against shrinking and growing, and mapped `MAP_SHARED`. Their "handle"
 //! is the file descriptor plus the size ([`SharedMemHandle`]); it crosses a Unix socket with
 //! `SCM_RIGHTS`, and the peer maps it (read-only). The seals are what make a received region safe to
@@ -14,9 +14,10 @@ use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::{Arc, LazyLock, Mutex, Weak};
 
+use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::ipc::cache::MappingCache;
 use crate::memory::DeviceBuffer;
+use crate::memory::cache::MappingCache;
 
 /// One shared region mapped into this process.
 pub(crate) struct SharedRegion {
@@ -47,7 +48,7 @@ static REGISTRY: Mutex<BTreeMap<u64, Weak<SharedRegion>>> = Mutex::new(BTreeMap:
 static OPENED: LazyLock<MappingCache<(u64, u64), SharedRegion>> = LazyLock::new(MappingCache::new);
 
 fn os_error(what: &str) -> Error {
-    crate::ipc::io_error(what, std::io::Error::last_os_error())
+    Error::io(what, std::io::Error::last_os_error())
 }
 
 fn register(region: &Arc<SharedRegion>) {
@@ -68,10 +69,7 @@ impl SharedRegion {
 
     /// A handle for another process: a duplicate of the descriptor, and the size.
     pub(crate) fn handle(&self) -> Result<SharedMemHandle> {
-        let fd = self
-            .fd
-            .try_clone()
-            .map_err(|e| crate::ipc::io_error("duplicating a memfd", e))?;
+        let fd = self.fd.try_clone().map_err(|e| Error::io("duplicating a memfd", e))?;
         Ok(SharedMemHandle { fd, size: self.size })
     }
 
@@ -137,7 +135,7 @@ pub(crate) fn sealed_memfd(size: usize) -> Result<OwnedFd> {
     // SAFETY: `raw` is a new descriptor that nothing else owns.
     let fd = unsafe { OwnedFd::from_raw_fd(raw) };
     let len = libc::off_t::try_from(size).map_err(|_| Error::OutOfMemory {
-        device: crate::Device::Cpu,
+        device: Device::Cpu,
         requested: size,
     })?;
     // SAFETY: a valid descriptor and length.
@@ -145,10 +143,10 @@ pub(crate) fn sealed_memfd(size: usize) -> Result<OwnedFd> {
         let e = std::io::Error::last_os_error();
         return Err(match e.raw_os_error() {
             Some(libc::ENOSPC | libc::ENOMEM | libc::EFBIG) => Error::OutOfMemory {
-                device: crate::Device::Cpu,
+                device: Device::Cpu,
                 requested: size,
             },
-            _ => crate::ipc::io_error("ftruncate of a memfd", e),
+            _ => Error::io("ftruncate of a memfd", e),
         });
     }
     let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
@@ -188,7 +186,7 @@ pub struct SharedMemHandle {
 
 impl SharedMemHandle {
     /// The handle of the region that holds `buffer` (memory of
-    /// [`MemoryResource::SharedHost`](crate::MemoryResource::SharedHost), or a region received from a
+    /// [`MemoryResource::SharedHost`](crate::memory::MemoryResource::SharedHost), or a region received from a
     /// peer), and the buffer's offset in it. The handle covers the whole region.
     pub fn export(buffer: &DeviceBuffer) -> Result<(SharedMemHandle, usize)> {
         let (region, offset) = SharedRegion::find(buffer).ok_or_else(|| {
@@ -296,8 +294,9 @@ impl SharedMapping {
         self.region.size
     }
 
-    /// The number of peers' regions mapped in this process now.
-    pub fn open_count() -> usize {
+    /// The number of peers' regions mapped in this process now (a test hook: see
+    /// `crate::ipc::testing`).
+    pub(crate) fn open_count() -> usize {
         OPENED.live()
     }
 
@@ -311,6 +310,6 @@ impl SharedMapping {
     pub(crate) fn buffer(&self, owner: impl std::any::Any + Send + Sync) -> DeviceBuffer {
         // SAFETY: the mapping is valid for `size` bytes while the owner (which holds it) lives, and
         // the CPU device's buffers from foreign memory are never written through safe code.
-        unsafe { DeviceBuffer::from_raw_parts(self.address(), self.size(), crate::Device::Cpu, owner) }
+        unsafe { DeviceBuffer::from_raw_parts(self.address(), self.size(), Device::Cpu, owner) }
     }
 }

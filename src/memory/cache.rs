@@ -102,7 +102,7 @@ mod tests {
         assert_eq!(opens.load(Ordering::SeqCst), 2);
         assert!(
             CACHE
-                .get_or_open(&8, || Err(crate::Error::InvalidData("no".into())))
+                .get_or_open(&8, || Err(crate::error::Error::InvalidData("no".into())))
                 .is_err()
         );
     }

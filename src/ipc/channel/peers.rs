@@ -1,0 +1,295 @@
+//! A sender's side of its receivers: who is connected, which batches each holds, and the threads
+//! that accept receivers and read their acknowledgements. A batch lent to receivers is kept (with
+//! its interprocess event) until the last of them acknowledges it or goes away.
+
+use std::any::Any;
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::io;
+use std::os::fd::AsFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::ipc::channel::protocol::{Frame, Link};
+use crate::ipc::channel::ring::RingWriter;
+use crate::ipc::event::{IpcEvent, IpcEventHandle};
+use crate::ipc::wire::FrameReader;
+
+/// Something that happened to a sender's receivers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SenderEvent {
+    /// A receiver connected.
+    Joined {
+        /// The receiver's number.
+        receiver: u64,
+    },
+    /// A receiver closed its connection holding nothing, after detaching or after the end.
+    Left {
+        /// The receiver's number.
+        receiver: u64,
+    },
+    /// A receiver's connection ended while it held batches, failed, or broke the protocol; what it
+    /// held was reclaimed.
+    Lost {
+        /// The receiver's number.
+        receiver: u64,
+        /// How many batches it held.
+        reclaimed: usize,
+        /// What happened.
+        reason: String,
+    },
+}
+
+/// A snapshot of a sender's state.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SenderStatus {
+    /// Receivers connected now (detached ones included until they close).
+    pub receivers: usize,
+    /// Receivers that joined so far.
+    pub joined: u64,
+    /// Receivers that left cleanly.
+    pub left: u64,
+    /// Receivers lost (see [`SenderEvent::Lost`]).
+    pub lost: u64,
+    /// Batches sent to at least one receiver.
+    pub sent: u64,
+    /// Batches some receiver still holds.
+    pub in_flight_batches: usize,
+    /// The body bytes of those batches.
+    pub in_flight_bytes: u64,
+}
+
+/// A connected receiver.
+pub(super) struct Peer {
+    pub(super) link: Arc<Link>,
+    detached: bool,
+}
+
+/// A batch lent to receivers.
+pub(super) struct InFlight {
+    pub(super) pending: BTreeSet<u64>,
+    pub(super) bytes: u64,
+    /// Keeps the memory alive (and unreused) until every receiver is done.
+    pub(super) _lease: Box<dyn Any + Send>,
+    pub(super) event: Option<(IpcEvent, IpcEventHandle)>,
+}
+
+/// What a sender knows of its receivers and the batches they hold, under one lock.
+#[derive(Default)]
+pub(super) struct State {
+    pub(super) peers: BTreeMap<u64, Peer>,
+    pub(super) in_flight: HashMap<u64, InFlight>,
+    pub(super) in_flight_bytes: u64,
+    next_peer: u64,
+    pub(super) status: SenderStatus,
+    pub(super) events: Vec<SenderEvent>,
+    /// The last frame, once sent (`End` or `Abort`): late receivers get it after `Hello`.
+    pub(super) last: Option<Frame>,
+    /// Interprocess events no batch uses now, by device ordinal, oldest first.
+    pub(super) event_pool: HashMap<usize, VecDeque<(IpcEvent, IpcEventHandle)>>,
+}
+
+impl State {
+    /// Releases a batch every receiver is done with: its memory is freed (or given back to its
+    /// owner) before the lock is released, so a status that no longer counts it means it is gone;
+    /// its event goes back to the pool.
+    fn complete(&mut self, id: u64) {
+        if let Some(mut done) = self.in_flight.remove(&id) {
+            self.in_flight_bytes -= done.bytes;
+            if let Some(e) = done.event.take() {
+                self.recycle(e);
+            }
+        }
+    }
+
+    /// Keeps an event no batch uses for the next batch on its device.
+    pub(super) fn recycle(&mut self, event: (IpcEvent, IpcEventHandle)) {
+        let ordinal = event.0.device().ordinal().unwrap_or(0);
+        self.event_pool.entry(ordinal).or_default().push_back(event);
+    }
+}
+
+/// The part of a sender its background threads share: the state, a condition variable signalled
+/// when it changes, and what a new receiver is greeted with.
+pub(super) struct Shared {
+    state: Mutex<State>,
+    pub(super) changed: Condvar,
+    pub(super) closed: AtomicBool,
+    hello: Frame,
+    max_frame: usize,
+    write_timeout: Duration,
+}
+
+impl Shared {
+    /// Nothing connected yet: receivers will be greeted with `hello`, their frames may be up to
+    /// `max_frame` bytes, and a write to one may block for `write_timeout`.
+    pub(super) fn new(hello: Frame, max_frame: usize, write_timeout: Duration) -> Shared {
+        Shared {
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+            closed: AtomicBool::new(false),
+            hello,
+            max_frame,
+            write_timeout,
+        }
+    }
+
+    pub(super) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Greets a new receiver, hands it its ring and starts reading its acknowledgements.
+    fn add_peer(self: &Arc<Self>, socket: UnixStream) {
+        if socket.set_nonblocking(false).is_err() || socket.set_write_timeout(Some(self.write_timeout)).is_err() {
+            return;
+        }
+        let Ok(reader) = socket.try_clone() else { return };
+        let Ok(ring) = RingWriter::create() else {
+            return;
+        };
+        let Ok(handover) = Frame::ring(&ring) else { return };
+        let link = Arc::new(Link::new(socket));
+        let id = {
+            let mut st = self.lock();
+            // Under the lock, so that a concurrent finish cannot slip between the greeting and the
+            // registration; a fresh socket's buffer takes these small frames without blocking.
+            if link.send(&self.hello).is_err() || link.send(&handover).is_err() {
+                return;
+            }
+            link.attach(ring);
+            if let Some(last) = &st.last
+                && link.send(last).is_err()
+            {
+                return;
+            }
+            let id = st.next_peer;
+            st.next_peer += 1;
+            st.peers.insert(id, Peer { link, detached: false });
+            st.status.joined += 1;
+            st.events.push(SenderEvent::Joined { receiver: id });
+            id
+        };
+        self.changed.notify_all();
+        let shared = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("arrow-cuda-ipc-peer-{id}"))
+            .spawn(move || shared.read_peer(id, reader));
+        if let Err(e) = spawned {
+            self.disconnect(id, Some(format!("could not start its reader thread: {e}")));
+        }
+    }
+
+    /// Reads one receiver's frames until its connection ends.
+    fn read_peer(&self, id: u64, socket: UnixStream) {
+        let mut reader = FrameReader::new(self.max_frame);
+        let reason = loop {
+            match reader.recv(socket.as_fd(), None) {
+                Ok(None) => break None,
+                Ok(Some(frame)) => match Frame::decode(frame) {
+                    Ok(Frame::Ack(batch)) => self.ack(id, batch),
+                    Ok(Frame::Detach) => self.detach(id),
+                    Ok(other) => break Some(format!("protocol violation: a receiver sent {other:?}")),
+                    Err(e) => break Some(format!("protocol violation: {e}")),
+                },
+                Err(e) => break Some(e.into_error().to_string()),
+            }
+        };
+        self.disconnect(id, reason);
+    }
+
+    fn ack(&self, peer: u64, batch: u64) {
+        let mut st = self.lock();
+        let last = st
+            .in_flight
+            .get_mut(&batch)
+            .is_some_and(|f| f.pending.remove(&peer) && f.pending.is_empty());
+        if last {
+            st.complete(batch);
+            drop(st);
+            self.changed.notify_all();
+        }
+    }
+
+    fn detach(&self, peer: u64) {
+        if let Some(p) = self.lock().peers.get_mut(&peer) {
+            p.detached = true;
+        }
+        self.changed.notify_all();
+    }
+
+    /// Removes a receiver and reclaims every batch it held.
+    fn disconnect(&self, peer: u64, reason: Option<String>) {
+        {
+            let mut st = self.lock();
+            let Some(p) = st.peers.remove(&peer) else { return };
+            let _ = p.link.socket.shutdown(std::net::Shutdown::Both);
+            let held: Vec<u64> = st
+                .in_flight
+                .iter()
+                .filter(|(_, f)| f.pending.contains(&peer))
+                .map(|(id, _)| *id)
+                .collect();
+            for id in &held {
+                let last = st
+                    .in_flight
+                    .get_mut(id)
+                    .is_some_and(|f| f.pending.remove(&peer) && f.pending.is_empty());
+                if last {
+                    st.complete(*id);
+                }
+            }
+            let clean = held.is_empty() && reason.is_none() && (p.detached || st.last.is_some());
+            if clean {
+                st.status.left += 1;
+                st.events.push(SenderEvent::Left { receiver: peer });
+            } else {
+                st.status.lost += 1;
+                let reason = reason.unwrap_or_else(|| "the connection closed".into());
+                st.events.push(SenderEvent::Lost {
+                    receiver: peer,
+                    reclaimed: held.len(),
+                    reason,
+                });
+            }
+        }
+        self.changed.notify_all();
+    }
+
+    /// Sends `frame` to `peers`; a receiver whose socket fails is disconnected.
+    pub(super) fn broadcast(&self, peers: &[(u64, Arc<Link>)], frame: &Frame) {
+        for (id, link) in peers {
+            if let Err(e) = link.send(frame) {
+                self.disconnect(*id, Some(format!("sending to it failed: {e}")));
+            }
+        }
+    }
+
+    /// The receivers still receiving.
+    pub(super) fn active(st: &State) -> Vec<(u64, Arc<Link>)> {
+        st.peers
+            .iter()
+            .filter(|(_, p)| !p.detached)
+            .map(|(id, p)| (*id, p.link.clone()))
+            .collect()
+    }
+}
+
+/// Accepts receivers until the sender closes.
+pub(super) fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
+    use std::os::fd::AsRawFd;
+    while !shared.closed.load(Ordering::SeqCst) {
+        let mut poll = libc::pollfd {
+            fd: listener.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for the call.
+        unsafe { libc::poll(&mut poll, 1, 50) };
+        match listener.accept() {
+            Ok((socket, _)) => shared.add_peer(socket),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}

@@ -1,0 +1,15 @@
+//! Hooks for the crate's own tests, benchmarks and tools: not part of the API, and hidden from its
+//! documentation.
+
+use crate::ipc::handle::OpenedHandle;
+use crate::memory::SharedMapping;
+
+/// The number of peers' CUDA allocations mapped in this process now.
+pub fn open_cuda_mappings() -> usize {
+    OpenedHandle::open_count()
+}
+
+/// The number of peers' shared host regions mapped in this process now.
+pub fn open_shared_mappings() -> usize {
+    SharedMapping::open_count()
+}
