@@ -59,6 +59,12 @@ impl DeviceStageExec {
             metrics: ExecutionPlanMetricsSet::new(),
         }
     }
+
+    /// What the stage runs.
+    #[cfg(test)]
+    pub(crate) fn stage_plan(&self) -> &StagePlan {
+        &self.plan
+    }
 }
 
 impl DisplayAs for DeviceStageExec {

@@ -48,6 +48,8 @@ mod host;
 mod layout;
 mod output;
 mod rule;
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 

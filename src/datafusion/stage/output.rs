@@ -163,9 +163,11 @@ pub(crate) fn state_batch(plan: &StagePlan, groups: &Groups) -> Result<RecordBat
             let dt = field.data_type();
             // COUNT's state and AVG's first state field are the count; everything else the value,
             // null for a group without a non-null argument.
-            let is_count = spec.kind == AggKind::Count || (spec.kind == AggKind::Avg && f == 0);
-            let column = if is_count {
+            // (AVG's count is null too without a value, as DataFusion's partial AVG emits it.)
+            let column = if spec.kind == AggKind::Count {
                 int_column(dt, (0..n).map(|g| Some(count(g) as i128)))?
+            } else if spec.kind == AggKind::Avg && f == 0 {
+                int_column(dt, (0..n).map(|g| (count(g) > 0).then_some(count(g) as i128)))?
             } else {
                 match spec.acc {
                     Acc::Float => {

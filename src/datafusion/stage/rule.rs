@@ -12,6 +12,7 @@ use ::datafusion::physical_optimizer::PhysicalOptimizerRule;
 use ::datafusion::physical_plan::ExecutionPlan;
 use ::datafusion::physical_plan::Partitioning;
 use ::datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
+use ::datafusion::physical_plan::coop::CooperativeExec;
 use ::datafusion::physical_plan::filter::FilterExec;
 use ::datafusion::physical_plan::projection::ProjectionExec;
 use ::datafusion::physical_plan::repartition::RepartitionExec;
@@ -54,8 +55,8 @@ impl PhysicalOptimizerRule for DeviceStageRule {
             let Some(agg) = node.downcast_ref::<AggregateExec>() else {
                 return Ok(Transformed::no(node));
             };
-            match self.lower(agg) {
-                Ok(stage) => Ok(Transformed::yes(Arc::new(DeviceStageExec::new(stage, node.clone())))),
+            match self.stage(agg, &node) {
+                Ok(stage) => Ok(Transformed::yes(stage)),
                 Err(why) => {
                     log::debug!("arrow-cuda: no device stage for {}: {why}", agg.name());
                     Ok(Transformed::no(node))
@@ -129,13 +130,16 @@ fn walk(plan: &Arc<dyn ExecutionPlan>) -> Result<Lowered<'_>, String> {
         return Ok(below);
     }
     if let Some(f) = plan.downcast_ref::<FilterExec>() {
-        if f.projection().is_some() {
-            return Err("a filter with a projection".into());
-        }
         let mut below = walk(f.input())?;
         let predicate = substitute(f.predicate(), &below.outputs)?;
         below.filters.push(predicate);
+        if let Some(projection) = f.projection() {
+            below.outputs = projection.iter().map(|&i| Arc::clone(&below.outputs[i])).collect();
+        }
         return Ok(below);
+    }
+    if let Some(c) = plan.downcast_ref::<CooperativeExec>() {
+        return walk(c.input());
     }
     if let Some(r) = plan.downcast_ref::<RepartitionExec>()
         && matches!(r.partitioning(), Partitioning::RoundRobinBatch(_))
@@ -146,7 +150,39 @@ fn walk(plan: &Arc<dyn ExecutionPlan>) -> Result<Lowered<'_>, String> {
 }
 
 impl DeviceStageRule {
-    fn lower(&self, agg: &AggregateExec) -> Result<StagePlan, String> {
+    /// The stage that replaces `agg` (the node `node`): for a `Partial` aggregate the stage itself;
+    /// for a `Single` one (all input in one partition) the stage of its partial half under a
+    /// `Final` aggregate.
+    fn stage(&self, agg: &AggregateExec, node: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>, String> {
+        match agg.mode() {
+            AggregateMode::Partial => Ok(Arc::new(DeviceStageExec::new(self.lower(agg)?, node.clone()))),
+            AggregateMode::Single => {
+                let partial = AggregateExec::try_new(
+                    AggregateMode::Partial,
+                    agg.group_expr().clone(),
+                    agg.aggr_expr().to_vec(),
+                    agg.filter_expr().to_vec(),
+                    agg.input().clone(),
+                    agg.input_schema(),
+                )
+                .map_err(|e| e.to_string())?;
+                let stage = DeviceStageExec::new(self.lower(&partial)?, Arc::new(partial));
+                let last = AggregateExec::try_new(
+                    AggregateMode::Final,
+                    agg.group_expr().as_final(),
+                    agg.aggr_expr().to_vec(),
+                    vec![None; agg.aggr_expr().len()],
+                    Arc::new(stage),
+                    agg.input_schema(),
+                )
+                .map_err(|e| e.to_string())?;
+                Ok(Arc::new(last))
+            }
+            other => Err(format!("mode {other:?}")),
+        }
+    }
+
+    pub(crate) fn lower(&self, agg: &AggregateExec) -> Result<StagePlan, String> {
         if *agg.mode() != AggregateMode::Partial {
             return Err(format!("mode {:?}", agg.mode()));
         }

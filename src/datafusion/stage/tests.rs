@@ -1,0 +1,199 @@
+//! Unit tests of the stage compiler: which plans get a stage, and that the generated CUDA C parses
+//! (as C++ with a few CUDA declarations; the GPU run compiles it with NVRTC for real).
+
+use std::sync::Arc;
+
+use ::datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+use ::datafusion::execution::SessionStateBuilder;
+use ::datafusion::physical_plan::ExecutionPlan;
+use ::datafusion::physical_plan::aggregates::AggregateExec;
+use ::datafusion::prelude::{SessionConfig, SessionContext};
+use arrow_array::{
+    ArrayRef, BooleanArray, Date32Array, Decimal128Array, Float64Array, Int32Array, Int64Array, RecordBatch,
+    StringArray,
+};
+
+use super::DeviceStageRule;
+use super::exec::DeviceStageExec;
+use crate::datafusion::{GpuTable, LoadOptions};
+use crate::device::Device;
+
+fn table() -> GpuTable {
+    let n = 100;
+    let columns: Vec<(&str, ArrayRef)> = vec![
+        (
+            "a",
+            Arc::new(Int32Array::from_iter((0..n).map(|i| (i % 7 != 0).then_some(i)))),
+        ),
+        (
+            "b",
+            Arc::new(Int64Array::from_iter_values((0..n).map(|i| i as i64 * 3))),
+        ),
+        (
+            "d",
+            Arc::new(
+                Decimal128Array::from_iter_values((0..n).map(|i| i as i128 * 101))
+                    .with_precision_and_scale(12, 2)
+                    .unwrap(),
+            ),
+        ),
+        (
+            "f",
+            Arc::new(Float64Array::from_iter_values((0..n).map(|i| i as f64 / 4.0))),
+        ),
+        (
+            "s",
+            Arc::new(StringArray::from_iter_values((0..n).map(|i| format!("k{}", i % 5)))),
+        ),
+        ("t", Arc::new(Date32Array::from_iter_values((0..n).map(|i| 9000 + i)))),
+        (
+            "flag",
+            Arc::new(BooleanArray::from_iter((0..n).map(|i| Some(i % 3 == 0)))),
+        ),
+    ];
+    let batch = RecordBatch::try_from_iter(columns).unwrap();
+    GpuTable::try_new(
+        batch.schema(),
+        vec![vec![batch]],
+        &LoadOptions::new().with_device(Device::Cpu),
+    )
+    .unwrap()
+}
+
+/// Queries whose aggregate a stage runs, covering every expression the compiler handles.
+pub(crate) const STAGED: &[&str] = &[
+    "select sum(d * (1 - d)), avg(d), count(*) from t where b > 10",
+    "select s, sum(a + 1), min(t), max(b), avg(f) from t group by s",
+    "select a % 3, t, count(a) filter (where f > 2.0) from t group by a % 3, t",
+    "select flag, d, sum(case when s like 'k_%' then d * 2 else d / 3 end) from t group by flag, d",
+    "select sum(cast(a as bigint) * b), sum(cast(a as double)), sum(cast(b as decimal(20, 3))) from t \
+     where s in ('k1', 'k2') and not (f < 1.5) and a is not null",
+    "select extract(year from t), date_part('month', t), count(*) from t \
+     where s not like '%3' and (a > 5 or d < 2.5) group by 1, 2",
+    "select sum(b / (a + 1)), sum(f * f - 1.5) from t where a is null or b >= a",
+];
+
+/// Why the rule declines each partial aggregate of `sql`'s plan.
+fn declined(sql: &str) -> Vec<String> {
+    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let ctx = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(4));
+    ctx.register_table("t", Arc::new(table())).unwrap();
+    let plan = rt
+        .block_on(async { ctx.sql(sql).await.unwrap().create_physical_plan().await })
+        .unwrap();
+    let rule = DeviceStageRule::new().with_host_stages(true);
+    let mut why = Vec::new();
+    plan.apply(|p| {
+        if let Some(agg) = p.downcast_ref::<AggregateExec>()
+            && let Err(e) = rule.lower(agg)
+        {
+            why.push(e);
+        }
+        Ok(TreeNodeRecursion::Continue)
+    })
+    .unwrap();
+    why
+}
+
+fn stage_plans(sql: &str) -> Vec<Arc<dyn ExecutionPlan>> {
+    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let state = SessionStateBuilder::new()
+        .with_default_features()
+        .with_config(SessionConfig::new().with_target_partitions(4))
+        .with_physical_optimizer_rule(Arc::new(DeviceStageRule::new().with_host_stages(true)))
+        .build();
+    let ctx = SessionContext::new_with_state(state);
+    ctx.register_table("t", Arc::new(table())).unwrap();
+    let plan = rt
+        .block_on(async { ctx.sql(sql).await.unwrap().create_physical_plan().await })
+        .unwrap();
+    let mut found = Vec::new();
+    plan.apply(|p| {
+        if p.downcast_ref::<DeviceStageExec>().is_some() {
+            found.push(p.clone());
+        }
+        Ok(TreeNodeRecursion::Continue)
+    })
+    .unwrap();
+    found
+}
+
+/// Declarations that let a host C++ compiler check the syntax of the stage kernels.
+const SHIM: &str = r#"
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__
+struct dim3_ { unsigned int x, y, z; };
+static dim3_ threadIdx, blockIdx, blockDim, gridDim;
+static void __syncthreads() {}
+static void __threadfence() {}
+static int __float_as_int(float) { return 0; }
+static float __int_as_float(int) { return 0; }
+static long long __double_as_longlong(double) { return 0; }
+static double __longlong_as_double(long long) { return 0; }
+template <class T> T atomicAdd(T* p, T v) { T o = *p; *p += v; return o; }
+template <class T> T atomicOr(T* p, T v) { T o = *p; *p |= v; return o; }
+template <class T> T atomicMin(T* p, T v) { T o = *p; return o; }
+template <class T> T atomicMax(T* p, T v) { T o = *p; return o; }
+template <class T> T atomicExch(T* p, T v) { T o = *p; *p = v; return o; }
+template <class T> T atomicCAS(T* p, T c, T v) { T o = *p; return o; }
+"#;
+
+#[test]
+fn supported_queries_get_a_stage_whose_kernels_parse() {
+    let cxx = ["g++", "c++"].into_iter().find(|c| {
+        std::process::Command::new(c)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    });
+    let dir = std::env::temp_dir().join(format!("arrow-cuda-stages-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (i, sql) in STAGED.iter().enumerate() {
+        let stages = stage_plans(sql);
+        assert_eq!(stages.len(), 1, "{sql}: {:?}", declined(sql));
+        let stage = stages[0].downcast_ref::<DeviceStageExec>().unwrap();
+        let source = &stage.stage_plan().source.as_ref().expect("generated").source;
+        if let Some(out) = std::env::var_os("ARROW_CUDA_KERNEL_DIR") {
+            std::fs::write(std::path::Path::new(&out).join(format!("stage{i}.cu")), source).unwrap();
+        }
+        let Some(cxx) = cxx else {
+            eprintln!("skipped: no C++ compiler");
+            continue;
+        };
+        let path = dir.join(format!("stage{i}.cpp"));
+        std::fs::write(&path, format!("{SHIM}\n{source}")).unwrap();
+        let out = std::process::Command::new(cxx)
+            .args([
+                "-fsyntax-only",
+                "-Wall",
+                "-Wno-unused-variable",
+                "-Wno-unused-but-set-variable",
+            ])
+            .args(["-Wno-sign-compare", "-Wno-unused-function", "-x", "c++"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{sql}:\n{}\n{source}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn unsupported_aggregates_stay_with_datafusion() {
+    for sql in [
+        "select median(b) from t",
+        "select s, string_agg(s, ',') from t group by s",
+        "select min(f) from t where a > 3",
+        "select f, count(*) from t group by f",
+        "select sum(a) from (select a from t limit 10)",
+    ] {
+        assert!(stage_plans(sql).is_empty(), "{sql}");
+        assert!(!declined(sql).is_empty(), "{sql}");
+    }
+}

@@ -1,0 +1,499 @@
+//! Device stages: queries over GPU tables with the stage rule return exactly what DataFusion returns
+//! over `MemTable`s of the same batches, and `EXPLAIN` shows which stages ran. Every case runs on
+//! the CPU device (the stages' host implementation, switched on for the tests) and, where a GPU is
+//! present, on CUDA device 0 (the generated kernels).
+#![cfg(feature = "datafusion")]
+
+mod common;
+
+use std::sync::{Arc, OnceLock};
+
+use arrow_array::{
+    ArrayRef, Date32Array, Decimal128Array, Float64Array, Int32Array, Int64Array, RecordBatch, StringArray,
+};
+use arrow_cuda::Device;
+use arrow_cuda::datafusion::{DeviceStageRule, GpuTable, LoadOptions};
+use arrow_schema::SchemaRef;
+use datafusion::arrow::util::pretty::pretty_format_batches;
+use datafusion::datasource::MemTable;
+use datafusion::execution::SessionStateBuilder;
+use datafusion::prelude::{SessionConfig, SessionContext};
+use futures::StreamExt;
+use proptest::prelude::*;
+use workloads::{Q1, Q6, Q12, Q14};
+
+#[path = "../src/bin/arrow-cuda/workloads.rs"]
+mod workloads;
+
+const PARTITIONS: usize = 4;
+
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(4)
+            .enable_all()
+            .build()
+            .expect("tokio runtime")
+    })
+}
+
+fn config() -> SessionConfig {
+    SessionConfig::new().with_target_partitions(PARTITIONS)
+}
+
+/// A session with device stages (their host implementation on the CPU device).
+fn stage_session() -> SessionContext {
+    let rule = DeviceStageRule::new().with_host_stages(true);
+    let state = SessionStateBuilder::new()
+        .with_default_features()
+        .with_config(config())
+        .with_physical_optimizer_rule(Arc::new(rule))
+        .build();
+    SessionContext::new_with_state(state)
+}
+
+#[derive(Clone)]
+struct Data {
+    schema: SchemaRef,
+    partitions: Vec<Vec<RecordBatch>>,
+}
+
+/// Two sessions over the same tables: GPU tables on `device` with device stages, and `MemTable`s.
+fn sessions(tables: &[(&str, &Data)], device: Device) -> (SessionContext, SessionContext) {
+    let gpu = stage_session();
+    let mem = SessionContext::new_with_config(config());
+    for (name, data) in tables {
+        let table = GpuTable::try_new(
+            data.schema.clone(),
+            data.partitions.clone(),
+            &LoadOptions::new().with_device(device),
+        )
+        .expect("stage table");
+        gpu.register_table(*name, Arc::new(table)).expect("register");
+        let mem_table = MemTable::try_new(data.schema.clone(), data.partitions.clone()).expect("memtable");
+        mem.register_table(*name, Arc::new(mem_table)).expect("register");
+    }
+    (gpu, mem)
+}
+
+fn run(ctx: &SessionContext, sql: &str) -> datafusion::error::Result<Vec<RecordBatch>> {
+    runtime().block_on(async { ctx.sql(sql).await?.collect().await })
+}
+
+/// The rows of a result as text lines; sorted unless the order matters.
+fn rows(batches: &[RecordBatch], ordered: bool) -> Vec<String> {
+    let text = pretty_format_batches(batches).expect("format").to_string();
+    let lines: Vec<String> = text.lines().map(str::to_string).collect();
+    let mut body: Vec<String> = if lines.len() > 4 {
+        lines[3..lines.len() - 1]
+            .iter()
+            .map(|l| l.split('|').map(str::trim).collect::<Vec<_>>().join("|"))
+            .collect()
+    } else {
+        vec![]
+    };
+    if !ordered {
+        body.sort();
+    }
+    body
+}
+
+fn explain(ctx: &SessionContext, sql: &str) -> String {
+    let batches = run(ctx, &format!("explain {sql}")).expect("explain");
+    pretty_format_batches(&batches).expect("format").to_string()
+}
+
+/// Asserts the same rows (or both errors) and whether a stage ran; returns the row count.
+fn assert_same(gpu: &SessionContext, mem: &SessionContext, sql: &str, staged: bool) -> usize {
+    let plan = explain(gpu, sql);
+    assert_eq!(plan.contains("DeviceStageExec"), staged, "{sql}\n{plan}");
+    let ordered = sql.to_lowercase().contains("order by");
+    match (run(gpu, sql), run(mem, sql)) {
+        (Ok(g), Ok(m)) => {
+            let (g, m) = (rows(&g, ordered), rows(&m, ordered));
+            assert_eq!(g, m, "results differ for {sql}");
+            g.len()
+        }
+        (Err(_), Err(_)) => 0,
+        (g, m) => panic!(
+            "{sql}: stage {:?}, DataFusion {:?}",
+            g.map(|_| "rows"),
+            m.map(|_| "rows")
+        ),
+    }
+}
+
+macro_rules! tpch_table {
+    ($gen:ident, $arrow:ident, $sf:expr) => {{
+        let partitions: Vec<Vec<RecordBatch>> = (1..=PARTITIONS as i32)
+            .map(|part| {
+                let g = tpchgen::generators::$gen::new($sf, part, PARTITIONS as i32);
+                tpchgen_arrow::$arrow::new(g)
+                    .with_batch_size(1 << 16)
+                    .collect::<Result<Vec<_>, _>>()
+                    .expect("generate")
+            })
+            .collect();
+        let schema = partitions.iter().flatten().next().expect("a batch").schema();
+        Data { schema, partitions }
+    }};
+}
+
+struct Tpch {
+    lineitem: Data,
+    orders: Data,
+    part: Data,
+}
+
+/// TPC-H at scale factor 0.1 (lineitem: 600,572 rows), generated once.
+fn tpch() -> &'static Tpch {
+    static TPCH: OnceLock<Tpch> = OnceLock::new();
+    TPCH.get_or_init(|| Tpch {
+        lineitem: tpch_table!(LineItemGenerator, LineItemArrow, 0.1),
+        orders: tpch_table!(OrderGenerator, OrderArrow, 0.1),
+        part: tpch_table!(PartGenerator, PartArrow, 0.1),
+    })
+}
+
+/// TPC-H queries and other aggregates over lineitem: a stage runs each single-table aggregate,
+/// the joins stay with DataFusion, and every result equals `MemTable`'s (decimals bit for bit).
+#[test]
+fn tpch_stages_match_memtable() {
+    let staged = [
+        Q1,
+        Q6,
+        "select l_returnflag, l_linestatus, count(*), sum(l_quantity), min(l_shipdate), max(l_orderkey) \
+         from lineitem group by l_returnflag, l_linestatus order by 1, 2",
+        "select l_shipmode, sum(case when l_quantity > 25 then l_extendedprice else 0 end), \
+         avg(l_discount), count(l_comment) from lineitem where l_shipmode in ('MAIL', 'SHIP', 'AIR') \
+         group by l_shipmode order by l_shipmode",
+        "select extract(year from l_shipdate) as y, sum(l_extendedprice * (1 - l_discount)) \
+         from lineitem where l_comment like '%special%' group by y order by y",
+        "select l_suppkey, count(*), sum(l_tax) from lineitem group by l_suppkey order by l_suppkey",
+        "select l_orderkey, sum(l_quantity) from lineitem group by l_orderkey having sum(l_quantity) > 300 \
+         order by l_orderkey",
+        "select count(*) filter (where l_receiptdate > l_commitdate), sum(l_linenumber) \
+         from lineitem where l_shipdate >= date '1995-01-01'",
+        "select count(distinct l_suppkey) from lineitem where l_quantity < 5",
+    ];
+    let t = tpch();
+    common::each_device(|device, _| {
+        let (gpu, mem) = sessions(
+            &[("lineitem", &t.lineitem), ("orders", &t.orders), ("part", &t.part)],
+            device,
+        );
+        for q in staged {
+            let n = assert_same(&gpu, &mem, q, true);
+            eprintln!("{n} rows: {}", &q[..q.len().min(60)]);
+        }
+        for q in [Q12, Q14] {
+            assert_same(&gpu, &mem, q, false);
+        }
+    });
+}
+
+/// A table of `rows` rows whose key `k` has `groups` values (`None`: a tenth of the keys null,
+/// and every ninth key skewed to 0).
+fn grouped(rows: usize, groups: usize) -> Data {
+    let batch_rows = 1 << 16;
+    let batches: Vec<RecordBatch> = (0..rows)
+        .step_by(batch_rows)
+        .map(|start| {
+            let r = start..(start + batch_rows).min(rows);
+            let k: ArrayRef = Arc::new(Int64Array::from_iter(r.clone().map(|i| {
+                let i = i as i64;
+                if i % 10 == 9 {
+                    None
+                } else if i % 9 == 0 {
+                    Some(0)
+                } else {
+                    Some(i.wrapping_mul(2_654_435_761) % groups as i64)
+                }
+            })));
+            let s: ArrayRef = Arc::new(StringArray::from_iter(
+                r.clone().map(|i| Some(format!("g{}", (i * 7) % groups.min(50)))),
+            ));
+            let v: ArrayRef = Arc::new(Int32Array::from_iter(r.clone().map(|i| {
+                // Group 3's values are all null.
+                let key = (i as i64).wrapping_mul(2_654_435_761) % groups as i64;
+                (i % 13 != 0 && !(key == 3 && i % 9 != 0 && i % 10 != 9)).then_some(i as i32 - 1000)
+            })));
+            let d: ArrayRef = Arc::new(
+                Decimal128Array::from_iter(r.clone().map(|i| Some(i as i128 * 1_000_003 - 7)))
+                    .with_precision_and_scale(20, 3)
+                    .unwrap(),
+            );
+            let f: ArrayRef = Arc::new(Float64Array::from_iter(
+                r.clone().map(|i| Some((i % 1000) as f64 * 0.5)),
+            ));
+            let t: ArrayRef = Arc::new(Date32Array::from_iter(r.map(|i| Some(10_000 + (i % 3000) as i32))));
+            RecordBatch::try_from_iter([("k", k), ("s", s), ("v", v), ("d", d), ("f", f), ("t", t)]).unwrap()
+        })
+        .collect();
+    let schema = batches[0].schema();
+    let mut partitions = vec![Vec::new(); PARTITIONS];
+    for (i, b) in batches.into_iter().enumerate() {
+        partitions[i % PARTITIONS].push(b);
+    }
+    Data { schema, partitions }
+}
+
+/// Aggregation with 1, 4, 1,000 and 1,000,000 groups, skewed keys, a null key, a group whose
+/// values are all null, and inputs that filter to nothing.
+#[test]
+fn aggregation_by_group_count() {
+    let cases = [(1, 20_000), (4, 50_000), (1000, 200_000), (1_000_000, 2_100_000)];
+    for (groups, rows) in cases {
+        let data = grouped(rows, groups);
+        common::each_device(|device, _| {
+            let (gpu, mem) = sessions(&[("g", &data)], device);
+            for sql in [
+                "select k, count(*), count(v), sum(v), avg(v), min(v), max(t), sum(d), avg(d) from g group by k",
+                "select s, k % 3, sum(d * 2), round(avg(f), 6) from g where v > 0 or v is null group by s, k % 3",
+                "select k, sum(v) from g where k < 0 group by k",
+                "select count(*), sum(v), avg(d) from g where v > 1000000000",
+                "select sum(v), min(t), max(v) from g",
+            ] {
+                let n = assert_same(&gpu, &mem, sql, true);
+                eprintln!("{groups} groups: {n} rows: {sql}");
+            }
+        });
+    }
+}
+
+/// Decimal overflow and division by zero are errors on the device as in DataFusion.
+#[test]
+fn arithmetic_errors_match_datafusion() {
+    let big = 10i128.pow(37);
+    let d: ArrayRef = Arc::new(
+        Decimal128Array::from(vec![Some(big), Some(-big), None, Some(5)])
+            .with_precision_and_scale(38, 0)
+            .unwrap(),
+    );
+    let a: ArrayRef = Arc::new(Int64Array::from(vec![Some(1), Some(2), None, Some(0)]));
+    let batch = RecordBatch::try_from_iter([("d", d), ("a", a)]).unwrap();
+    let data = Data {
+        schema: batch.schema(),
+        partitions: vec![vec![batch]],
+    };
+    common::each_device(|device, _| {
+        let (gpu, mem) = sessions(&[("e", &data)], device);
+        for sql in [
+            "select sum(d * d) from e",
+            "select sum(a / (a - a)) from e",
+            "select a, sum(d / (d - d)) from e group by a",
+            "select sum(d * d) from e where a = 0",
+            "select sum(a % 2) from e",
+        ] {
+            assert_same(&gpu, &mem, sql, true);
+        }
+    });
+}
+
+/// A random table for the expression properties.
+fn random_table() -> &'static Data {
+    static DATA: OnceLock<Data> = OnceLock::new();
+    DATA.get_or_init(|| {
+        let n = 3000usize;
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let mut cols: Vec<Vec<u64>> = vec![Vec::new(); 6];
+        for _ in 0..n {
+            for c in cols.iter_mut() {
+                c.push(next());
+            }
+        }
+        let null = |r: u64| r % 11 == 0;
+        let a: ArrayRef = Arc::new(Int32Array::from_iter(
+            cols[0]
+                .iter()
+                .map(|&r| (!null(r)).then_some((r >> 8) as i32 % 2000 - 1000)),
+        ));
+        let b: ArrayRef = Arc::new(Int64Array::from_iter(
+            cols[1].iter().map(|&r| (!null(r)).then_some((r >> 8) as i64 % 100_000)),
+        ));
+        let d: ArrayRef = Arc::new(
+            Decimal128Array::from_iter(
+                cols[2]
+                    .iter()
+                    .map(|&r| (!null(r)).then_some((r >> 8) as i128 % 10_000_000)),
+            )
+            .with_precision_and_scale(15, 2)
+            .unwrap(),
+        );
+        let f: ArrayRef = Arc::new(Float64Array::from_iter(
+            cols[3]
+                .iter()
+                .map(|&r| (!null(r)).then_some(((r >> 8) % 4000) as f64 / 8.0 - 100.0)),
+        ));
+        let words = ["apple", "banana", "cherry pie", "date", "é-accent", "fig_1%", ""];
+        let s: ArrayRef =
+            Arc::new(StringArray::from_iter(cols[4].iter().map(|&r| {
+                (!null(r)).then(|| words[(r >> 8) as usize % words.len()].to_string())
+            })));
+        let t: ArrayRef = Arc::new(Date32Array::from_iter(
+            cols[5]
+                .iter()
+                .map(|&r| (!null(r)).then_some(8000 + ((r >> 8) % 5000) as i32)),
+        ));
+        let batch = RecordBatch::try_from_iter([("a", a), ("b", b), ("d", d), ("f", f), ("s", s), ("t", t)]).unwrap();
+        let rows = batch.num_rows();
+        let parts = (0..PARTITIONS)
+            .map(|p| vec![batch.slice(p * rows / PARTITIONS, rows / PARTITIONS)])
+            .collect();
+        Data {
+            schema: batch.schema(),
+            partitions: parts,
+        }
+    })
+}
+
+/// Integer, decimal and float expressions of the random table's columns.
+fn number() -> impl Strategy<Value = (String, &'static str)> {
+    let leaf = prop_oneof![
+        Just(("a".to_string(), "int")),
+        Just(("b".to_string(), "int")),
+        Just(("d".to_string(), "dec")),
+        Just(("f".to_string(), "float")),
+        (-50i64..50).prop_map(|v| (v.to_string(), "int")),
+        (-500i64..500).prop_map(|v| (format!("cast({v} as decimal(10, 2)) / 100"), "dec")),
+    ];
+    leaf.prop_recursive(3, 12, 2, |inner| {
+        prop_oneof![
+            (inner.clone(), inner.clone(), prop::sample::select(vec!["+", "-", "*"]))
+                .prop_map(|((l, tl), (r, tr), op)| (format!("({l} {op} {r})"), mix(tl, tr))),
+            (inner.clone(), inner.clone()).prop_map(|((l, tl), (r, tr))| (format!("({l} / {r})"), mix(tl, tr))),
+            (inner.clone(), predicate_leaf(), inner.clone())
+                .prop_map(|((l, tl), p, (r, tr))| { (format!("(case when {p} then {l} else {r} end)"), mix(tl, tr)) }),
+            inner.clone().prop_map(|(e, t)| if t == "int" {
+                (format!("cast({e} as decimal(20, 2))"), "dec")
+            } else {
+                (e, t)
+            }),
+        ]
+    })
+}
+
+fn mix(a: &'static str, b: &'static str) -> &'static str {
+    if a == "float" || b == "float" {
+        "float"
+    } else if a == "dec" || b == "dec" {
+        "dec"
+    } else {
+        "int"
+    }
+}
+
+fn predicate_leaf() -> impl Strategy<Value = String> {
+    prop_oneof![
+        (
+            prop::sample::select(vec!["a", "b", "d", "f"]),
+            prop::sample::select(vec!["<", "<=", "=", "<>", ">"]),
+            -100i64..100
+        )
+            .prop_map(|(c, op, v)| format!("{c} {op} {v}")),
+        prop::sample::select(vec![
+            "s like 'b%'",
+            "s like '%e%'",
+            "s like '_a%a'",
+            "s not like '%\\_%'",
+            "s in ('apple', 'date')",
+            "s = 'fig_1%'",
+            "s < 'c'",
+            "a is null",
+            "d is not null",
+            "a in (1, 2, 3, -7)",
+            "b > a",
+            "extract(year from t) = 1995",
+            "date_part('month', t) in (1, 12)",
+            "t < date '1995-06-01'",
+        ])
+        .prop_map(str::to_string),
+    ]
+}
+
+fn predicate() -> impl Strategy<Value = String> {
+    predicate_leaf().prop_recursive(2, 6, 2, |inner| {
+        prop_oneof![
+            (inner.clone(), inner.clone()).prop_map(|(l, r)| format!("({l} and {r})")),
+            (inner.clone(), inner.clone()).prop_map(|(l, r)| format!("({l} or {r})")),
+            inner.prop_map(|p| format!("not ({p})")),
+        ]
+    })
+}
+
+fn random_sessions() -> &'static Vec<(Device, SessionContext, SessionContext)> {
+    static S: OnceLock<Vec<(Device, SessionContext, SessionContext)>> = OnceLock::new();
+    S.get_or_init(|| {
+        common::devices()
+            .into_iter()
+            .map(|d| {
+                let (g, m) = sessions(&[("r", random_table())], d);
+                (d, g, m)
+            })
+            .collect()
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Random expressions in filters, group keys and aggregates: the stage's results (or errors)
+    /// equal DataFusion's.
+    #[test]
+    fn random_expressions_match_datafusion((e, ty) in number(), p in predicate(), q in predicate()) {
+        let value = if ty == "float" { format!("round(sum({e}), 3)") } else { format!("sum({e})") };
+        let sql = format!(
+            "select s, {p} as key, {value}, count({e}), count(*) filter (where {q}) from r \
+             where {q} or a > 0 group by s, {p}"
+        );
+        for (device, gpu, mem) in random_sessions() {
+            let g = run(gpu, &sql);
+            let m = run(mem, &sql);
+            match (g, m) {
+                (Ok(g), Ok(m)) => prop_assert_eq!(rows(&g, false), rows(&m, false), "{} on {}", sql, device),
+                (Err(_), Err(_)) => {}
+                (g, m) => prop_assert!(false, "{} on {}: stage {:?}, DataFusion {:?}", sql, device, g.is_ok(), m.is_ok()),
+            }
+        }
+    }
+}
+
+/// A query's stream dropped after its first batch frees every device allocation it made.
+#[test]
+fn cancel_frees_device_memory() {
+    let Some(device) = common::cuda() else {
+        return;
+    };
+    let data = grouped(500_000, 100_000);
+    let (gpu, _) = sessions(&[("g", &data)], device);
+    let free = || {
+        arrow_cuda::device::cuda_devices()
+            .expect("devices")
+            .into_iter()
+            .find(|i| Some(i.ordinal) == device.ordinal())
+            .expect("device")
+            .free_memory
+    };
+    let sql = "select k, sum(d), count(*) from g group by k";
+    // Once, so that kernels are compiled and pools warmed.
+    run(&gpu, sql).expect("query");
+    let before = free();
+    runtime().block_on(async {
+        let mut s = gpu.sql(sql).await.unwrap().execute_stream().await.unwrap();
+        let first = s.next().await;
+        assert!(first.is_some());
+        drop(s);
+    });
+    let after = free();
+    assert!(
+        after + (64 << 20) >= before,
+        "free device memory {before} before the query, {after} after dropping it"
+    );
+}
