@@ -62,10 +62,24 @@ fn count(value: i64, what: &str) -> Result<usize> {
     usize::try_from(value).map_err(|_| invalid(format!("negative {what}: {value}")))
 }
 
-impl Walker {
+/// One producer's `ArrowArray`, its counts checked, with its buffer and child pointers as slices.
+struct Parts<'a> {
+    array: &'a FFI_ArrowArray,
+    data_type: &'a DataType,
+    /// `offset + length`: the elements the buffers must hold.
+    end: usize,
+    ptrs: &'a [*const c_void],
+    kids: &'a [*mut FFI_ArrowArray],
+    depth: usize,
+}
+
+impl<'a> Parts<'a> {
+    /// Checks `a`'s counts and takes its buffer and child pointers, and starts its node (no
+    /// buffers or children yet; the validity bitmap where the type has one).
+    ///
     /// # Safety
     /// `a` must be a valid, unreleased `ArrowArray` whose pointers are valid per the spec.
-    unsafe fn node(&mut self, a: &FFI_ArrowArray, dt: &DataType, depth: usize) -> Result<Node> {
+    unsafe fn of(a: &'a FFI_ArrowArray, dt: &'a DataType, depth: usize) -> Result<(Parts<'a>, Node)> {
         if depth > MAX_DEPTH {
             return Err(invalid(format!("nesting deeper than {MAX_DEPTH}")));
         }
@@ -101,17 +115,13 @@ impl Walker {
             // SAFETY: as above.
             n => unsafe { std::slice::from_raw_parts(a.children, n) },
         };
-        let expect = |buffers: usize, children: usize| -> Result<()> {
-            if n_buffers != buffers || n_children != children {
-                return Err(invalid(format!(
-                    "{dt} array with {n_buffers} buffers and {n_children} children; expected {buffers} and {children}"
-                )));
-            }
-            Ok(())
-        };
-        let bytes = |i: usize, size: usize| Buf {
-            ptr: ptrs[i] as u64,
-            size: Size::Bytes(size),
+        let parts = Parts {
+            array: a,
+            data_type: dt,
+            end,
+            ptrs,
+            kids,
+            depth,
         };
         let mut node = Node {
             data_type: dt.clone(),
@@ -122,43 +132,116 @@ impl Walker {
             buffers: vec![],
             children: vec![],
         };
-        let has_validity = !matches!(dt, DataType::Null | DataType::Union(..) | DataType::RunEndEncoded(..));
-        if has_validity {
-            if n_buffers == 0 {
-                return Err(invalid(format!("{dt} array without a validity buffer slot")));
+        parts.validity(&mut node)?;
+        Ok((parts, node))
+    }
+
+    /// Takes the validity bitmap into `node`, for types that have a validity slot.
+    fn validity(&self, node: &mut Node) -> Result<()> {
+        let dt = self.data_type;
+        if matches!(dt, DataType::Null | DataType::Union(..) | DataType::RunEndEncoded(..)) {
+            return Ok(());
+        }
+        let Some(bitmap) = self.ptrs.first() else {
+            return Err(invalid(format!("{dt} array without a validity buffer slot")));
+        };
+        if bitmap.is_null() {
+            if node.null_count.is_some_and(|n| n > 0) {
+                return Err(invalid(format!(
+                    "{} nulls but no validity bitmap",
+                    self.array.null_count
+                )));
             }
-            if ptrs[0].is_null() {
-                if null_count.is_some_and(|n| n > 0) {
-                    return Err(invalid(format!("{} nulls but no validity bitmap", a.null_count)));
-                }
-                node.null_count = Some(0);
-            } else {
-                node.nulls = Some(bytes(0, end.div_ceil(8)));
+            node.null_count = Some(0);
+        } else {
+            node.nulls = Some(self.bytes(0, self.end.div_ceil(8)));
+        }
+        Ok(())
+    }
+
+    /// Checks that the array has `buffers` buffers and `children` children.
+    fn expect(&self, buffers: usize, children: usize) -> Result<()> {
+        let (n_buffers, n_children) = (self.ptrs.len(), self.kids.len());
+        if n_buffers != buffers || n_children != children {
+            return Err(invalid(format!(
+                "{} array with {n_buffers} buffers and {n_children} children; expected {buffers} and {children}",
+                self.data_type
+            )));
+        }
+        Ok(())
+    }
+
+    /// Buffer `i`, of `size` bytes.
+    fn bytes(&self, i: usize, size: usize) -> Buf {
+        Buf {
+            ptr: self.ptrs[i] as u64,
+            size: Size::Bytes(size),
+        }
+    }
+}
+
+impl Walker {
+    /// # Safety
+    /// `a` must be a valid, unreleased `ArrowArray` whose pointers are valid per the spec.
+    unsafe fn node(&mut self, a: &FFI_ArrowArray, dt: &DataType, depth: usize) -> Result<Node> {
+        // SAFETY: `a` is valid per the caller.
+        let (p, mut node) = unsafe { Parts::of(a, dt, depth)? };
+        match dt {
+            DataType::List(_)
+            | DataType::LargeList(_)
+            | DataType::Map(..)
+            | DataType::ListView(_)
+            | DataType::LargeListView(_)
+            | DataType::FixedSizeList(..) => {
+                // SAFETY: `p` is `a`'s, valid per the caller.
+                unsafe { self.list(&p, &mut node)? }
+            }
+            DataType::Struct(_) | DataType::Union(..) | DataType::Dictionary(..) | DataType::RunEndEncoded(..) => {
+                // SAFETY: as above.
+                unsafe { self.composite(&p, &mut node)? }
+            }
+            _ => {
+                // SAFETY: as above.
+                unsafe { self.leaf(&p, &mut node)? }
             }
         }
-        let child = |walker: &mut Walker, i: usize, dt: &DataType| -> Result<Node> {
-            let c = kids[i];
-            if c.is_null() {
-                return Err(invalid(format!("child {i} is null")));
-            }
-            // SAFETY: a non-null child of a valid array is valid per the caller.
-            unsafe { walker.node(&*c, dt, depth + 1) }
-        };
+        Ok(node)
+    }
+
+    /// Child `i` of `p`'s array, of type `dt`.
+    ///
+    /// # Safety
+    /// `p` must come from a valid array ([`Parts::of`]).
+    unsafe fn child(&mut self, p: &Parts<'_>, i: usize, dt: &DataType) -> Result<Node> {
+        let c = p.kids[i];
+        if c.is_null() {
+            return Err(invalid(format!("child {i} is null")));
+        }
+        // SAFETY: a non-null child of a valid array is valid per the caller.
+        unsafe { self.node(&*c, dt, p.depth + 1) }
+    }
+
+    /// The buffers of an array without children.
+    ///
+    /// # Safety
+    /// `p` must come from a valid array ([`Parts::of`]).
+    unsafe fn leaf(&mut self, p: &Parts<'_>, node: &mut Node) -> Result<()> {
+        let (dt, end, ptrs) = (p.data_type, p.end, p.ptrs);
         match dt {
             DataType::Null => {
-                expect(0, 0)?;
-                node.null_count = Some(len);
+                p.expect(0, 0)?;
+                node.null_count = Some(node.len);
             }
             DataType::Boolean => {
-                expect(2, 0)?;
-                node.buffers.push(bytes(1, end.div_ceil(8)));
+                p.expect(2, 0)?;
+                node.buffers.push(p.bytes(1, end.div_ceil(8)));
             }
             DataType::FixedSizeBinary(w) => {
-                expect(2, 0)?;
-                node.buffers.push(bytes(1, end * (*w).max(0) as usize));
+                p.expect(2, 0)?;
+                node.buffers.push(p.bytes(1, end * (*w).max(0) as usize));
             }
             DataType::Utf8 | DataType::Binary | DataType::LargeUtf8 | DataType::LargeBinary => {
-                expect(3, 0)?;
+                p.expect(3, 0)?;
                 let w = if matches!(dt, DataType::Utf8 | DataType::Binary) {
                     4
                 } else {
@@ -176,6 +259,7 @@ impl Walker {
                 });
             }
             DataType::Utf8View | DataType::BinaryView => {
+                let (n_buffers, n_children) = (ptrs.len(), p.kids.len());
                 if n_buffers < 3 || n_children != 0 {
                     return Err(invalid(format!(
                         "{dt} array with {n_buffers} buffers and {n_children} children"
@@ -186,15 +270,33 @@ impl Walker {
                 if sizes_ptr.is_null() && data_buffers > 0 {
                     return Err(invalid("view array without its buffer sizes"));
                 }
-                node.buffers.push(bytes(1, end * 16));
+                node.buffers.push(p.bytes(1, end * 16));
                 for i in 0..data_buffers {
                     // SAFETY: the last buffer holds one host int64 per data buffer (spec).
                     let size = unsafe { sizes_ptr.add(i).read_unaligned() };
-                    node.buffers.push(bytes(2 + i, count(size, "view buffer size")?));
+                    node.buffers.push(p.bytes(2 + i, count(size, "view buffer size")?));
                 }
             }
+            dt => {
+                let w = dt
+                    .primitive_width()
+                    .ok_or_else(|| Error::Unsupported(format!("import of {dt}")))?;
+                p.expect(2, 0)?;
+                node.buffers.push(p.bytes(1, end * w));
+            }
+        }
+        Ok(())
+    }
+
+    /// The buffers and child of a list-like array (lists, list views, maps, fixed-size lists).
+    ///
+    /// # Safety
+    /// `p` must come from a valid array ([`Parts::of`]).
+    unsafe fn list(&mut self, p: &Parts<'_>, node: &mut Node) -> Result<()> {
+        let (dt, end, ptrs) = (p.data_type, p.end, p.ptrs);
+        match dt {
             DataType::List(f) | DataType::LargeList(f) | DataType::Map(f, _) => {
-                expect(2, 1)?;
+                p.expect(2, 1)?;
                 let w = if matches!(dt, DataType::LargeList(_)) { 8 } else { 4 };
                 node.buffers.push(Buf {
                     ptr: ptrs[1] as u64,
@@ -204,18 +306,21 @@ impl Walker {
                         (end + 1) * w
                     }),
                 });
-                node.children.push(child(self, 0, f.data_type())?);
+                // SAFETY: `p` is valid per the caller.
+                node.children.push(unsafe { self.child(p, 0, f.data_type())? });
             }
             DataType::ListView(f) | DataType::LargeListView(f) => {
-                expect(3, 1)?;
+                p.expect(3, 1)?;
                 let w = if matches!(dt, DataType::ListView(_)) { 4 } else { 8 };
-                node.buffers.push(bytes(1, end * w));
-                node.buffers.push(bytes(2, end * w));
-                node.children.push(child(self, 0, f.data_type())?);
+                node.buffers.push(p.bytes(1, end * w));
+                node.buffers.push(p.bytes(2, end * w));
+                // SAFETY: as above.
+                node.children.push(unsafe { self.child(p, 0, f.data_type())? });
             }
             DataType::FixedSizeList(f, size) => {
-                expect(1, 1)?;
-                let c = child(self, 0, f.data_type())?;
+                p.expect(1, 1)?;
+                // SAFETY: as above.
+                let c = unsafe { self.child(p, 0, f.data_type())? };
                 let needed = end
                     .checked_mul((*size).max(0) as usize)
                     .ok_or_else(|| invalid("fixed-size list too long"))?;
@@ -227,10 +332,23 @@ impl Walker {
                 }
                 node.children.push(c);
             }
+            _ => unreachable!("`node` passes list types only"),
+        }
+        Ok(())
+    }
+
+    /// The buffers and children of a struct, union, dictionary or run-end encoded array.
+    ///
+    /// # Safety
+    /// `p` must come from a valid array ([`Parts::of`]).
+    unsafe fn composite(&mut self, p: &Parts<'_>, node: &mut Node) -> Result<()> {
+        let (dt, end) = (p.data_type, p.end);
+        match dt {
             DataType::Struct(fields) => {
-                expect(1, fields.len())?;
+                p.expect(1, fields.len())?;
                 for (i, f) in fields.iter().enumerate() {
-                    let c = child(self, i, f.data_type())?;
+                    // SAFETY: `p` is valid per the caller.
+                    let c = unsafe { self.child(p, i, f.data_type())? };
                     if c.len < end {
                         return Err(invalid(format!(
                             "struct child {} has {} elements, {end} needed",
@@ -243,13 +361,14 @@ impl Walker {
             }
             DataType::Union(fields, mode) => {
                 let dense = matches!(mode, UnionMode::Dense);
-                expect(if dense { 2 } else { 1 }, fields.len())?;
-                node.buffers.push(bytes(0, end));
+                p.expect(if dense { 2 } else { 1 }, fields.len())?;
+                node.buffers.push(p.bytes(0, end));
                 if dense {
-                    node.buffers.push(bytes(1, end * 4));
+                    node.buffers.push(p.bytes(1, end * 4));
                 }
                 for (i, (_, f)) in fields.iter().enumerate() {
-                    let c = child(self, i, f.data_type())?;
+                    // SAFETY: as above.
+                    let c = unsafe { self.child(p, i, f.data_type())? };
                     if !dense && c.len < end {
                         return Err(invalid(format!(
                             "sparse union child {i} has {} elements, {end} needed",
@@ -260,33 +379,30 @@ impl Walker {
                 }
             }
             DataType::Dictionary(key, values) => {
-                expect(2, 0)?;
+                p.expect(2, 0)?;
                 let w = key
                     .primitive_width()
                     .filter(|_| key.is_dictionary_key_type())
                     .ok_or_else(|| invalid(format!("dictionary key {key}")))?;
-                node.buffers.push(bytes(1, end * w));
-                if a.dictionary.is_null() {
+                node.buffers.push(p.bytes(1, end * w));
+                let dictionary = p.array.dictionary;
+                if dictionary.is_null() {
                     return Err(invalid("dictionary array without a dictionary"));
                 }
                 // SAFETY: a non-null dictionary of a valid array is valid per the caller.
                 node.children
-                    .push(unsafe { self.node(&*a.dictionary, values, depth + 1)? });
+                    .push(unsafe { self.node(&*dictionary, values, p.depth + 1)? });
             }
             DataType::RunEndEncoded(run_ends, values) => {
-                expect(0, 2)?;
-                node.children.push(child(self, 0, run_ends.data_type())?);
-                node.children.push(child(self, 1, values.data_type())?);
+                p.expect(0, 2)?;
+                // SAFETY: as above.
+                node.children.push(unsafe { self.child(p, 0, run_ends.data_type())? });
+                // SAFETY: as above.
+                node.children.push(unsafe { self.child(p, 1, values.data_type())? });
             }
-            dt => {
-                let w = dt
-                    .primitive_width()
-                    .ok_or_else(|| Error::Unsupported(format!("import of {dt}")))?;
-                expect(2, 0)?;
-                node.buffers.push(bytes(1, end * w));
-            }
+            _ => unreachable!("`node` passes structs, unions, dictionaries and run-end encoded types only"),
         }
-        Ok(node)
+        Ok(())
     }
 
     /// An offsets buffer of `end + 1` elements of `w` bytes; notes the last one for reading.

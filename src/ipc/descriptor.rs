@@ -203,37 +203,7 @@ impl BatchDescriptor {
             .map(decode::header)
             .collect::<Result<Vec<_>>>()?;
         let locations = self.locations;
-        let mut resolve = |index: usize, _offset: usize, len: usize| {
-            let loc = locations
-                .get(index)
-                .ok_or_else(|| Error::InvalidData(format!("no location for IPC buffer {index}")))?;
-            if loc.len != len as u64 {
-                return Err(Error::InvalidData(format!(
-                    "IPC buffer {index} has {len} bytes in the metadata and {} in its location",
-                    loc.len
-                )));
-            }
-            let region = regions.get(loc.region as usize).ok_or_else(|| {
-                Error::InvalidData(format!(
-                    "IPC buffer {index} in region {} of {}",
-                    loc.region,
-                    regions.len()
-                ))
-            })?;
-            let fits = loc
-                .offset
-                .checked_add(loc.len)
-                .is_some_and(|end| end <= region.len() as u64);
-            if !fits {
-                return Err(Error::InvalidData(format!(
-                    "IPC buffer {index} ({}..+{}) overruns its region of {} bytes",
-                    loc.offset,
-                    loc.len,
-                    region.len()
-                )));
-            }
-            region.slice(loc.offset as usize, len)
-        };
+        let mut resolve = |index: usize, _offset: usize, len: usize| locate(&locations, &regions, index, len);
         let n_buffers: usize = headers.iter().map(|h| h.batch.buffers().map_or(0, |b| b.len())).sum();
         if n_buffers != locations.len() {
             return Err(Error::InvalidData(format!(
@@ -385,6 +355,40 @@ impl BatchDescriptor {
         }
         Ok(d)
     }
+}
+
+/// IPC buffer `index`, of `len` bytes according to the metadata, as a view of its region, once its
+/// location is checked against the metadata and the region ([`Error::InvalidData`] otherwise).
+fn locate(locations: &[BufferLocation], regions: &[DeviceBuffer], index: usize, len: usize) -> Result<DeviceBuffer> {
+    let loc = locations
+        .get(index)
+        .ok_or_else(|| Error::InvalidData(format!("no location for IPC buffer {index}")))?;
+    if loc.len != len as u64 {
+        return Err(Error::InvalidData(format!(
+            "IPC buffer {index} has {len} bytes in the metadata and {} in its location",
+            loc.len
+        )));
+    }
+    let region = regions.get(loc.region as usize).ok_or_else(|| {
+        Error::InvalidData(format!(
+            "IPC buffer {index} in region {} of {}",
+            loc.region,
+            regions.len()
+        ))
+    })?;
+    let fits = loc
+        .offset
+        .checked_add(loc.len)
+        .is_some_and(|end| end <= region.len() as u64);
+    if !fits {
+        return Err(Error::InvalidData(format!(
+            "IPC buffer {index} ({}..+{}) overruns its region of {} bytes",
+            loc.offset,
+            loc.len,
+            region.len()
+        )));
+    }
+    region.slice(loc.offset as usize, len)
 }
 
 /// How a batch can reach another process, decided before anything is exported or copied.
