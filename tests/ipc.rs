@@ -1089,11 +1089,7 @@ fn a_killed_sender_makes_the_receiver_fail() {
         peer.wait_for("sent");
         peer.child.kill().unwrap();
         let e = r.recv().unwrap_err();
-        assert_eq!(
-            e.io_kind(),
-            Some(std::io::ErrorKind::UnexpectedEof),
-            "{device}: {e}"
-        );
+        assert_eq!(e.io_kind(), Some(std::io::ErrorKind::UnexpectedEof), "{device}: {e}");
         assert!(r.recv().is_err(), "{device}: a broken receiver stays broken");
         // The killed sender could not remove its socket file.
         let _ = std::fs::remove_file(&path);

@@ -427,9 +427,7 @@ fn wait_for_peer(sender: &Sender, peer: &mut Peer) -> BoxResult<()> {
     loop {
         match sender.wait_for_receivers(1, Duration::from_millis(100)) {
             Ok(()) => return Ok(()),
-            Err(e) if e.io_kind() == Some(std::io::ErrorKind::TimedOut) && Instant::now() < deadline => {
-                peer.check()?
-            }
+            Err(e) if e.io_kind() == Some(std::io::ErrorKind::TimedOut) && Instant::now() < deadline => peer.check()?,
             Err(e) => return Err(e.into()),
         }
     }
