@@ -2,15 +2,15 @@
 //! projection, the pushed-down filters and the limit on the device, so only the selected rows of
 //! the projected columns travel to the host.
 //!
-//! [`GpuTable`] is a [`TableProvider`] whose partitions are lists of
-//! [`DeviceRecordBatch`]es, spread round-robin over the devices it was given (every visible GPU by
+//! [`GpuTable`] is a [`TableProvider`](::datafusion::catalog::TableProvider) whose partitions are lists of
+//! [`DeviceRecordBatch`](crate::array::DeviceRecordBatch)es, spread round-robin over the devices it was given (every visible GPU by
 //! default, the CPU device when there is none). Its scan is a [`GpuScan`], a
 //! [`DataSource`](::datafusion::datasource::source::DataSource) under `DataSourceExec`, the way
 //! `MemTable` uses `MemorySourceConfig`.
 //!
 //! # Filters
 //!
-//! [`GpuTable::supports_filters_pushdown`](TableProvider::supports_filters_pushdown) answers
+//! [`GpuTable::supports_filters_pushdown`](::datafusion::catalog::TableProvider::supports_filters_pushdown) answers
 //! `Exact` only for predicates the device evaluates completely, and `Unsupported` for everything
 //! else (DataFusion keeps those in a `FilterExec`):
 //!
@@ -35,7 +35,7 @@
 //!
 //! # What reaches DataFusion
 //!
-//! Only host [`RecordBatch`]es, made by an explicit device-to-host copy
+//! Only host [`RecordBatch`](arrow_array::RecordBatch)es, made by an explicit device-to-host copy
 //! ([`crate::transfer::dtoh`]): DataFusion's metrics read every batch through `to_data()`, so no
 //! device memory may ever be wrapped in an arrow buffer that flows through a plan.
 //!
@@ -44,6 +44,51 @@
 //! Each device has a small pool of streams (four by default) guarded by a semaphore: partitions on
 //! one device share it whatever DataFusion's `target_partitions` is, and partitions on different
 //! devices run concurrently.
+//!
+//! # Device stages
+//!
+//! A device stage is the part of a query plan over a GPU table that runs where the table lives.
+//!
+//! [`DeviceStageRule`] is a DataFusion physical optimizer rule. Installed with
+//! [`with_device_stages`], it finds each partial aggregate (`AggregateExec` in `Partial` mode)
+//! whose input is a [`GpuScan`] through projections, filters and round-robin
+//! repartitioning, and replaces that whole subtree with one [`DeviceStageExec`] (a `Single`
+//! aggregate, whose input is one partition, becomes a `Final` aggregate over a stage). The
+//! stage evaluates the scan's pushed-down predicate, the filters, the computed projections, the
+//! group keys and the aggregates on the device in one or two passes over the columns (see
+//! `stage/codegen.rs`), keeps its groups and accumulators in device memory, and copies only the groups'
+//! partial state to the host: a batch with exactly the schema of DataFusion's partial aggregate,
+//! which DataFusion's `Final` aggregate above merges as it would merge its own.
+//!
+//! ## Where the rule sits
+//!
+//! The rule is appended after DataFusion's own physical optimizer rules. Only then is the plan's
+//! shape final: `EnforceDistribution` has split aggregates into `Partial` and `Final` with the
+//! repartitioning between them, projections and filters have been pushed down as far as they go,
+//! and repartitioning has been placed. A stage replaces a subtree that produces the partial state
+//! in one partition: every node above it (the repartitioning, the `Final` aggregate, sorts) accepts
+//! any number of input partitions, so the plan stays valid and its schema does not change.
+//!
+//! ## What a stage runs
+//!
+//! - expressions: see `stage/expr.rs` (arithmetic on integers, floats and `Decimal128` with DataFusion's
+//!   types, precision and overflow errors; comparisons; three-valued `AND`/`OR`/`NOT`; `IS [NOT]
+//!   NULL`; `CASE WHEN`; `CAST` between integer, float and decimal types; `IN` lists; `LIKE` with `%`
+//!   and `_`; `date_part` of year and month);
+//! - group keys of integers, dates, booleans, decimals and strings of at most 15 bytes (a longer
+//!   string found while running makes the stage give its work back);
+//! - `COUNT`, `SUM` and `AVG` of integers, decimals (exact, 128-bit) and floats, `MIN` and `MAX`
+//!   of integers and dates, each with an optional `FILTER (WHERE ...)`.
+//!
+//! Anything else stays with DataFusion, unchanged. Without NVRTC or a GPU the rule leaves every
+//! plan alone and logs one line saying why.
+//!
+//! ## The CPU device
+//!
+//! A stage over a table on the CPU device runs its host implementation (`stage/host.rs`, DataFusion's
+//! own expression evaluation and the same group and accumulator layout as the kernels). The rule
+//! places such stages only when asked ([`DeviceStageRule::with_host_stages`]): the tests do, so
+//! that CI proves the plan rewrite, the partial state and DataFusion's merge of it without a GPU.
 
 mod device_filter;
 mod error;

@@ -24,7 +24,7 @@ pub struct Progress {
 /// A progress callback.
 pub type ProgressFn = Arc<dyn Fn(Progress) + Send + Sync>;
 
-/// How a [`GpuTable`] is loaded and scanned.
+/// How a [`GpuTable`](super::GpuTable) is loaded and scanned.
 #[derive(Clone, Default)]
 pub struct LoadOptions {
     pub(crate) devices: Option<Vec<Device>>,

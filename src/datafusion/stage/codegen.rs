@@ -56,7 +56,7 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
             terms.push(format!("({k} && {v})"));
         }
         for f in &plan.filters {
-            let mut c = ExprCompiler::new(g, &schema);
+            let mut c = ExprCompiler::new(g, schema);
             let val = c.compile(f)?;
             if val.dt != DataType::Boolean {
                 return Err(Error::Unsupported("a filter that is not boolean".into()));
@@ -81,7 +81,7 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
             .push_str(&format!("    if (!({kept})) {{ row_group[i] = NO_GROUP; }} else {{\n"));
         g.body.push_str(&format!("    u64 kw[{nw}]; u64 nulls = 0;\n"));
         for (j, (key, dt)) in plan.keys.iter().zip(&plan.key_types).enumerate() {
-            let val = ExprCompiler::new(&mut g, &schema).compile(key)?;
+            let val = ExprCompiler::new(&mut g, schema).compile(key)?;
             if &val.dt != dt {
                 return Err(Error::Unsupported(format!("group key of type {} for {dt}", val.dt)));
             }
@@ -115,12 +115,12 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
         g.body.push_str("    {\n");
         let fk = match &spec.filter {
             Some(f) => {
-                let v = ExprCompiler::new(&mut g, &schema).compile(f)?;
+                let v = ExprCompiler::new(&mut g, schema).compile(f)?;
                 format!("({} && {})", v.k, v.v)
             }
             None => "true".into(),
         };
-        let v = ExprCompiler::new(&mut g, &schema).compile(&spec.arg)?;
+        let v = ExprCompiler::new(&mut g, schema).compile(&spec.arg)?;
         let slot = |s: usize| format!("base + (u64){} * st + g", s0 + s);
         let update = match spec.acc {
             Acc::Count => String::new(),

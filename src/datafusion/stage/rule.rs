@@ -28,7 +28,7 @@ use super::output::state_type_supported;
 use crate::device::Device;
 
 /// Replaces each partial aggregate over a GPU table scan (through projections and filters) with one [`DeviceStageExec`], when the device can run all of it; everything else
-/// stays with DataFusion. See the [module docs](super) for where it sits among DataFusion's rules.
+/// stays with DataFusion. See the [module docs](crate::datafusion#device-stages) for where it sits among DataFusion's rules.
 #[derive(Debug, Default, Clone)]
 pub struct DeviceStageRule {
     host_stages: bool,
