@@ -2,17 +2,18 @@
 //!
 //! The CPU is a device like any other: every layer above this one runs the same code on
 //! [`Device::Cpu`] (with `memcpy` for copies) and on CUDA devices. A machine without a CUDA driver or
-//! GPU gets an [`Error`] from every CUDA entry point, never a panic: the driver library is probed
-//! before cudarc touches it (cudarc panics when a library or symbol is missing).
+//! GPU gets an [`Error`] from every CUDA entry point, never a panic: the driver library and every
+//! entry point the crate calls are probed (by `crate::driver`) before cudarc touches them (cudarc
+//! panics when a library or symbol is missing).
 
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::sys::{self, CUdevice_attribute};
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream, result};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use crate::abi::DeviceType;
+use crate::driver::{self, CUdevice_attribute, CUstream};
 use crate::error::{Error, Result};
 
 /// A place where Arrow buffers can live, named as the C Device Data Interface names them.
@@ -92,106 +93,23 @@ impl fmt::Display for Device {
     }
 }
 
-/// Driver entry points the crate calls. Each is checked once before first use, so an old driver is
-/// an [`Error::DriverTooOld`] rather than a panic inside cudarc.
-const REQUIRED_SYMBOLS: &[&str] = &[
-    "cuInit",
-    "cuDriverGetVersion",
-    "cuDeviceGetCount",
-    "cuMemAllocAsync",
-    "cuDeviceGetDefaultMemPool",
-    "cuMemPoolSetAttribute",
-    "cuMemFreeAsync",
-    "cuMemAlloc_v2",
-    "cuMemFree_v2",
-    "cuMemAllocManaged",
-    "cuMemHostAlloc",
-    "cuMemFreeHost",
-    "cuMemHostRegister_v2",
-    "cuMemHostUnregister",
-    "cuMemcpyAsync",
-    "cuMemcpyHtoDAsync_v2",
-    "cuMemcpyDtoHAsync_v2",
-    "cuMemcpyDtoDAsync_v2",
-    "cuMemcpy2DAsync_v2",
-    "cuMemsetD8Async",
-    "cuIpcGetMemHandle",
-    "cuIpcOpenMemHandle_v2",
-    "cuIpcCloseMemHandle",
-    "cuStreamWaitEvent",
-    "cuEventRecord",
-    "cuPointerGetAttribute",
-    "cuPointerGetAttributes",
-];
-
-/// Why the driver is unusable, kept so every later call reports the same thing.
-#[derive(Clone, Debug)]
-enum Unavailable {
-    NoLibrary(String),
-    MissingSymbol(&'static str),
-    Init(result::DriverError),
-    NoDevice,
-}
-
-fn probe() -> Result<(), Unavailable> {
-    // SAFETY: loading the driver library runs its initialisers, which is what any CUDA program does.
-    if !unsafe { sys::is_culib_present() } {
-        let mut names = cudarc::get_lib_name_candidates("cuda");
-        names.sort();
-        names.dedup();
-        return Err(Unavailable::NoLibrary(names.join(", ")));
-    }
-    // SAFETY: the library is present (checked above), so `culib` returns it without panicking.
-    let lib = unsafe { sys::culib() };
-    for &symbol in REQUIRED_SYMBOLS {
-        // SAFETY: the symbol is only looked up, never called through this type.
-        if unsafe { lib.get::<unsafe extern "C" fn()>(symbol.as_bytes()) }.is_err() {
-            return Err(Unavailable::MissingSymbol(symbol));
-        }
-    }
-    result::init().map_err(Unavailable::Init)?;
-    match result::device::get_count() {
-        Ok(0) => Err(Unavailable::NoDevice),
-        Ok(_) => Ok(()),
-        Err(e) => Err(Unavailable::Init(e)),
-    }
-}
-
-/// Checks once that a CUDA driver and at least one GPU are present.
-pub(crate) fn driver() -> Result<()> {
-    static PROBE: OnceLock<Result<(), Unavailable>> = OnceLock::new();
-    PROBE.get_or_init(probe).clone().map_err(|u| match u {
-        Unavailable::NoLibrary(looked_for) => Error::NoDriver { looked_for },
-        Unavailable::MissingSymbol(symbol) => Error::DriverTooOld { symbol },
-        Unavailable::Init(e) => Error::NoDevice {
-            reason: format!("cuInit failed: {e}"),
-        },
-        Unavailable::NoDevice => Error::NoDevice {
-            reason: "the driver reports 0 devices".into(),
-        },
-    })
-}
-
 /// Whether a CUDA driver and at least one GPU are usable.
 pub fn cuda_available() -> bool {
-    driver().is_ok()
+    driver::available().is_ok()
 }
 
 /// The number of visible CUDA devices (an error when there is no driver or no GPU).
 pub fn cuda_device_count() -> Result<usize> {
-    driver()?;
-    let n = result::device::get_count().map_err(Error::driver("cuDeviceGetCount"))?;
-    Ok(n as usize)
+    driver::available()?;
+    // SAFETY: the driver is loaded and initialised (probed above).
+    unsafe { driver::device_count() }
 }
 
 /// The CUDA version the driver supports, as (major, minor): (13, 0) for a CUDA 13.0 driver.
 pub fn driver_version() -> Result<(i32, i32)> {
-    driver()?;
-    let mut v = 0;
-    // SAFETY: the driver is loaded (probed above); the out-parameter is a valid int.
-    unsafe { sys::cuDriverGetVersion(&mut v) }
-        .result()
-        .map_err(Error::driver("cuDriverGetVersion"))?;
+    driver::available()?;
+    // SAFETY: the driver is loaded (probed above).
+    let v = unsafe { driver::driver_version() }?;
     Ok((v / 1000, (v % 1000) / 10))
 }
 
@@ -225,19 +143,9 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
 /// allocation maps it again: a gigabyte batch paid for that on every upload.
 fn keep_pool_memory(ctx: &CudaContext) -> Result<()> {
     // SAFETY: the device handle is valid for the retained context; the pool is the device's own.
-    let pool = unsafe { result::device::get_default_mem_pool(ctx.cu_device()) }
-        .map_err(Error::driver("cuDeviceGetDefaultMemPool"))?;
-    let mut threshold = u64::MAX;
-    // SAFETY: the release-threshold attribute takes a pointer to a `cuuint64_t`.
-    unsafe {
-        sys::cuMemPoolSetAttribute(
-            pool,
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-            (&mut threshold as *mut u64).cast(),
-        )
-    }
-    .result()
-    .map_err(Error::driver("cuMemPoolSetAttribute"))
+    let pool = unsafe { driver::default_mem_pool(ctx.cu_device()) }?;
+    // SAFETY: the device's default pool, alive as long as the driver.
+    unsafe { driver::mem_pool_set_release_threshold(pool, u64::MAX) }
 }
 
 /// What the driver reports about one CUDA device.
@@ -370,7 +278,7 @@ impl Stream {
     }
 
     /// The raw `CUstream` (null for the CPU) with its context bound to the calling thread.
-    pub(crate) fn bind(&self) -> Result<sys::CUstream> {
+    pub(crate) fn bind(&self) -> Result<CUstream> {
         match &self.inner {
             StreamInner::Cpu => Ok(std::ptr::null_mut()),
             StreamInner::Cuda(s) => {
@@ -409,15 +317,9 @@ impl Stream {
             (StreamInner::Cpu, EventInner::Cuda(_)) => event.synchronize(),
             (StreamInner::Cuda(s), EventInner::Cuda(e)) => {
                 self.bind()?;
-                // SAFETY: both handles are alive for the call; a wait across contexts is allowed.
-                unsafe {
-                    result::stream::wait_event(
-                        s.cu_stream(),
-                        e.cu_event(),
-                        sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                    )
-                }
-                .map_err(Error::driver("cuStreamWaitEvent"))
+                // SAFETY: both handles are alive for the call and the stream's context is bound; a
+                // wait across contexts is allowed.
+                unsafe { driver::stream_wait_event(s.cu_stream(), e.cu_event()) }
             }
         }
     }

@@ -2,9 +2,9 @@
 
 use arrow_schema::ArrowError;
 use cudarc::driver::DriverError;
-use cudarc::driver::sys::cudaError_enum;
 
 use crate::device::Device;
+use crate::driver::CUresult;
 
 /// Result with the crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -125,11 +125,14 @@ impl Error {
         move |source| Error::Driver { call, source }
     }
 
-    /// Wraps a failed allocation: out-of-memory codes become [`Error::OutOfMemory`].
-    pub(crate) fn alloc(call: &'static str, device: Device, requested: usize) -> impl FnOnce(DriverError) -> Error {
-        move |source| match source.0 {
-            cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY => Error::OutOfMemory { device, requested },
-            _ => Error::Driver { call, source },
+    /// Maps the error of a failed allocation: the driver's out-of-memory code becomes
+    /// [`Error::OutOfMemory`], anything else stays as it is.
+    pub(crate) fn alloc(device: Device, requested: usize) -> impl FnOnce(Error) -> Error {
+        move |e| match e {
+            Error::Driver { source, .. } if source.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                Error::OutOfMemory { device, requested }
+            }
+            other => other,
         }
     }
 }

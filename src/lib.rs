@@ -5,6 +5,7 @@ pub mod array;
 #[cfg(feature = "datafusion")]
 pub mod datafusion;
 pub mod device;
+mod driver;
 mod error;
 pub mod ffi;
 pub mod ipc;

@@ -2,7 +2,7 @@
 //! cached for the life of the process.
 //!
 //! Without a driver, a GPU or the NVRTC library, every entry point returns an [`Error`], never
-//! panics: the libraries and the entry points cudarc calls are probed first.
+//! panics: the libraries and the entry points cudarc calls are probed first (by `crate::driver`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -12,60 +12,10 @@ use cudarc::nvrtc::CompileOptions;
 
 use crate::error::{Error, Result};
 
-/// NVRTC entry points cudarc calls to compile a program.
-const NVRTC_SYMBOLS: &[&str] = &[
-    "nvrtcCreateProgram",
-    "nvrtcCompileProgram",
-    "nvrtcGetPTXSize",
-    "nvrtcGetPTX",
-    "nvrtcGetProgramLogSize",
-    "nvrtcGetProgramLog",
-    "nvrtcDestroyProgram",
-];
-
-/// Driver entry points used to load and launch kernels.
-const DRIVER_SYMBOLS: &[&str] = &[
-    "cuModuleLoadData",
-    "cuModuleGetFunction",
-    "cuModuleUnload",
-    "cuLaunchKernel",
-];
-
-fn probe() -> Result<()> {
-    crate::device::driver()?;
-    // SAFETY: the driver library is present (checked by `driver`), so `culib` returns it.
-    let driver = unsafe { cudarc::driver::sys::culib() };
-    for &s in DRIVER_SYMBOLS {
-        // SAFETY: the symbol is only looked up, never called through this type.
-        if unsafe { driver.get::<unsafe extern "C" fn()>(s.as_bytes()) }.is_err() {
-            return Err(Error::DriverTooOld { symbol: s });
-        }
-    }
-    // SAFETY: trying to load the NVRTC library runs its initialisers, as any CUDA program does.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(Error::Unsupported(format!(
-            "no NVRTC library: none of {} could be loaded",
-            cudarc::get_lib_name_candidates("nvrtc").join(", ")
-        )));
-    }
-    // SAFETY: the library is present (checked above), so `culib` returns it without panicking.
-    let nvrtc = unsafe { cudarc::nvrtc::sys::culib() };
-    for &s in NVRTC_SYMBOLS {
-        // SAFETY: the symbol is only looked up, never called through this type.
-        if unsafe { nvrtc.get::<unsafe extern "C" fn()>(s.as_bytes()) }.is_err() {
-            return Err(Error::Unsupported(format!("the NVRTC library has no `{s}`")));
-        }
-    }
-    Ok(())
-}
-
-/// Checks once that the driver, a GPU and NVRTC are usable.
+/// Checks once that the driver, a GPU and NVRTC are usable (`crate::driver` probes the libraries and
+/// every entry point cudarc calls to compile, load and launch); [`Error::Unsupported`] otherwise.
 pub(crate) fn available() -> Result<()> {
-    static PROBE: OnceLock<std::result::Result<(), String>> = OnceLock::new();
-    PROBE
-        .get_or_init(|| probe().map_err(|e| e.to_string()))
-        .clone()
-        .map_err(Error::Unsupported)
+    crate::driver::nvrtc_available()
 }
 
 /// Whether GPU predicate kernels can run here: a CUDA driver, a GPU and the NVRTC library.

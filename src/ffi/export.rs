@@ -5,11 +5,11 @@ use std::ptr;
 
 use arrow_data::layout;
 use arrow_schema::{DataType, Field};
-use cudarc::driver::sys::CUevent;
 
 use crate::abi::{FFI_ArrowArray, FFI_ArrowDeviceArray, FFI_ArrowSchema};
 use crate::array::{DeviceArrayData, DeviceRecordBatch};
 use crate::device::{Event, Stream};
+use crate::driver::CUevent;
 use crate::error::Result;
 use crate::memory::DeviceBuffer;
 

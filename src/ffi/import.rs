@@ -9,12 +9,11 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use arrow_schema::{DataType, Schema, UnionMode};
-use cudarc::driver::result;
-use cudarc::driver::sys::CUevent;
 
 use crate::abi::{FFI_ArrowArray, FFI_ArrowDeviceArray, FFI_ArrowSchema};
 use crate::array::{DeviceArrayData, DeviceRecordBatch};
 use crate::device::{Device, Event, Stream};
+use crate::driver::{self, CUevent};
 use crate::error::{Error, Result};
 use crate::memory::pinned::PinnedPool;
 use crate::memory::{Allocation, DeviceBuffer, MemoryResource, copy, stream_for};
@@ -565,19 +564,12 @@ fn wait_for_producer(array: &FFI_ArrowDeviceArray, device: Device, stream: &Stre
     match stream.cuda() {
         Some(s) if !device.is_host_accessible() => {
             // SAFETY: a valid event and stream.
-            unsafe {
-                result::stream::wait_event(
-                    s.cu_stream(),
-                    event,
-                    cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                )
-            }
-            .map_err(Error::driver("cuStreamWaitEvent"))?;
+            unsafe { driver::stream_wait_event(s.cu_stream(), event) }?;
             stream.record()
         }
         _ => {
             // SAFETY: a valid event.
-            unsafe { result::event::synchronize(event) }.map_err(Error::driver("cuEventSynchronize"))?;
+            unsafe { driver::event_synchronize(event) }?;
             Ok(Event::completed())
         }
     }

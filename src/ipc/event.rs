@@ -12,9 +12,10 @@
 use std::fmt;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, sys};
+use cudarc::driver::CudaContext;
 
 use crate::device::{self, Device, Stream};
+use crate::driver::{self, CUevent};
 use crate::error::{Error, Result};
 use crate::ipc::handle::HANDLE_BYTES;
 
@@ -32,7 +33,7 @@ impl fmt::Debug for IpcEventHandle {
 /// A CUDA event that other processes can wait on: created here, or opened from a peer's handle.
 /// Destroyed when dropped.
 pub struct IpcEvent {
-    event: sys::CUevent,
+    event: CUevent,
     ordinal: usize,
     ctx: Arc<CudaContext>,
 }
@@ -64,13 +65,8 @@ impl IpcEvent {
         let ordinal = cuda_ordinal(device)?;
         let ctx = device::context(ordinal)?;
         ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
-        let flags =
-            sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32 | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-        let mut event: sys::CUevent = std::ptr::null_mut();
-        // SAFETY: the context is bound and `event` is a valid out-parameter.
-        unsafe { sys::cuEventCreate(&mut event, flags) }
-            .result()
-            .map_err(Error::driver("cuEventCreate"))?;
+        // SAFETY: the context is bound; the event is destroyed once, by Drop.
+        let event = unsafe { driver::event_create_interprocess() }?;
         Ok(IpcEvent { event, ordinal, ctx })
     }
 
@@ -78,28 +74,18 @@ impl IpcEvent {
     pub fn open(handle: &IpcEventHandle, ordinal: usize) -> Result<IpcEvent> {
         let ctx = device::context(ordinal)?;
         ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
-        let raw = sys::CUipcEventHandle {
-            reserved: handle.0.map(|b| b as std::ffi::c_char),
-        };
-        let mut event: sys::CUevent = std::ptr::null_mut();
-        // SAFETY: the context is bound; the driver validates the handle and writes `event`.
-        unsafe { sys::cuIpcOpenEventHandle(&mut event, raw) }
-            .result()
-            .map_err(Error::driver("cuIpcOpenEventHandle"))?;
+        // SAFETY: the context is bound; the driver validates the handle; the event is destroyed
+        // once, by Drop.
+        let event = unsafe { driver::ipc_open_event_handle(handle.0) }?;
         Ok(IpcEvent { event, ordinal, ctx })
     }
 
     /// The handle another process opens this event with (`cuIpcGetEventHandle`).
     pub fn handle(&self) -> Result<IpcEventHandle> {
         self.bind()?;
-        let mut raw = sys::CUipcEventHandle {
-            reserved: [0; HANDLE_BYTES],
-        };
-        // SAFETY: a live interprocess event of the bound context; `raw` is a valid out-parameter.
-        unsafe { sys::cuIpcGetEventHandle(&mut raw, self.event) }
-            .result()
-            .map_err(Error::driver("cuIpcGetEventHandle"))?;
-        Ok(IpcEventHandle(raw.reserved.map(|c| c as u8)))
+        // SAFETY: a live interprocess event of the bound context.
+        let bytes = unsafe { driver::ipc_get_event_handle(self.event) }?;
+        Ok(IpcEventHandle(bytes))
     }
 
     /// The device the event belongs to.
@@ -123,9 +109,7 @@ impl IpcEvent {
         }
         let raw = stream.bind()?;
         // SAFETY: a live event and a live stream of the same, bound context.
-        unsafe { sys::cuEventRecord(self.event, raw) }
-            .result()
-            .map_err(Error::driver("cuEventRecord"))
+        unsafe { driver::event_record(self.event, raw) }
     }
 
     /// Makes work issued later to `stream` wait for the event's last record, without blocking the
@@ -136,18 +120,14 @@ impl IpcEvent {
         }
         let raw = stream.bind()?;
         // SAFETY: a live event and a live stream; waiting across contexts is allowed.
-        unsafe { sys::cuStreamWaitEvent(raw, self.event, 0) }
-            .result()
-            .map_err(Error::driver("cuStreamWaitEvent"))
+        unsafe { driver::stream_wait_event(raw, self.event) }
     }
 
     /// Blocks until the event's last record has completed.
     pub fn synchronize(&self) -> Result<()> {
         self.bind()?;
         // SAFETY: a live event of the bound context.
-        unsafe { sys::cuEventSynchronize(self.event) }
-            .result()
-            .map_err(Error::driver("cuEventSynchronize"))
+        unsafe { driver::event_synchronize(self.event) }
     }
 }
 
@@ -156,7 +136,7 @@ impl Drop for IpcEvent {
         // Errors cannot be reported from Drop; the driver keeps them for the next call.
         if self.ctx.bind_to_thread().is_ok() {
             // SAFETY: created or opened by this value, destroyed once.
-            let _ = unsafe { sys::cuEventDestroy_v2(self.event) };
+            let _ = unsafe { driver::event_destroy(self.event) };
         }
     }
 }

@@ -15,15 +15,16 @@
 use std::fmt;
 use std::sync::{Arc, LazyLock};
 
-use cudarc::driver::{CudaContext, sys};
+use cudarc::driver::CudaContext;
 
 use crate::device::{self, Device};
+use crate::driver;
 use crate::error::{Error, Result};
 use crate::memory::cache::MappingCache;
 use crate::memory::{DeviceBuffer, MemoryResource};
 
 /// The size of a `CUipcMemHandle` (and of a `CUipcEventHandle`).
-pub const HANDLE_BYTES: usize = 64;
+pub const HANDLE_BYTES: usize = driver::IPC_HANDLE_BYTES;
 
 /// A CUDA IPC memory handle with the size of the allocation it names: Arrow C++'s
 /// `CudaIpcMemHandle`.
@@ -78,15 +79,9 @@ impl IpcMemHandle {
         let bytes = buffer.ipc_handle(|| {
             let ctx = device::context(ordinal)?;
             ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
-            let mut handle = sys::CUipcMemHandle {
-                reserved: [0; HANDLE_BYTES],
-            };
             // SAFETY: `base` is the start of a live cuMemAlloc allocation of this context (the
-            // buffer holds it), and `handle` is a valid out-parameter.
-            unsafe { sys::cuIpcGetMemHandle(&mut handle, base) }
-                .result()
-                .map_err(Error::driver("cuIpcGetMemHandle"))?;
-            Ok(handle.reserved.map(|c| c as u8))
+            // buffer holds it), which is bound.
+            unsafe { driver::ipc_get_mem_handle(base) }
         })?;
         Ok(IpcMemHandle { size, bytes })
     }
@@ -150,35 +145,25 @@ pub(crate) fn open(handle: &IpcMemHandle, ordinal: usize) -> Result<Arc<OpenedHa
     OPENED.get_or_open(&handle.bytes, || {
         let ctx = device::context(ordinal)?;
         ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
-        let raw = sys::CUipcMemHandle {
-            reserved: handle.bytes.map(|b| b as std::ffi::c_char),
-        };
-        let mut address: sys::CUdeviceptr = 0;
-        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
-        // SAFETY: the context is bound; the driver validates the handle bytes and writes `address`.
-        unsafe { sys::cuIpcOpenMemHandle_v2(&mut address, raw, flags) }
-            .result()
-            .map_err(Error::driver("cuIpcOpenMemHandle"))?;
-        let (mut base, mut mapped) = (0, 0usize);
-        // SAFETY: `address` is a live mapping in the bound context; both outputs are valid.
-        let range = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut mapped, address) }
-            .result()
-            .map_err(Error::driver("cuMemGetAddressRange"))
-            .and_then(|()| {
-                if base == address && handle.size <= mapped {
-                    return Ok(());
-                }
-                Err(Error::InvalidData(format!(
-                    "a CUDA IPC handle announces {} bytes but maps {mapped} at offset {}",
-                    handle.size,
-                    address.wrapping_sub(base)
-                )))
-            });
+        // SAFETY: the context is bound; the driver validates the handle bytes. The mapping is closed
+        // once: below on failure, by the OpenedHandle otherwise.
+        let address = unsafe { driver::ipc_open_mem_handle(handle.bytes) }?;
+        // SAFETY: `address` is a live mapping in the bound context.
+        let range = unsafe { driver::mem_get_address_range(address) }.and_then(|(base, mapped)| {
+            if base == address && handle.size <= mapped {
+                return Ok(());
+            }
+            Err(Error::InvalidData(format!(
+                "a CUDA IPC handle announces {} bytes but maps {mapped} at offset {}",
+                handle.size,
+                address.wrapping_sub(base)
+            )))
+        });
         if let Err(e) = range {
             // Closed here rather than by an OpenedHandle's Drop, which would take the lock of the
             // cache that this closure runs under.
             // SAFETY: opened above and never handed out.
-            let _ = unsafe { sys::cuIpcCloseMemHandle(address) };
+            let _ = unsafe { driver::ipc_close_mem_handle(address) };
             return Err(e);
         }
         Ok(OpenedHandle {
@@ -253,7 +238,7 @@ impl Drop for OpenedHandle {
             if ctx.bind_to_thread().is_ok() {
                 // SAFETY: `address` was returned by cuIpcOpenMemHandle and is closed once; every view
                 // of it is gone (they own this mapping).
-                let _ = unsafe { sys::cuIpcCloseMemHandle(address) };
+                let _ = unsafe { driver::ipc_close_mem_handle(address) };
             }
         });
     }

@@ -300,8 +300,7 @@ unsafe fn zero(address: u64, device: Device, len: usize, stream: &Stream) -> Res
         Some(_) => {
             let raw = stream.bind()?;
             // SAFETY: `len` bytes of memory the driver knows, in this stream's context (caller).
-            unsafe { cudarc::driver::result::memset_d8_async(address, 0, len, raw) }
-                .map_err(Error::driver("cuMemsetD8Async"))
+            unsafe { crate::driver::memset_d8_async(address, 0, len, raw) }
         }
     }
 }

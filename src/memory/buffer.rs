@@ -6,9 +6,8 @@ use std::panic::AssertUnwindSafe;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use cudarc::driver::sys;
-
 use crate::device::{Device, Event, Stream};
+use crate::driver;
 use crate::error::{Error, Result};
 use crate::memory::resource::{Allocation, MemoryResource};
 
@@ -231,8 +230,7 @@ impl DeviceBuffer {
         let stream = stream_for(stream, self.device(), self.device())?;
         let raw = stream.bind()?;
         // SAFETY: `len` bytes of device memory, in this stream's context.
-        unsafe { cudarc::driver::result::memset_d8_async(self.address(), value, self.len, raw) }
-            .map_err(Error::driver("cuMemsetD8Async"))?;
+        unsafe { driver::memset_d8_async(self.address(), value, self.len, raw) }?;
         stream.synchronize()
     }
 
@@ -409,9 +407,7 @@ pub(crate) unsafe fn copy(
             let raw = stream.bind()?;
             // SAFETY: with unified addressing the driver infers each side's kind from the address;
             // the ranges are valid (caller).
-            unsafe { sys::cuMemcpyAsync(dst, src, len, raw) }
-                .result()
-                .map_err(Error::driver("cuMemcpyAsync"))
+            unsafe { driver::memcpy_async(dst, src, len, raw) }
         }
     }
 }

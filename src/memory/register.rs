@@ -11,12 +11,12 @@
 //! copy. For staging, prefer a [`PinnedPool`](crate::memory::pinned::PinnedPool).
 
 use std::ffi::c_void;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
-use cudarc::driver::sys;
 
 use crate::device::{self, Device};
+use crate::driver;
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, MemoryResource};
 
@@ -42,13 +42,11 @@ impl Registration {
                 ctx: None,
             });
         }
-        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: `address..address + len` is a live slice that the guard borrows for as long as the
         // registration lasts; registering does not read or write it. The context is bound (by
         // `context`).
-        unsafe { sys::cuMemHostRegister_v2(address as *mut c_void, len, flags) }
-            .result()
-            .map_err(Error::alloc("cuMemHostRegister", Device::CudaHost(ordinal), len))?;
+        unsafe { driver::mem_host_register(address as *mut c_void, len) }
+            .map_err(Error::alloc(Device::CudaHost(ordinal), len))?;
         Ok(Registration {
             address,
             len,
@@ -75,7 +73,7 @@ impl Drop for Registration {
             && ctx.bind_to_thread().is_ok()
         {
             // SAFETY: the range was registered by `new` at this address and is unregistered once.
-            let _ = unsafe { sys::cuMemHostUnregister(self.address as *mut c_void) };
+            let _ = unsafe { driver::mem_host_unregister(self.address as *mut c_void) };
         }
     }
 }
@@ -177,24 +175,10 @@ impl RegisteredMut<'_> {
 
 /// The device-visible address of mapped page-locked host memory, with a context bound.
 fn host_get_device_pointer(host: u64) -> Result<u64> {
-    const SYMBOL: &str = "cuMemHostGetDevicePointer_v2";
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    device::driver()?;
-    let present = *PRESENT.get_or_init(|| {
-        // SAFETY: `driver` succeeded, so the library is loaded and `culib` returns it without
-        // panicking; the symbol is only looked up, never called through this type.
-        unsafe { sys::culib().get::<unsafe extern "C" fn()>(SYMBOL.as_bytes()) }.is_ok()
-    });
-    if !present {
-        return Err(Error::DriverTooOld { symbol: SYMBOL });
-    }
-    let mut dptr: sys::CUdeviceptr = 0;
-    // SAFETY: `dptr` is a valid out-pointer; the driver only looks the host address up (flags must
-    // be 0) and reports an error for memory it did not pin.
-    unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, host as *mut c_void, 0) }
-        .result()
-        .map_err(Error::driver("cuMemHostGetDevicePointer"))?;
-    Ok(dptr)
+    driver::available()?;
+    // SAFETY: the driver is loaded (checked above) and a context is bound (caller); the driver only
+    // looks the host address up and reports an error for memory it did not pin.
+    unsafe { driver::mem_host_get_device_pointer(host as *mut c_void) }
 }
 
 impl DeviceBuffer {

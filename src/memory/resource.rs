@@ -5,9 +5,10 @@ use std::any::Any;
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::{CudaContext, result, sys};
+use cudarc::driver::CudaContext;
 
 use crate::device::{Device, Stream};
+use crate::driver;
 use crate::error::{Error, Result};
 
 /// The alignment of every allocation this crate makes on the host, and of every buffer it plans.
@@ -83,7 +84,7 @@ impl MemoryResource {
             });
         }
         let ctx = device.context()?;
-        let alloc_err = |call| Error::alloc(call, device, size);
+        let alloc_err = Error::alloc(device, size);
         let (ptr, release) = match (self, ctx) {
             (MemoryResource::Host, _) => {
                 let layout = Layout::from_size_align(size, ALIGNMENT).map_err(|_| Error::OutOfMemory {
@@ -112,30 +113,26 @@ impl MemoryResource {
                 };
                 let raw = stream.bind()?;
                 // SAFETY: the stream belongs to this device's context, bound above.
-                let p = unsafe { result::malloc_async(raw, size) }.map_err(alloc_err("cuMemAllocAsync"))?;
+                let p = unsafe { driver::mem_alloc_async(size, raw) }.map_err(alloc_err)?;
                 (p, Release::Pool(stream))
             }
             (MemoryResource::DevicePool(_) | MemoryResource::Device(_), Some(ctx)) => {
                 ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
                 // SAFETY: the context is bound to this thread.
-                let p = unsafe { result::malloc_sync(size) }.map_err(alloc_err("cuMemAlloc"))?;
+                let p = unsafe { driver::mem_alloc(size) }.map_err(alloc_err)?;
                 (p, Release::Device(ctx))
             }
             (MemoryResource::PinnedHost(_) | MemoryResource::WriteCombinedHost(_), Some(ctx)) => {
-                let mut flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
-                if matches!(self, MemoryResource::WriteCombinedHost(_)) {
-                    flags |= sys::CU_MEMHOSTALLOC_WRITECOMBINED;
-                }
+                let write_combined = matches!(self, MemoryResource::WriteCombinedHost(_));
                 ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
                 // SAFETY: the context is bound to this thread.
-                let p = unsafe { result::malloc_host(size, flags) }.map_err(alloc_err("cuMemHostAlloc"))?;
+                let p = unsafe { driver::mem_host_alloc(size, write_combined) }.map_err(alloc_err)?;
                 (p as u64, Release::PinnedHost(ctx))
             }
             (MemoryResource::Managed(_), Some(ctx)) => {
                 ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
                 // SAFETY: the context is bound to this thread.
-                let p = unsafe { result::malloc_managed(size, sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL) }
-                    .map_err(alloc_err("cuMemAllocManaged"))?;
+                let p = unsafe { driver::mem_alloc_managed(size) }.map_err(alloc_err)?;
                 (p, Release::Device(ctx))
             }
             (MemoryResource::Foreign(_), _) => {
@@ -267,19 +264,19 @@ impl Drop for Allocation {
             Release::Device(ctx) => {
                 if ctx.bind_to_thread().is_ok() {
                     // SAFETY: allocated by cuMemAlloc / cuMemAllocManaged in this context, freed once.
-                    let _ = unsafe { result::free_sync(self.ptr) };
+                    let _ = unsafe { driver::mem_free(self.ptr) };
                 }
             }
             Release::Pool(stream) => {
                 if let Ok(raw) = stream.bind() {
                     // SAFETY: allocated by cuMemAllocAsync on this device, freed once in stream order.
-                    let _ = unsafe { result::free_async(self.ptr, raw) };
+                    let _ = unsafe { driver::mem_free_async(self.ptr, raw) };
                 }
             }
             Release::PinnedHost(ctx) => {
                 if ctx.bind_to_thread().is_ok() {
                     // SAFETY: allocated by cuMemHostAlloc, freed once.
-                    let _ = unsafe { result::free_host(self.ptr as *mut std::ffi::c_void) };
+                    let _ = unsafe { driver::mem_free_host(self.ptr as *mut std::ffi::c_void) };
                 }
             }
         }

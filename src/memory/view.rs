@@ -15,9 +15,8 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::mem::{align_of, size_of};
 
-use cudarc::driver::sys;
-
 use crate::device::{Device, Event, Stream};
+use crate::driver::{self, CUstream};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, MemoryResource, copy, stream_for};
 
@@ -708,40 +707,18 @@ unsafe fn copy_rows_host(dst: u64, src: u64, plan: &Plan) {
 /// # Safety
 /// Every row of both sides must be valid memory the driver can address; `raw` must be a stream of the
 /// context bound to this thread.
-unsafe fn copy_rows_cuda(dst: u64, src: u64, plan: &Plan, raw: sys::CUstream) -> Result<()> {
+unsafe fn copy_rows_cuda(dst: u64, src: u64, plan: &Plan, raw: CUstream) -> Result<()> {
     let pitches_ok = |p: usize| p >= plan.width && p <= MAX_PITCH;
     if plan.rows > 1 && pitches_ok(plan.src_pitch) && pitches_ok(plan.dst_pitch) {
-        let unified = sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED;
-        let params = sys::CUDA_MEMCPY2D {
-            srcXInBytes: 0,
-            srcY: 0,
-            srcMemoryType: unified,
-            srcHost: std::ptr::null(),
-            srcDevice: src,
-            srcArray: std::ptr::null_mut(),
-            srcPitch: plan.src_pitch,
-            dstXInBytes: 0,
-            dstY: 0,
-            dstMemoryType: unified,
-            dstHost: std::ptr::null_mut(),
-            dstDevice: dst,
-            dstArray: std::ptr::null_mut(),
-            dstPitch: plan.dst_pitch,
-            WidthInBytes: plan.width,
-            Height: plan.rows,
-        };
-        // SAFETY: with unified addressing the driver infers each side's kind from its address; the
-        // rows are valid (caller) and `params` lives for the call.
-        return unsafe { sys::cuMemcpy2DAsync_v2(&params, raw) }
-            .result()
-            .map_err(Error::driver("cuMemcpy2DAsync"));
+        let (width, rows) = (plan.width, plan.rows);
+        // SAFETY: the rows are valid (caller), the pitches at least `width` and within the limit
+        // (checked above), in the bound context's stream.
+        return unsafe { driver::memcpy_2d_async(dst, plan.dst_pitch, src, plan.src_pitch, width, rows, raw) };
     }
     for r in 0..plan.rows {
         let (s, d) = (src + (r * plan.src_pitch) as u64, dst + (r * plan.dst_pitch) as u64);
         // SAFETY: each row is valid memory (caller), in the bound context's stream.
-        unsafe { sys::cuMemcpyAsync(d, s, plan.width, raw) }
-            .result()
-            .map_err(Error::driver("cuMemcpyAsync"))?;
+        unsafe { driver::memcpy_async(d, s, plan.width, raw) }?;
     }
     Ok(())
 }

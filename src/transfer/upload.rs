@@ -12,7 +12,6 @@ use std::sync::Arc;
 
 use arrow_array::{Array, RecordBatch};
 use arrow_data::ArrayData;
-use cudarc::driver::sys;
 
 use crate::array::{DeviceArrayData, DeviceRecordBatch};
 use crate::device::{Device, Event, Stream};
@@ -333,14 +332,10 @@ const DIRECT_MIN: usize = 1 << 20;
 
 /// Whether host memory is page-locked (and so can be the source of an asynchronous DMA).
 fn is_pinned(src: &[u8]) -> bool {
-    let mut kind = 0u32;
-    let mut attribute = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE;
-    let mut out = (&mut kind as *mut u32).cast::<std::ffi::c_void>();
-    // SAFETY: a query about an address with one 4-byte `CUmemorytype` out-parameter. Unlike
-    // cuPointerGetAttribute, the plural form succeeds for memory the driver does not know (pageable
-    // memory), leaving the type 0, so it raises no API error.
-    let status = unsafe { sys::cuPointerGetAttributes(1, &mut attribute, &mut out, src.as_ptr() as u64) };
-    status == sys::CUresult::CUDA_SUCCESS && kind == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32
+    // SAFETY: only called once a CUDA stream is bound, so the driver is loaded. Unlike
+    // cuPointerGetAttribute, the query succeeds for memory the driver does not know (pageable
+    // memory), so it raises no API error.
+    unsafe { crate::driver::is_pinned_host(src.as_ptr() as u64) }.unwrap_or(false)
 }
 
 impl DeviceRecordBatch {

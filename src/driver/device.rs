@@ -1,0 +1,66 @@
+//! The driver itself and its devices: initialisation, counts, versions, default memory pools.
+
+use cudarc::driver::sys::{CUdevice, CUmemPool_attribute, CUmemoryPool};
+
+driver_calls! {
+    /// Initialises the driver (`cuInit`); repeated calls are cheap.
+    ///
+    /// # Safety
+    /// The driver library is loaded (`is_culib_present` returned true).
+    pub(super) unsafe fn init() -> () = cuInit {
+        // SAFETY: flags must be 0; the library is loaded (caller).
+        unsafe { cuInit(0) }.result()
+    }
+
+    /// The number of visible CUDA devices.
+    ///
+    /// # Safety
+    /// The driver is initialised ([`available`](super::available) returned `Ok`, or `init` did).
+    pub(crate) unsafe fn device_count() -> usize = cuDeviceGetCount {
+        let mut n = 0;
+        // SAFETY: an initialised driver (caller) and a valid out-parameter.
+        unsafe { cuDeviceGetCount(&mut n) }.result()?;
+        Ok(usize::try_from(n).unwrap_or(0))
+    }
+
+    /// The CUDA version the driver supports, as `1000 * major + 10 * minor`.
+    ///
+    /// # Safety
+    /// The driver library is loaded ([`available`](super::available) returned `Ok`).
+    pub(crate) unsafe fn driver_version() -> i32 = cuDriverGetVersion {
+        let mut v = 0;
+        // SAFETY: a loaded driver (caller) and a valid out-parameter.
+        unsafe { cuDriverGetVersion(&mut v) }.result()?;
+        Ok(v)
+    }
+
+    /// The default stream-ordered memory pool of `device`.
+    ///
+    /// # Safety
+    /// `device` is a device handle of the initialised driver (`CudaContext::cu_device`).
+    pub(crate) unsafe fn default_mem_pool(device: CUdevice) -> CUmemoryPool = cuDeviceGetDefaultMemPool {
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: a valid device (caller) and a valid out-parameter.
+        unsafe { cuDeviceGetDefaultMemPool(&mut pool, device) }.result()?;
+        Ok(pool)
+    }
+
+    /// Sets how many bytes `pool` keeps reserved after synchronisations before it returns memory to
+    /// the driver (`CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`).
+    ///
+    /// # Safety
+    /// `pool` is a live memory pool (a device's default pool).
+    pub(crate) unsafe fn mem_pool_set_release_threshold(pool: CUmemoryPool, bytes: u64) -> () = cuMemPoolSetAttribute {
+        let mut threshold = bytes;
+        // SAFETY: a live pool (caller); the release-threshold attribute takes a pointer to a
+        // `cuuint64_t`, which lives for the call.
+        unsafe {
+            cuMemPoolSetAttribute(
+                pool,
+                CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut threshold as *mut u64).cast(),
+            )
+        }
+        .result()
+    }
+}
