@@ -1,7 +1,8 @@
 //! DataFusion over GPU tables against `MemTable` over the same batches.
 //!
 //! - staging of TPC-H `lineitem` (time and GB/s);
-//! - TPC-H Q6, Q1, Q12 and Q14 on both (best of five runs after a warm-up);
+//! - TPC-H Q6, Q1, Q12 and Q14 on GPU tables with device stages, on GPU tables without them (scans on
+//!   the device, everything above on the host) and on `MemTable` (best of five runs after a warm-up);
 //! - a filter selectivity sweep (0.1 % to 50 %) over one `Int64` column of 100M rows, in rows/s.
 //!
 //! The scale factor comes from `ARROW_CUDA_BENCH_SF` (default 10), the sweep's rows from
@@ -15,9 +16,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arrow_array::{ArrayRef, Int64Array, RecordBatch};
-use arrow_cuda::datafusion::{GpuTable, LoadOptions};
+use arrow_cuda::datafusion::{GpuTable, LoadOptions, with_device_stages};
 use arrow_schema::SchemaRef;
 use datafusion::datasource::MemTable;
+use datafusion::execution::SessionStateBuilder;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use workloads::{Q1, Q6, Q12, Q14};
 
@@ -113,23 +115,35 @@ fn main() {
         gb / took.as_secs_f64()
     );
     let gpu_ctx = SessionContext::new_with_config(config());
+    let stage_ctx = SessionContext::new_with_state(
+        with_device_stages(SessionStateBuilder::new().with_default_features().with_config(config())).build(),
+    );
     let mem_ctx = SessionContext::new_with_config(config());
-    gpu_ctx.register_table("lineitem", Arc::new(gpu_lineitem)).unwrap();
-    gpu_ctx.register_table("orders", Arc::new(gpu(&orders).0)).unwrap();
-    gpu_ctx.register_table("part", Arc::new(gpu(&part).0)).unwrap();
+    for (name, table) in [
+        ("lineitem", gpu_lineitem),
+        ("orders", gpu(&orders).0),
+        ("part", gpu(&part).0),
+    ] {
+        let table = Arc::new(table);
+        gpu_ctx.register_table(name, table.clone()).unwrap();
+        stage_ctx.register_table(name, table).unwrap();
+    }
     mem_ctx.register_table("lineitem", Arc::new(mem(&lineitem))).unwrap();
     mem_ctx.register_table("orders", Arc::new(mem(&orders))).unwrap();
     mem_ctx.register_table("part", Arc::new(mem(&part))).unwrap();
     drop((lineitem, orders, part));
     for (name, q) in [("Q6", Q6), ("Q1", Q1), ("Q12", Q12), ("Q14", Q14)] {
+        let s = time(&rt, &stage_ctx, q);
         let g = time(&rt, &gpu_ctx, q);
         let m = time(&rt, &mem_ctx, q);
         println!(
-            "TPC-H {name} SF {sf}: GPU table {g:.2?}, MemTable {m:.2?} ({:.2}x)",
+            "TPC-H {name} SF {sf}: device stages {s:.2?} ({:.2}x MemTable), GPU table scans only {g:.2?} \
+             ({:.2}x), MemTable {m:.2?}",
+            m.as_secs_f64() / s.as_secs_f64(),
             m.as_secs_f64() / g.as_secs_f64()
         );
     }
-    drop((gpu_ctx, mem_ctx));
+    drop((gpu_ctx, stage_ctx, mem_ctx));
 
     // Selectivity sweep over one Int64 column.
     let batch_rows = 1 << 20;

@@ -193,6 +193,31 @@ fn tpch_stages_match_memtable() {
     });
 }
 
+/// `EXPLAIN` shows the stage and what it runs; `EXPLAIN ANALYZE` its metrics.
+#[test]
+fn explain_shows_stages_and_their_metrics() {
+    let t = tpch();
+    common::each_device(|device, _| {
+        let (gpu, _) = sessions(&[("lineitem", &t.lineitem)], device);
+        let plan = explain(&gpu, Q1);
+        assert!(
+            plan.contains("DeviceStageExec: scan=7 columns, pushed predicate"),
+            "{plan}"
+        );
+        assert!(plan.contains("group_by=[l_returnflag@8, l_linestatus@9]"), "{plan}");
+        assert!(plan.contains("aggr=[sum(lineitem.l_quantity)"), "{plan}");
+        assert!(!plan.contains("GpuTableScan"), "{plan}");
+        let analyzed = run(&gpu, &format!("explain analyze {Q1}")).expect("explain analyze");
+        let text = pretty_format_batches(&analyzed).unwrap().to_string();
+        let stage = text.lines().find(|l| l.contains("DeviceStageExec")).expect("a stage");
+        assert!(stage.contains("rows_in=600.6 K"), "{stage}");
+        assert!(stage.contains("output_rows=4"), "{stage}");
+        for metric in ["elapsed_compute=", "bytes_to_host=", "kernel_compile_time="] {
+            assert!(stage.contains(metric), "{metric}: {stage}");
+        }
+    });
+}
+
 /// A table of `rows` rows whose key `k` has `groups` values (`None`: a tenth of the keys null,
 /// and every ninth key skewed to 0).
 fn grouped(rows: usize, groups: usize) -> Data {

@@ -62,6 +62,9 @@ pub(crate) struct DeviceStage<'p> {
     /// Accumulator slots, slot-major with a stride of `max_groups`.
     acc: DeviceBuffer,
     flags: DeviceBuffer,
+    /// Scratch memory of batches whose kernels may still run, released after the stream's next
+    /// synchronisation.
+    pending: Vec<DeviceBuffer>,
     /// Time spent compiling (or finding compiled) kernels.
     pub(crate) compile_time: Duration,
 }
@@ -107,6 +110,7 @@ impl<'p> DeviceStage<'p> {
             count: zeroed(4)?,
             acc: alloc(nslots * max_groups * 8)?,
             flags: zeroed(4)?,
+            pending: Vec::new(),
             plan,
             cuda,
             resource,
@@ -218,7 +222,7 @@ impl<'p> DeviceStage<'p> {
         }
         self.stream.wait(batch.ready())?;
         let mut cols = Vec::new();
-        let _views = column_args(batch, &self.plan.columns, &mut cols, self.resource, &self.stream)?;
+        let views = column_args(batch, &self.plan.columns, &mut cols, self.resource, &self.stream)?;
         let row_group = if self.nw > 0 { Some(self.alloc(n * 4)?) } else { None };
         let mut groups = 1;
         if let (Some(rg), Some(f)) = (&row_group, self.kernels.groups.clone()) {
@@ -239,6 +243,8 @@ impl<'p> DeviceStage<'p> {
                 launch(&self.cuda, &f, n.div_ceil(BLOCK as u64), BLOCK, &args)?;
                 let flags = self.read_u32(&self.flags)?;
                 let count = self.read_u32(&self.count)? as u64;
+                // The stream is idle: the earlier batches' scratch memory can go.
+                self.pending.clear();
                 self.check(flags)?;
                 if flags & FLAG_TABLE_FULL == 0 {
                     groups = count;
@@ -265,13 +271,17 @@ impl<'p> DeviceStage<'p> {
         let grid = n.div_ceil(BLOCK as u64).min(MAX_BLOCKS);
         let bytes = if shared { (self.nslots * groups * 8) as u32 } else { 0 };
         launch_shared(&self.cuda, &self.kernels.accumulate, grid, BLOCK, bytes, &args)?;
-        let flags = self.read_u32(&self.flags)?;
-        self.check(flags)?;
+        self.pending.extend(views);
+        self.pending.extend(row_group);
+        // The accumulation's flags are read with the next batch's groups, or by `finish`: a stage
+        // without keys synchronises once, at the end.
         Ok(())
     }
 
     /// Copies the groups and their accumulators to the host.
     pub(crate) fn finish(self) -> StageResult<(Groups, u64)> {
+        let flags = self.read_u32(&self.flags)?;
+        self.check(flags)?;
         let count = if self.nw == 0 {
             1
         } else {
