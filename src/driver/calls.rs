@@ -1,4 +1,4 @@
-//! [`driver_calls!`]: how every wrapper in this module is declared.
+//! `driver_calls!`: how every wrapper in this module is declared.
 
 /// Declares thin wrappers around CUDA driver entry points, and the list of the entry points they
 /// call.
