@@ -119,9 +119,11 @@
 //!   copy ([`transfer::dtoh`], [`DeviceRecordBatch::to_record_batch`]), which validates every array
 //!   on the host unless its bytes were written by this crate from arrays arrow-rs had already
 //!   validated and cannot have changed since;
-//! - arrays imported through the C Device Data Interface or received over IPC are checked (counts,
-//!   lengths, offsets, pointers) before anything is built from them; importing a foreign struct is
-//!   `unsafe` because only its producer can vouch for its pointers.
+//! - what can be checked without reading the device is checked before anything is built from an
+//!   imported or received array (counts, lengths, fixed buffer sizes, that each buffer lies inside
+//!   its memory); what depends on the data (offsets, dictionary keys) is validated when the array is
+//!   copied to the host. Importing a foreign C struct is `unsafe`: only its producer can vouch for
+//!   its pointers.
 //!
 //! **Synchronisation travels with the data**: every [`DeviceRecordBatch`] carries the [`Event`]
 //! that marks its contents ready, exports point `sync_event` at it and imports make the consumer's
