@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod corpus;
+pub mod tpch;
 
 use arrow_array::RecordBatch;
 use arrow_cuda::{Device, Stream};
