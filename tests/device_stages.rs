@@ -279,6 +279,8 @@ fn aggregation_by_group_count() {
                 "select k, sum(v) from g where k < 0 group by k",
                 "select count(*), sum(v), avg(d) from g where v > 1000000000",
                 "select sum(v), min(t), max(v) from g",
+                "select s, min(cast(d as decimal(18, 3))), max(cast(d as decimal(18, 3))), min(cast(v as decimal(9, 2))) \
+                 from g group by s",
             ] {
                 let n = assert_same(&gpu, &mem, sql, true);
                 eprintln!("{groups} groups: {n} rows: {sql}");

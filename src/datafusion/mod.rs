@@ -78,7 +78,7 @@
 //! - group keys of integers, dates, booleans, decimals and strings of at most 15 bytes (a longer
 //!   string found while running makes the stage give its work back);
 //! - `COUNT`, `SUM` and `AVG` of integers, decimals (exact, 128-bit) and floats, `MIN` and `MAX`
-//!   of integers and dates, each with an optional `FILTER (WHERE ...)`.
+//!   of integers, dates and decimals of at most 18 digits, each with an optional `FILTER (WHERE ...)`.
 //!
 //! Anything else stays with DataFusion, unchanged. Without NVRTC or a GPU the rule leaves every
 //! plan alone and logs one line saying why.

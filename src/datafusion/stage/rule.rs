@@ -254,6 +254,9 @@ impl DeviceStageRule {
                 (AggKind::Sum | AggKind::Avg, DataType::Float32 | DataType::Float64) => Acc::Float,
                 (AggKind::Min, DataType::Date32 | DataType::Date64) => Acc::MinI64,
                 (AggKind::Max, DataType::Date32 | DataType::Date64) => Acc::MaxI64,
+                // Decimals of at most 18 digits fit the 64-bit minimum and maximum.
+                (AggKind::Min, DataType::Decimal128(p, s)) if *p <= 18 && *s >= 0 => Acc::MinI64,
+                (AggKind::Max, DataType::Decimal128(p, s)) if *p <= 18 && *s >= 0 => Acc::MaxI64,
                 (AggKind::Min, _) if int => Acc::MinI64,
                 (AggKind::Max, _) if int => Acc::MaxI64,
                 (k, dt) => return Err(format!("{k:?} of {dt}")),
