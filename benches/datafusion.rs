@@ -3,6 +3,8 @@
 //! - staging of TPC-H `lineitem` (time and GB/s);
 //! - TPC-H Q6, Q1, Q12 and Q14 on GPU tables with device stages, on GPU tables without them (scans on
 //!   the device, everything above on the host) and on `MemTable` (best of five runs after a warm-up);
+//! - all 22 TPC-H queries over the eight tables with device stages and on `MemTable`, with whether a
+//!   stage ran (best of three after a warm-up; `ARROW_CUDA_BENCH_ALL=0` skips it);
 //! - a filter selectivity sweep (0.1 % to 50 %) over one `Int64` column of 100M rows, in rows/s.
 //!
 //! The scale factor comes from `ARROW_CUDA_BENCH_SF` (default 10), the sweep's rows from
@@ -25,6 +27,10 @@ use workloads::{Q1, Q6, Q12, Q14};
 
 #[path = "../src/bin/arrow-cuda/workloads.rs"]
 mod workloads;
+
+#[allow(dead_code)]
+#[path = "../tests/common/tpch.rs"]
+mod tpch;
 
 type Partitions = (SchemaRef, Vec<Vec<RecordBatch>>);
 
@@ -145,6 +151,10 @@ fn main() {
     }
     drop((gpu_ctx, stage_ctx, mem_ctx));
 
+    if env("ARROW_CUDA_BENCH_ALL", 1) == 1 {
+        all_queries(&rt, sf, cores, &config);
+    }
+
     // Selectivity sweep over one Int64 column.
     let batch_rows = 1 << 20;
     let batches: Vec<RecordBatch> = (0..sweep_rows.div_ceil(batch_rows))
@@ -182,4 +192,72 @@ fn main() {
             rate(m)
         );
     }
+}
+
+/// All 22 TPC-H queries over the eight tables: device stages beside `MemTable`.
+fn all_queries(rt: &tokio::runtime::Runtime, sf: f64, cores: usize, config: &dyn Fn() -> SessionConfig) {
+    let t = Instant::now();
+    let tables = tpch::tables(sf, cores);
+    println!("generated the 8 TPC-H tables at SF {sf} in {:.1?}", t.elapsed());
+    let stage_ctx = SessionContext::new_with_state(
+        with_device_stages(SessionStateBuilder::new().with_default_features().with_config(config())).build(),
+    );
+    let mem_ctx = SessionContext::new_with_config(config());
+    let t = Instant::now();
+    let mut device_bytes = 0;
+    for table in tables {
+        let staged =
+            GpuTable::try_new(table.schema.clone(), table.partitions.clone(), &LoadOptions::new()).expect("stage");
+        device_bytes += staged.size_in_bytes();
+        stage_ctx.register_table(table.name, Arc::new(staged)).unwrap();
+        let mem = MemTable::try_new(table.schema, table.partitions).expect("memtable");
+        mem_ctx.register_table(table.name, Arc::new(mem)).unwrap();
+    }
+    println!(
+        "staged the 8 tables ({:.2} GB on the device) in {:.1?}",
+        device_bytes as f64 / 1e9,
+        t.elapsed()
+    );
+    let best = |ctx: &SessionContext, sql: &str| {
+        let run = || {
+            rt.block_on(async {
+                let t = Instant::now();
+                ctx.sql(sql).await.expect("plan").collect().await.expect("run");
+                t.elapsed()
+            })
+        };
+        run();
+        (0..3).map(|_| run()).min().unwrap_or_default()
+    };
+    let (mut total_s, mut total_m, mut log_ratio) = (Duration::ZERO, Duration::ZERO, 0.0);
+    for (name, sql) in tpch::QUERIES {
+        let staged = rt.block_on(async {
+            let plan = stage_ctx
+                .sql(sql)
+                .await
+                .expect("plan")
+                .create_physical_plan()
+                .await
+                .expect("plan");
+            format!(
+                "{}",
+                datafusion::physical_plan::displayable(plan.as_ref()).indent(false)
+            )
+            .contains("DeviceStageExec")
+        });
+        let s = best(&stage_ctx, sql);
+        let m = best(&mem_ctx, sql);
+        total_s += s;
+        total_m += m;
+        log_ratio += (m.as_secs_f64() / s.as_secs_f64()).ln();
+        println!(
+            "TPC-H {name} SF {sf}: {} {s:.2?}, MemTable {m:.2?} ({:.2}x)",
+            if staged { "device stage" } else { "no stage    " },
+            m.as_secs_f64() / s.as_secs_f64()
+        );
+    }
+    println!(
+        "TPC-H all 22 SF {sf}: GPU tables with device stages {total_s:.2?}, MemTable {total_m:.2?}, geometric mean {:.2}x",
+        (log_ratio / 22.0).exp()
+    );
 }
