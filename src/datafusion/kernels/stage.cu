@@ -163,3 +163,64 @@ extern "C" __global__ void stage_rehash(const u64* group_keys, u64 nw, u64 count
         }
     }
 }
+/* DataFusion's substr: the characters [from, to) of the UTF-8 bytes s[0..n) (0-based character
+   positions, both already clamped at 0; to < 0: to the end), as a byte offset and length. A
+   position at or past the last character is the end of the string. */
+__device__ __forceinline__ void utf8_substr(const unsigned char* s, u64 n, long long from, long long to,
+                                            u64* off, u64* len) {
+    u64 bs = n, be = n;
+    long long ci = 0;
+    for (u64 i = 0; i < n; i++) {
+        if ((s[i] & 0xC0) == 0x80) continue;
+        if (ci == from) { bs = i; if (to < 0) break; }
+        if (ci == to) { be = i; break; }
+        ci++;
+    }
+    *off = bs;
+    *len = be - bs;
+}
+/* Days since 1970-01-01 of a proleptic Gregorian year, month and day. */
+__device__ __forceinline__ long long days_from_civil(long long y, long long m, long long d) {
+    y -= m <= 2;
+    long long era = (y >= 0 ? y : y - 399) / 400;
+    long long yoe = y - era * 400;
+    long long doy = (153 * (m > 2 ? m - 3 : m + 9) + 2) / 5 + d - 1;
+    long long doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    return era * 146097 + doe - 719468;
+}
+/* The range of chrono's NaiveDate (years -262143 to 262142), in days since 1970-01-01: arrow's date
+   arithmetic goes through it, and a date or step outside it is an error. */
+#define CHRONO_MIN_DAYS (-96465293LL)
+#define CHRONO_MAX_DAYS 95026236LL
+/* arrow's Date32 + interval (Date32Type::add_month_day_nano_opt and its kin): `months` first, the
+   day clamped to the new month's last day, then `days`, then `days2` (the whole days of the
+   interval's time part); each step outside chrono's range raises `ovf`. */
+__device__ long long date_add_interval(long long date, long long months, long long days, long long days2,
+                                       bool* ovf) {
+    if (date < CHRONO_MIN_DAYS || date > CHRONO_MAX_DAYS) { *ovf = true; return 0; }
+    if (months != 0) {
+        long long z = date + 719468;
+        long long era = (z >= 0 ? z : z - 146096) / 146097;
+        long long doe = z - era * 146097;
+        long long yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+        long long doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+        long long mp = (5 * doy + 2) / 153;
+        long long d = doy - (153 * mp + 2) / 5 + 1;
+        long long m = mp < 10 ? mp + 3 : mp - 9;
+        long long y = yoe + era * 400 + (m <= 2);
+        long long total = y * 12 + (m - 1) + months;
+        long long ny = total >= 0 ? total / 12 : -((-total + 11) / 12);
+        long long nm = total - ny * 12 + 1;
+        bool leap = (ny % 4 == 0 && ny % 100 != 0) || ny % 400 == 0;
+        const int mdays[12] = {31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31};
+        long long dmax = nm == 2 && leap ? 29 : mdays[nm - 1];
+        if (d > dmax) d = dmax;
+        if (ny < -262143 || ny > 262142) { *ovf = true; return 0; }
+        date = days_from_civil(ny, nm, d);
+    }
+    date += days;
+    if (date < CHRONO_MIN_DAYS || date > CHRONO_MAX_DAYS) { *ovf = true; return 0; }
+    date += days2;
+    if (date < CHRONO_MIN_DAYS || date > CHRONO_MAX_DAYS) { *ovf = true; return 0; }
+    return date;
+}

@@ -301,6 +301,14 @@ impl<'c, 'a> ExprCompiler<'c, 'a> {
                 let r = self.compile(b.right())?;
                 self.compare(op, &l, &r)
             }
+            Operator::Plus | Operator::Minus if interval_literal(b.right()).is_some() => {
+                let delta = interval_literal(b.right()).expect("an interval");
+                self.date_interval(b.left(), op == Operator::Minus, delta?, dt)
+            }
+            Operator::Plus if interval_literal(b.left()).is_some() => {
+                let delta = interval_literal(b.left()).expect("an interval");
+                self.date_interval(b.right(), false, delta?, dt)
+            }
             Operator::Plus | Operator::Minus | Operator::Multiply | Operator::Divide | Operator::Modulo => {
                 let l = self.compile(b.left())?;
                 let r = self.compile(b.right())?;
@@ -308,6 +316,47 @@ impl<'c, 'a> ExprCompiler<'c, 'a> {
             }
             other => unsupported(format!("operator {other}")),
         }
+    }
+
+    /// `date ± interval` for a `Date32` and an interval literal, as arrow computes it (through
+    /// chrono: months first with the day clamped to the month's end, then days; a date outside
+    /// chrono's range is an error).
+    fn date_interval(
+        &mut self,
+        date: &Arc<dyn PhysicalExpr>,
+        minus: bool,
+        (months, days, days2): (i64, i64, i64),
+        dt: &DataType,
+    ) -> Result<Val> {
+        let a = self.compile(date)?;
+        if a.dt != DataType::Date32 || dt != &DataType::Date32 {
+            return unsupported(format!("{} ± interval -> {dt}", a.dt));
+        }
+        let sign = if minus { -1 } else { 1 };
+        let int = |x: i64| {
+            let mut b = [0u8; 16];
+            b[..8].copy_from_slice(&x.to_le_bytes());
+            b
+        };
+        let slots = [months, days, days2].map(|x| self.g.slot(int(sign * x)));
+        let (v, k) = self.fresh();
+        let f = format!("ovf{v}");
+        let arg = |s: usize| format!("*(const long long*)(lit + {s})");
+        self.line(format!(
+            "bool {k} = {}; bool {f} = false; long long {v} = {k} ? date_add_interval({}, {}, {}, {}, &{f}) : 0LL; \
+             if ({k} && {f}) ovf = true;",
+            a.k,
+            a.v,
+            arg(slots[0]),
+            arg(slots[1]),
+            arg(slots[2])
+        ));
+        Ok(Val {
+            v,
+            k,
+            len: None,
+            dt: DataType::Date32,
+        })
     }
 
     fn compare(&mut self, op: Operator, l: &Val, r: &Val) -> Result<Val> {
@@ -492,6 +541,41 @@ impl<'c, 'a> ExprCompiler<'c, 'a> {
                 ));
                 format!("{v}_t")
             }
+            (Decimal128(p1, s1), Decimal128(p2, s2)) if *s2 >= 0 && s1 > s2 => {
+                // arrow's downscaling: divide by 10^delta and round half away from zero; the result's
+                // precision is checked (an error, as safe = false) unless it cannot exceed it.
+                let delta = (*s1 - *s2) as i32;
+                let infallible = (*p1 as i32) - delta < *p2 as i32;
+                self.line(format!(
+                    "i128 {v}_d = pow10_128({delta}), {v}_h = {v}_d / 2; i128 {v}_q = {x} / {v}_d, {v}_r = {x} % {v}_d; \
+                     if ({x} >= 0 && {v}_r >= {v}_h) {v}_q += 1; else if ({x} < 0 && {v}_r <= -{v}_h) {v}_q -= 1;"
+                ));
+                if !infallible {
+                    self.line(format!("if ({ka} && !fits_precision({v}_q, {p2})) ovf = true;"));
+                }
+                format!("{v}_q")
+            }
+            (Date32, Int32 | Int64) => x.clone(),
+            (Float64 | Float32, out) if is_int(out) && !matches!(out, UInt8 | UInt16 | UInt32) => {
+                // num-traits' float to int, as arrow's cast: truncation toward zero; out of range or
+                // NaN is an error (safe = false).
+                let bits = match out {
+                    Int8 => 8,
+                    Int16 => 16,
+                    Int32 => 32,
+                    _ => 64,
+                };
+                let fbits = if a.dt == Float64 { 64 } else { 32 };
+                let max_p1 = format!("{:.1}", 2f64.powi(bits - 1));
+                let in_range = if fbits > bits {
+                    let min_m1 = format!("{:.1}", -(2f64.powi(bits - 1)) - 1.0);
+                    format!("({x} > {min_m1} && {x} < {max_p1})")
+                } else {
+                    format!("({x} >= -{max_p1} && {x} < {max_p1})")
+                };
+                self.line(format!("if ({ka} && !{in_range}) ovf = true;"));
+                format!("{in_range} ? (long long){x} : 0LL")
+            }
             (Decimal128(_, s), Float64) if *s >= 0 => format!("(double){x} / (double)pow10_128({s})"),
             (from, out) if is_string(from) && is_string(out) => {
                 let l = format!("{v}_len");
@@ -649,9 +733,171 @@ impl<'c, 'a> ExprCompiler<'c, 'a> {
                     dt: dt.clone(),
                 })
             }
+            "substr" | "substring" => self.substr(f, dt),
+            "abs" => {
+                let [arg] = f.args() else {
+                    return unsupported("abs arity");
+                };
+                let a = self.compile(arg)?;
+                if &a.dt != dt {
+                    return unsupported(format!("abs of {} -> {dt}", a.dt));
+                }
+                let x = &a.v;
+                use DataType::*;
+                let expr = match dt {
+                    // checked_abs: the minimum is an error.
+                    Int8 | Int16 | Int32 | Int64 => {
+                        let min = match dt {
+                            Int8 => "-128LL",
+                            Int16 => "-32768LL",
+                            Int32 => "(-2147483647LL - 1)",
+                            _ => "(-9223372036854775807LL - 1)",
+                        };
+                        self.line(format!("if ({} && {x} == {min}) ovf = true;", a.k));
+                        format!("{x} == {min} ? {x} : ({x} < 0 ? -{x} : {x})")
+                    }
+                    UInt8 | UInt16 | UInt32 => x.clone(),
+                    // wrapping_abs: no error, no precision check.
+                    Decimal128(..) => format!("{x} < 0 ? (i128)((unsigned __int128)0 - (unsigned __int128){x}) : {x}"),
+                    Float64 => format!("__longlong_as_double(__double_as_longlong({x}) & 0x7fffffffffffffffLL)"),
+                    Float32 => format!("__int_as_float(__float_as_int({x}) & 0x7fffffff)"),
+                    other => return unsupported(format!("abs of {other}")),
+                };
+                let ty = c_type(dt).map_or_else(|| unsupported(dt), Ok)?;
+                let (v, k) = self.fresh();
+                self.line(format!("bool {k} = {}; {ty} {v} = {expr};", a.k));
+                Ok(Val {
+                    v,
+                    k,
+                    len: None,
+                    dt: dt.clone(),
+                })
+            }
+            "nullif" => {
+                let [l, r] = f.args() else {
+                    return unsupported("nullif arity");
+                };
+                let a = self.compile(l)?;
+                let b = self.compile(r)?;
+                // Floats compare with arrow's total order in `nullif`, not with the compiler's.
+                if &a.dt != dt || a.dt != b.dt || matches!(a.dt, DataType::Float32 | DataType::Float64) {
+                    return unsupported(format!("nullif({}, {})", a.dt, b.dt));
+                }
+                let eq = self.compare(Operator::Eq, &a, &b)?;
+                let (v, k) = self.fresh();
+                let ty = c_type(dt).map_or_else(|| unsupported(dt), Ok)?;
+                let mut line = format!("bool {k} = {} && !({} && {}); {ty} {v} = {};", a.k, eq.k, eq.v, a.v);
+                let len = match &a.len {
+                    Some(al) => {
+                        line.push_str(&format!(" u64 {v}_len = {al};"));
+                        Some(format!("{v}_len"))
+                    }
+                    None => None,
+                };
+                self.line(line);
+                Ok(Val {
+                    v,
+                    k,
+                    len,
+                    dt: dt.clone(),
+                })
+            }
             other => unsupported(format!("function {other}")),
         }
     }
+
+    /// DataFusion's `substr(s, start[, count])` with literal `start` and `count`: 1-based
+    /// character positions; a start before 1 shortens the count; a negative count is an error
+    /// (left to DataFusion).
+    fn substr(&mut self, f: &ScalarFunctionExpr, dt: &DataType) -> Result<Val> {
+        let (s, start, count) = match f.args() {
+            [s, start] => (s, start, None),
+            [s, start, count] => (s, start, Some(count)),
+            _ => return unsupported("substr arity"),
+        };
+        let start = int_literal(start)?;
+        let count = count.map(int_literal).transpose()?;
+        let Some(start0) = start.checked_sub(1) else {
+            return unsupported("substr start overflow");
+        };
+        if count.is_some_and(|c| c < 0) {
+            return unsupported("substr with a negative count");
+        }
+        // Character positions [from, to), clamped at 0 as DataFusion clamps them; -1: the end.
+        let from = start0.max(0);
+        let to = count.map_or(-1, |c| start0.saturating_add(c).max(0));
+        let a = self.compile(s)?;
+        if !is_string(&a.dt) || &a.dt != dt {
+            return unsupported(format!("substr of {} -> {dt}", a.dt));
+        }
+        let len = a_len(&a)?;
+        let int = |x: i64| {
+            let mut b = [0u8; 16];
+            b[..8].copy_from_slice(&x.to_le_bytes());
+            b
+        };
+        let (fs, ts) = (self.g.slot(int(from)), self.g.slot(int(to)));
+        let (v, k) = self.fresh();
+        let l = format!("{v}_len");
+        self.line(format!(
+            "bool {k} = {}; const unsigned char* {v} = 0; u64 {l} = 0; \
+             if ({k}) {{ u64 o = 0; utf8_substr({}, {len}, *(const long long*)(lit + {fs}), \
+             *(const long long*)(lit + {ts}), &o, &{l}); {v} = {} + o; }}",
+            a.k, a.v, a.v
+        ));
+        Ok(Val {
+            v,
+            k,
+            len: Some(l),
+            dt: dt.clone(),
+        })
+    }
+}
+
+/// The value of an integer literal (a function's argument).
+fn int_literal(e: &Arc<dyn PhysicalExpr>) -> Result<i64> {
+    match e.downcast_ref::<Literal>().map(|l| l.value()) {
+        Some(ScalarValue::Int64(Some(x))) => Ok(*x),
+        Some(ScalarValue::Int32(Some(x))) => Ok(*x as i64),
+        Some(ScalarValue::Int16(Some(x))) => Ok(*x as i64),
+        Some(ScalarValue::Int8(Some(x))) => Ok(*x as i64),
+        _ => unsupported(format!("{e} is not an integer literal")),
+    }
+}
+
+/// An interval literal as (months, days, whole days of its time part), or `None` when `e` is not
+/// an interval literal; a time part that is not whole days, or a huge interval, is unsupported.
+fn interval_literal(e: &Arc<dyn PhysicalExpr>) -> Option<Result<(i64, i64, i64)>> {
+    const DAY_MS: i64 = 86_400_000;
+    const DAY_NS: i64 = 86_400_000_000_000;
+    let value = e.downcast_ref::<Literal>()?.value();
+    let parts = match value {
+        ScalarValue::IntervalYearMonth(Some(m)) => (*m as i64, 0, 0, true),
+        ScalarValue::IntervalDayTime(Some(d)) => (
+            0,
+            d.days as i64,
+            d.milliseconds as i64 / DAY_MS,
+            d.milliseconds as i64 % DAY_MS == 0,
+        ),
+        ScalarValue::IntervalMonthDayNano(Some(i)) => (
+            i.months as i64,
+            i.days as i64,
+            i.nanoseconds / DAY_NS,
+            i.nanoseconds % DAY_NS == 0,
+        ),
+        ScalarValue::IntervalYearMonth(None)
+        | ScalarValue::IntervalDayTime(None)
+        | ScalarValue::IntervalMonthDayNano(None) => return Some(unsupported("a null interval")),
+        _ => return None,
+    };
+    let (months, days, days2, whole) = parts;
+    Some(if !whole {
+        unsupported("an interval with a time part that is not whole days")
+    } else if months.abs() > 1_000_000 || days.abs() > 100_000_000 || days2.abs() > 100_000_000 {
+        unsupported("an interval beyond a million months or 10^8 days")
+    } else {
+        Ok((months, days, days2))
+    })
 }
 
 fn a_len(v: &Val) -> Result<String> {

@@ -71,6 +71,14 @@ pub(crate) const STAGED: &[&str] = &[
     "select extract(year from t), date_part('month', t), count(*) from t \
      where s not like '%3' and (a > 5 or d < 2.5) group by 1, 2",
     "select sum(b / (a + 1)), sum(f * f - 1.5) from t where a is null or b >= a",
+    "select substr(s, 2), substring(s from 0 for 2), count(*) from t where substring(s, 1, 1) = 'k' \
+     and substr(s, -1, 3) like 'k%' and substr(s, 2, 5) in ('1', '3') group by 1, 2",
+    "select t + interval '1 month 2 days', sum(a) from t where t + interval '3' month > date '1995-01-01' \
+     and t - interval '10' day < date '1996-01-01' and t - interval '1' year < t group by 1",
+    "select sum(cast(d as decimal(10, 1))) as d1, sum(cast(d * 2 as decimal(20, 0))) as d0, sum(cast(f as int)) as fi, \
+     sum(cast(f * 1e9 as bigint)) as fb, sum(cast(t as int) + 1) as ti, count(cast(f as smallint)) as fs from t",
+    "select abs(f) > 3, sum(abs(a - 50)), sum(abs(d - 30)), sum(coalesce(a, b)), sum(nullif(a, 3)), \
+     count(nullif(s, 'k1')), count(coalesce(s, 'z')) from t group by abs(f) > 3",
 ];
 
 /// Why the rule declines each partial aggregate of `sql`'s plan.
