@@ -28,7 +28,7 @@ mod workloads;
 const PARTITIONS: usize = 4;
 
 /// The TPC-H queries in which an aggregate reads a single table, which a device stage runs.
-const STAGED_TPCH: &[&str] = &["q1", "q6", "q15", "q17", "q18", "q20"];
+const STAGED_TPCH: &[&str] = &["q1", "q6", "q15", "q17", "q18", "q20", "q22"];
 
 fn runtime() -> &'static tokio::runtime::Runtime {
     static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
