@@ -19,44 +19,18 @@ use std::time::{Duration, Instant};
 
 use arrow_array::{ArrayRef, Int64Array, RecordBatch};
 use arrow_cuda::datafusion::{GpuTable, LoadOptions, with_device_stages};
+use arrow_cuda_workloads::tpch;
 use arrow_schema::SchemaRef;
 use datafusion::datasource::MemTable;
 use datafusion::execution::SessionStateBuilder;
 use datafusion::prelude::{SessionConfig, SessionContext};
-use workloads::{Q1, Q6, Q12, Q14};
-
-#[path = "../src/bin/arrow-cuda/workloads.rs"]
-mod workloads;
-
-#[allow(dead_code)]
-#[path = "../tests/common/tpch.rs"]
-mod tpch;
 
 type Partitions = (SchemaRef, Vec<Vec<RecordBatch>>);
 
-macro_rules! generate {
-    ($gen:ident, $arrow:ident, $sf:expr, $parts:expr) => {{
-        let parts = $parts as i32;
-        let partitions: Vec<Vec<RecordBatch>> = std::thread::scope(|s| {
-            let handles: Vec<_> = (1..=parts)
-                .map(|p| {
-                    s.spawn(move || {
-                        let g = tpchgen::generators::$gen::new($sf, p, parts);
-                        tpchgen_arrow::$arrow::new(g)
-                            .with_batch_size(1 << 17)
-                            .collect::<Result<Vec<_>, _>>()
-                            .expect("generate")
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("generator thread"))
-                .collect()
-        });
-        let schema = partitions.iter().flatten().next().expect("a batch").schema();
-        (schema, partitions)
-    }};
+/// TPC-H table `name` at scale factor `sf` in `parts` partitions, in batches of 131,072 rows.
+fn generate(name: &str, sf: f64, parts: usize) -> Partitions {
+    let table = tpch::table(name, sf, parts, tpch::LARGE_BATCH_SIZE).expect("generate");
+    (table.schema, table.partitions)
 }
 
 fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
@@ -108,9 +82,9 @@ fn main() {
 
     // TPC-H
     let t = Instant::now();
-    let lineitem = generate!(LineItemGenerator, LineItemArrow, sf, cores);
-    let orders = generate!(OrderGenerator, OrderArrow, sf, cores);
-    let part = generate!(PartGenerator, PartArrow, sf, cores);
+    let lineitem = generate("lineitem", sf, cores);
+    let orders = generate("orders", sf, cores);
+    let part = generate("part", sf, cores);
     println!("generated TPC-H SF {sf} in {:.1?}", t.elapsed());
 
     let (gpu_lineitem, took) = gpu(&lineitem);
@@ -138,7 +112,8 @@ fn main() {
     mem_ctx.register_table("orders", Arc::new(mem(&orders))).unwrap();
     mem_ctx.register_table("part", Arc::new(mem(&part))).unwrap();
     drop((lineitem, orders, part));
-    for (name, q) in [("Q6", Q6), ("Q1", Q1), ("Q12", Q12), ("Q14", Q14)] {
+    for name in ["Q6", "Q1", "Q12", "Q14"] {
+        let q = tpch::query(name).expect("a TPC-H query");
         let s = time(&rt, &stage_ctx, q);
         let g = time(&rt, &gpu_ctx, q);
         let m = time(&rt, &mem_ctx, q);
@@ -197,7 +172,7 @@ fn main() {
 /// All 22 TPC-H queries over the eight tables: device stages beside `MemTable`.
 fn all_queries(rt: &tokio::runtime::Runtime, sf: f64, cores: usize, config: &dyn Fn() -> SessionConfig) {
     let t = Instant::now();
-    let tables = tpch::tables(sf, cores);
+    let tables = tpch::tables(sf, cores, tpch::BATCH_SIZE).expect("generate");
     println!("generated the 8 TPC-H tables at SF {sf} in {:.1?}", t.elapsed());
     let stage_ctx = SessionContext::new_with_state(
         with_device_stages(SessionStateBuilder::new().with_default_features().with_config(config())).build(),

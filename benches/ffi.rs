@@ -9,11 +9,8 @@ use std::time::Duration;
 
 use arrow_cuda::ffi::{export_batch, import_batch};
 use arrow_cuda::{Device, Stream, transfer};
+use arrow_cuda_workloads::small_batch;
 use criterion::{Criterion, criterion_group, criterion_main};
-use workloads::small_batch;
-
-#[path = "../src/bin/arrow-cuda/workloads.rs"]
-mod workloads;
 
 fn ffi(c: &mut Criterion) {
     let device = if arrow_cuda::device::cuda_available() {

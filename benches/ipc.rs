@@ -23,37 +23,22 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
-use std::sync::Arc;
 use std::time::Duration;
 
-use arrow_array::{ArrayRef, Int64Array, RecordBatch};
+use arrow_array::RecordBatch;
 use arrow_cuda::ipc::{Receiver, ReceiverOptions, Sender, SenderOptions, default_message_resource};
 use arrow_cuda::transfer::{dtoh, htod, htod_async};
 use arrow_cuda::{Device, DeviceBuffer, DeviceRecordBatch, MemoryResource, Stream};
+use arrow_cuda_workloads::{int64_batch, monotonic_ns};
 use arrow_ipc::reader::StreamReader;
 use arrow_ipc::writer::StreamWriter;
 use criterion::{Criterion, SamplingMode, Throughput};
-use workloads::monotonic_ns;
-
-#[path = "../src/bin/arrow-cuda/workloads.rs"]
-mod workloads;
 
 const ROLE: &str = "ARROW_CUDA_IPC_BENCH";
 const SOCKET: &str = "ARROW_CUDA_IPC_BENCH_SOCKET";
 const DEVICE: &str = "ARROW_CUDA_IPC_BENCH_DEVICE";
 /// How long the polling consumers poll before they sleep.
 const POLL: Duration = Duration::from_millis(2);
-
-/// A batch of `columns` int64 columns of `rows` rows.
-fn batch(columns: usize, rows: usize) -> RecordBatch {
-    let cols: Vec<(String, ArrayRef)> = (0..columns)
-        .map(|c| {
-            let values = Int64Array::from_iter_values((0..rows as i64).map(|i| i * 31 + c as i64));
-            (format!("c{c}"), Arc::new(values) as ArrayRef)
-        })
-        .collect();
-    RecordBatch::try_from_iter(cols).expect("batch")
-}
 
 fn upload(batch: &RecordBatch, device: Device, stream: &Stream) -> DeviceRecordBatch {
     let b = htod_async(batch, default_message_resource(device), stream).expect("upload");
@@ -88,7 +73,7 @@ fn stop(mut child: Child) {
 /// each iteration then waits for the acknowledgement (not timed) before the next send.
 fn latency(c: &mut Criterion, device: Device, stream: &Stream) {
     let rows = 1024;
-    let template = batch(100, rows);
+    let template = int64_batch(100, rows);
     let mut g = c.benchmark_group("ipc_latency");
     g.measurement_time(Duration::from_secs(3));
     for (name, role, fresh) in [
@@ -168,7 +153,7 @@ fn wait_readable(fd: BorrowedFd<'_>) {
 
 fn streaming(c: &mut Criterion, device: Device, stream: &Stream, bytes: usize) {
     let columns = 8;
-    let template = batch(columns, bytes / 8 / columns);
+    let template = int64_batch(columns, bytes / 8 / columns);
     let on_device = upload(&template, device, stream);
     let mut g = c.benchmark_group(format!("stream_{}MiB", bytes >> 20));
     g.throughput(Throughput::Bytes(bytes as u64));

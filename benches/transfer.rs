@@ -11,21 +11,15 @@ use arrow_buffer::ScalarBuffer;
 use arrow_cuda::memory::pinned::PinnedPool;
 use arrow_cuda::transfer::{dtoh, htod};
 use arrow_cuda::{Device, MemoryResource, Stream};
+use arrow_cuda_workloads::{buffers, int64_batch, small_batch, tpch};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use cudarc::driver::{CudaSlice, CudaStream};
-use workloads::{buffers, small_batch};
-
-#[path = "../src/bin/arrow-cuda/workloads.rs"]
-mod workloads;
 
 const GIB_ROWS: usize = (1 << 30) / 16 / 8;
 
 /// 16 Int64 columns, 1 GiB in all, in ordinary (pageable) memory.
 fn gib_batch() -> RecordBatch {
-    let columns: Vec<ArrayRef> = (0..16)
-        .map(|c| Arc::new(Int64Array::from_iter_values((0..GIB_ROWS as i64).map(|i| i * 16 + c))) as ArrayRef)
-        .collect();
-    RecordBatch::try_from_iter(columns.into_iter().enumerate().map(|(i, c)| (format!("c{i}"), c))).unwrap()
+    int64_batch(16, GIB_ROWS)
 }
 
 /// The same batch with every buffer in pinned memory.
@@ -43,14 +37,10 @@ fn pinned_gib_batch(ordinal: usize) -> RecordBatch {
     RecordBatch::try_from_iter(columns).unwrap()
 }
 
-/// TPC-H lineitem, 1M rows (strings, decimals, dates).
+/// TPC-H lineitem, 1M rows (strings, decimals, dates): the first batch of SF 0.2 (1.2M rows).
 fn lineitem() -> RecordBatch {
-    let generator = tpchgen::generators::LineItemGenerator::new(1.0, 1, 1);
-    tpchgen_arrow::LineItemArrow::new(generator)
-        .with_batch_size(1_000_000)
-        .next()
-        .unwrap()
-        .unwrap()
+    let table = tpch::table("lineitem", 0.2, 1, 1_000_000).unwrap();
+    table.partitions[0][0].clone()
 }
 
 fn bytes(batch: &RecordBatch) -> u64 {

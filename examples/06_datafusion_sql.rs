@@ -4,6 +4,9 @@
 //! columns the query reads to the host. Without a GPU the table lives on the CPU device, which
 //! runs the same plan with arrow-rs kernels.
 //!
+//! The data comes from tpchgen-arrow and the query from `workloads/tpch/q6.sql`, through the
+//! workspace's `arrow-cuda-workloads` crate.
+//!
 //! Run with `cargo run --release --example 06_datafusion_sql --features datafusion [scale factor]`
 //! (default 0.1).
 
@@ -11,12 +14,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use arrow_cuda::datafusion::{GpuTable, LoadOptions, default_devices};
+use arrow_cuda_workloads::tpch;
 use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::prelude::{SessionConfig, SessionContext};
-
-const Q6: &str = "select sum(l_extendedprice * l_discount) as revenue from lineitem \
-    where l_shipdate >= date '1994-01-01' and l_shipdate < date '1994-01-01' + interval '1' year \
-    and l_discount between 0.06 - 0.01 and 0.06 + 0.01 and l_quantity < 24";
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let sf: f64 = std::env::args().nth(1).map(|s| s.parse()).transpose()?.unwrap_or(0.1);
@@ -28,22 +28,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // Generate lineitem in one partition per core.
     let t = Instant::now();
-    let parts = cores as i32;
-    let partitions: Vec<Vec<_>> = (1..=parts)
-        .map(|p| {
-            let g = tpchgen::generators::LineItemGenerator::new(sf, p, parts);
-            tpchgen_arrow::LineItemArrow::new(g)
-                .with_batch_size(65536)
-                .collect::<Result<Vec<_>, _>>()
-        })
-        .collect::<Result<_, _>>()?;
-    let schema = partitions.iter().flatten().next().ok_or("no data")?.schema();
-    let rows: usize = partitions.iter().flatten().map(|b| b.num_rows()).sum();
-    println!("generated lineitem at SF {sf}: {rows} rows in {:.2?}", t.elapsed());
+    let lineitem = tpch::table("lineitem", sf, cores, 65536)?;
+    println!(
+        "generated lineitem at SF {sf}: {} rows in {:.2?}",
+        lineitem.rows(),
+        t.elapsed()
+    );
 
     let t = Instant::now();
     let options = LoadOptions::new().with_devices(devices.clone());
-    let table = GpuTable::try_new(schema, partitions, &options)?;
+    let table = GpuTable::try_new(lineitem.schema, lineitem.partitions, &options)?;
     let staged = t.elapsed();
     println!(
         "staged {:.1} MB on {devices:?} in {staged:.2?} ({:.1} GB/s)",
@@ -53,13 +47,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let ctx = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(cores));
     ctx.register_table("lineitem", Arc::new(table))?;
+    let q6 = tpch::query("q6").ok_or("no TPC-H Q6")?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {
-        let plan = ctx.sql(&format!("explain {Q6}")).await?.collect().await?;
+        let plan = ctx.sql(&format!("explain {q6}")).await?.collect().await?;
         println!("{}", pretty_format_batches(&plan)?);
         for run in 1..=3 {
             let t = Instant::now();
-            let out = ctx.sql(Q6).await?.collect().await?;
+            let out = ctx.sql(q6).await?.collect().await?;
             let took = t.elapsed();
             if run == 1 {
                 println!("{}", pretty_format_batches(&out)?);

@@ -14,6 +14,7 @@ use arrow_array::{
 };
 use arrow_cuda::Device;
 use arrow_cuda::datafusion::{GpuTable, LoadOptions, Progress, supports_filter};
+use arrow_cuda_workloads::tpch;
 use arrow_schema::{DataType, Field, Schema, SchemaRef, TimeUnit};
 use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::catalog::TableProvider;
@@ -22,10 +23,6 @@ use datafusion::common::{DataFusionError, ScalarValue};
 use datafusion::datasource::MemTable;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use proptest::prelude::*;
-use workloads::{Q1, Q6, Q12, Q14};
-
-#[path = "../src/bin/arrow-cuda/workloads.rs"]
-mod workloads;
 
 const PARTITIONS: usize = 4;
 
@@ -57,20 +54,18 @@ impl Data {
     }
 }
 
-macro_rules! tpch_table {
-    ($gen:ident, $arrow:ident, $sf:expr) => {{
-        let partitions: Vec<Vec<RecordBatch>> = (1..=PARTITIONS as i32)
-            .map(|part| {
-                let g = tpchgen::generators::$gen::new($sf, part, PARTITIONS as i32);
-                tpchgen_arrow::$arrow::new(g)
-                    .with_batch_size(4096)
-                    .collect::<Result<Vec<_>, _>>()
-                    .expect("generate")
-            })
-            .collect();
-        let schema = partitions.iter().flatten().next().expect("a batch").schema();
-        Data { schema, partitions }
-    }};
+/// TPC-H table `name` at scale factor `sf`, in `PARTITIONS` partitions of 4,096-row batches.
+fn tpch_table(name: &str, sf: f64) -> Data {
+    let table = tpch::table(name, sf, PARTITIONS, 4096).expect("generate");
+    Data {
+        schema: table.schema,
+        partitions: table.partitions,
+    }
+}
+
+/// The SQL of TPC-H query `name`.
+fn tpch_query(name: &str) -> &'static str {
+    tpch::query(name).expect("a TPC-H query")
 }
 
 struct Tpch {
@@ -83,9 +78,9 @@ struct Tpch {
 fn tpch() -> &'static Tpch {
     static TPCH: OnceLock<Tpch> = OnceLock::new();
     TPCH.get_or_init(|| Tpch {
-        lineitem: tpch_table!(LineItemGenerator, LineItemArrow, 0.01),
-        orders: tpch_table!(OrderGenerator, OrderArrow, 0.01),
-        part: tpch_table!(PartGenerator, PartArrow, 0.01),
+        lineitem: tpch_table("lineitem", 0.01),
+        orders: tpch_table("orders", 0.01),
+        part: tpch_table("part", 0.01),
     })
 }
 
@@ -179,7 +174,8 @@ fn tpch_queries_match_memtable() {
     ];
     common::each_device(|device, _| {
         let (gpu, mem) = tpch_sessions(device);
-        for q in [Q1, Q6, Q12, Q14].iter().chain(others.iter()) {
+        let queries = ["q1", "q6", "q12", "q14"].map(tpch_query);
+        for q in queries.iter().chain(others.iter()) {
             let n = assert_same(&gpu, &mem, q);
             eprintln!("{n} rows: {}", &q[..q.len().min(60)]);
         }
@@ -377,8 +373,8 @@ fn several_gpus_share_a_table() {
         gpu.register_table(name, Arc::new(table)).expect("register");
         mem.register_table(name, Arc::new(mem_table(data))).expect("register");
     }
-    for (name, sql) in [("Q1", Q1), ("Q6", Q6), ("Q12", Q12), ("Q14", Q14)] {
-        assert!(assert_same(&gpu, &mem, sql) > 0, "{name}");
+    for name in ["q1", "q6", "q12", "q14"] {
+        assert!(assert_same(&gpu, &mem, tpch_query(name)) > 0, "{name}");
     }
 }
 

@@ -13,6 +13,7 @@ use arrow_array::{
 };
 use arrow_cuda::Device;
 use arrow_cuda::datafusion::{DeviceStageRule, GpuTable, LoadOptions};
+use arrow_cuda_workloads::tpch;
 use arrow_schema::SchemaRef;
 use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::datasource::MemTable;
@@ -20,10 +21,6 @@ use datafusion::execution::SessionStateBuilder;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use futures::StreamExt;
 use proptest::prelude::*;
-use workloads::{Q1, Q6, Q12, Q14};
-
-#[path = "../src/bin/arrow-cuda/workloads.rs"]
-mod workloads;
 
 const PARTITIONS: usize = 4;
 
@@ -127,20 +124,23 @@ fn assert_same(gpu: &SessionContext, mem: &SessionContext, sql: &str, staged: bo
     }
 }
 
-macro_rules! tpch_table {
-    ($gen:ident, $arrow:ident, $sf:expr) => {{
-        let partitions: Vec<Vec<RecordBatch>> = (1..=PARTITIONS as i32)
-            .map(|part| {
-                let g = tpchgen::generators::$gen::new($sf, part, PARTITIONS as i32);
-                tpchgen_arrow::$arrow::new(g)
-                    .with_batch_size(1 << 16)
-                    .collect::<Result<Vec<_>, _>>()
-                    .expect("generate")
-            })
-            .collect();
-        let schema = partitions.iter().flatten().next().expect("a batch").schema();
-        Data { schema, partitions }
-    }};
+/// The TPC-H table `name` at scale factor `sf`, in `PARTITIONS` partitions of 65,536-row batches.
+fn tpch_table(name: &str, sf: f64) -> Data {
+    Data::from(tpch::table(name, sf, PARTITIONS, 1 << 16).expect("generate"))
+}
+
+impl From<tpch::Table> for Data {
+    fn from(t: tpch::Table) -> Data {
+        Data {
+            schema: t.schema,
+            partitions: t.partitions,
+        }
+    }
+}
+
+/// The SQL of TPC-H query `name`.
+fn tpch_query(name: &str) -> &'static str {
+    tpch::query(name).expect("a TPC-H query")
 }
 
 struct Tpch {
@@ -153,9 +153,9 @@ struct Tpch {
 fn tpch() -> &'static Tpch {
     static TPCH: OnceLock<Tpch> = OnceLock::new();
     TPCH.get_or_init(|| Tpch {
-        lineitem: tpch_table!(LineItemGenerator, LineItemArrow, 0.1),
-        orders: tpch_table!(OrderGenerator, OrderArrow, 0.1),
-        part: tpch_table!(PartGenerator, PartArrow, 0.1),
+        lineitem: tpch_table("lineitem", 0.1),
+        orders: tpch_table("orders", 0.1),
+        part: tpch_table("part", 0.1),
     })
 }
 
@@ -164,8 +164,8 @@ fn tpch() -> &'static Tpch {
 #[test]
 fn tpch_stages_match_memtable() {
     let staged = [
-        Q1,
-        Q6,
+        tpch_query("q1"),
+        tpch_query("q6"),
         "select l_returnflag, l_linestatus, count(*), sum(l_quantity), min(l_shipdate), max(l_orderkey) \
          from lineitem group by l_returnflag, l_linestatus order by 1, 2",
         "select l_shipmode, sum(case when l_quantity > 25 then l_extendedprice else 0 end), \
@@ -190,8 +190,8 @@ fn tpch_stages_match_memtable() {
             let n = assert_same(&gpu, &mem, q, true);
             eprintln!("{n} rows: {}", &q[..q.len().min(60)]);
         }
-        for q in [Q12, Q14] {
-            assert_same(&gpu, &mem, q, false);
+        for q in ["q12", "q14"] {
+            assert_same(&gpu, &mem, tpch_query(q), false);
         }
     });
 }
@@ -200,22 +200,13 @@ fn tpch_stages_match_memtable() {
 /// `EXPLAIN` shows a stage exactly where an aggregate reads one table.
 #[test]
 fn all_tpch_queries_match_memtable() {
-    let tables = common::tpch::tables(0.1, PARTITIONS);
-    let data: Vec<(&str, Data)> = tables
-        .iter()
-        .map(|t| {
-            let d = Data {
-                schema: t.schema.clone(),
-                partitions: t.partitions.clone(),
-            };
-            (t.name, d)
-        })
-        .collect();
+    let tables = tpch::tables(0.1, PARTITIONS, tpch::BATCH_SIZE).expect("generate");
+    let data: Vec<(&str, Data)> = tables.into_iter().map(|t| (t.name, Data::from(t))).collect();
     let refs: Vec<(&str, &Data)> = data.iter().map(|(n, d)| (*n, d)).collect();
     common::each_device(|device, _| {
         let (gpu, mem) = sessions(&refs, device);
         let mut staged = Vec::new();
-        for (name, sql) in common::tpch::QUERIES {
+        for (name, sql) in tpch::QUERIES {
             let has_stage = explain(&gpu, sql).contains("DeviceStageExec");
             let n = assert_same(&gpu, &mem, sql, has_stage);
             eprintln!("{name}: {n} rows, stage: {has_stage}");
@@ -233,7 +224,8 @@ fn explain_shows_stages_and_their_metrics() {
     let t = tpch();
     common::each_device(|device, _| {
         let (gpu, _) = sessions(&[("lineitem", &t.lineitem)], device);
-        let plan = explain(&gpu, Q1);
+        let q1 = tpch_query("q1");
+        let plan = explain(&gpu, q1);
         assert!(
             plan.contains("DeviceStageExec: scan=7 columns, pushed predicate"),
             "{plan}"
@@ -241,7 +233,7 @@ fn explain_shows_stages_and_their_metrics() {
         assert!(plan.contains("group_by=[l_returnflag@8, l_linestatus@9]"), "{plan}");
         assert!(plan.contains("aggr=[sum(lineitem.l_quantity)"), "{plan}");
         assert!(!plan.contains("GpuTableScan"), "{plan}");
-        let analyzed = run(&gpu, &format!("explain analyze {Q1}")).expect("explain analyze");
+        let analyzed = run(&gpu, &format!("explain analyze {q1}")).expect("explain analyze");
         let text = pretty_format_batches(&analyzed).unwrap().to_string();
         let stage = text.lines().find(|l| l.contains("DeviceStageExec")).expect("a stage");
         assert!(stage.contains("rows_in=600.6 K"), "{stage}");

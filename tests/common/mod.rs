@@ -2,7 +2,6 @@
 #![allow(dead_code)]
 
 pub mod corpus;
-pub mod tpch;
 
 use arrow_array::RecordBatch;
 use arrow_cuda::{Device, Stream};

@@ -5,17 +5,20 @@ use std::time::Instant;
 
 use arrow_array::RecordBatch;
 use arrow_cuda::Device;
-use arrow_cuda::datafusion::{GpuTable, LoadOptions};
+use arrow_cuda::datafusion::{GpuTable, LoadOptions, with_device_stages};
+use arrow_cuda_workloads::tpch;
 use arrow_schema::SchemaRef;
+use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::datasource::MemTable;
 use datafusion::error::DataFusionError;
+use datafusion::execution::SessionStateBuilder;
 use datafusion::prelude::{CsvReadOptions, SessionConfig, SessionContext};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// Options of `arrow-cuda query`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Generate TPC-H lineitem, orders and part at this scale factor and stage them.
+    /// Generate the 8 TPC-H tables at this scale factor and stage them.
     #[arg(long)]
     tpch: Option<f64>,
     /// Stage a Parquet file as a table named after the file (repeatable).
@@ -27,16 +30,18 @@ pub struct Args {
     /// `cuda` (the default, when a GPU is present) or `cpu`.
     #[arg(long)]
     device: Option<crate::DeviceArg>,
-    /// Also run each query on DataFusion's MemTable over the same data and print both times.
+    /// Also run each query on DataFusion's MemTable over the same batches and print both times.
     #[arg(long)]
     compare: bool,
     /// Runs of each query (the best time is printed).
     #[arg(long, default_value_t = 3)]
     runs: usize,
-    /// Queries: `q1`, `q6`, `q12`, `q14` (TPC-H) or SQL text. Default: q6.
+    /// Queries: `q1` ... `q22` (TPC-H) or SQL text. Default: q6.
     queries: Vec<String>,
 }
 
+/// `arrow-cuda query`: stages the tables, then runs each query on them with device stages (and on
+/// `MemTable`s with `--compare`), printing its result and times.
 pub fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let device = match args.device {
         Some(d) => d.resolve()?,
@@ -50,15 +55,17 @@ pub fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     };
     let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
     let config = SessionConfig::new().with_target_partitions(cores);
-    let gpu = SessionContext::new_with_config(config.clone());
+    let gpu = device_session(config.clone());
     let host = SessionContext::new_with_config(config);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
 
-    let mut tables: Vec<crate::tpch::Table> = Vec::new();
+    // Each table's name and batches, by partition.
+    let mut tables: Vec<(String, Vec<Vec<RecordBatch>>)> = Vec::new();
     if let Some(sf) = args.tpch {
         let t = Instant::now();
-        tables.extend(crate::tpch::generate(sf, cores)?);
-        println!("generated TPC-H SF {sf} in {:.2?}", t.elapsed());
+        let generated = tpch::tables(sf, cores, tpch::LARGE_BATCH_SIZE)?;
+        tables.extend(generated.into_iter().map(|t| (t.name.to_string(), t.partitions)));
+        println!("generated the 8 TPC-H tables at SF {sf} in {:.2?}", t.elapsed());
     }
     for path in &args.parquet {
         let df = runtime.block_on(host.read_parquet(path.as_str(), Default::default()))?;
@@ -97,9 +104,9 @@ pub fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         args.queries.clone()
     };
     for q in &queries {
-        let sql = crate::tpch::query(q).unwrap_or(q.as_str());
+        let sql = tpch::query(q).unwrap_or(q.as_str());
         let (out, gpu_secs) = runtime.block_on(time_query(&gpu, sql, args.runs))?;
-        println!("{q}:\n{}", arrow_cast::pretty::pretty_format_batches(&out)?);
+        println!("{q}:\n{}", pretty_format_batches(&out)?);
         if args.compare {
             let (_, host_secs) = runtime.block_on(time_query(&host, sql, args.runs))?;
             println!(
@@ -113,6 +120,13 @@ pub fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     Ok(())
+}
+
+/// A session whose physical plans run the partial aggregates over GPU tables in device stages
+/// ([`with_device_stages`]): the device computes them and copies only their small results back.
+pub(crate) fn device_session(config: SessionConfig) -> SessionContext {
+    let state = with_device_stages(SessionStateBuilder::new().with_default_features().with_config(config)).build();
+    SessionContext::new_with_state(state)
 }
 
 /// Stages the batches of table `name` on `device` as a [`GpuTable`], with a progress bar (on stderr,
@@ -154,6 +168,7 @@ async fn time_query(ctx: &SessionContext, sql: &str, runs: usize) -> Result<(Vec
     Ok((out, best))
 }
 
+/// The table name of a file: its stem, with every character but ASCII letters and digits as `_`.
 fn table_name(path: &str) -> String {
     let stem = std::path::Path::new(path)
         .file_stem()

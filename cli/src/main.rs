@@ -3,11 +3,7 @@
 mod bench;
 mod info;
 mod ipc;
-#[cfg(feature = "datafusion")]
 mod query;
-#[cfg(feature = "datafusion")]
-mod tpch;
-mod workloads;
 
 use std::process::ExitCode;
 
@@ -25,21 +21,13 @@ struct Cli {
 enum Command {
     /// Devices, memory, driver, and the link's bandwidth measured in about a second.
     Info,
-    /// Transfer, IPC and (with DataFusion) TPC-H benchmarks, each beside a comparison, as one table.
+    /// Transfer, IPC and TPC-H benchmarks, each beside a comparison, as one table.
     Bench(bench::Args),
     /// The consumer process of `bench`'s IPC rows (started by `bench` itself).
     #[command(hide = true)]
     BenchPeer(bench::PeerArgs),
     /// Stage TPC-H (generated here) or Parquet / CSV files on the GPU and run SQL through DataFusion.
-    #[cfg(feature = "datafusion")]
     Query(query::Args),
-    /// Stage data on the GPU and run SQL (needs the `datafusion` feature).
-    #[cfg(not(feature = "datafusion"))]
-    Query {
-        /// Ignored: this build has no DataFusion.
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
     /// Send record batches to `recv` processes over a Unix socket; bodies stay on the device.
     Send(ipc::SendArgs),
     /// Receive the batches `send` sends, without copying them through host memory.
@@ -79,12 +67,7 @@ fn main() -> ExitCode {
         Some(Command::Info) => info::run().map_err(|e| e.to_string()),
         Some(Command::Bench(args)) => bench::run(&args).map_err(|e| e.to_string()),
         Some(Command::BenchPeer(args)) => bench::peer(&args).map_err(|e| e.to_string()),
-        #[cfg(feature = "datafusion")]
         Some(Command::Query(args)) => query::run(&args).map_err(|e| e.to_string()),
-        #[cfg(not(feature = "datafusion"))]
-        Some(Command::Query { .. }) => {
-            Err("this build has no DataFusion: cargo run --release --features datafusion -- query ...".to_string())
-        }
         Some(Command::Send(args)) => ipc::send(&args).map_err(|e| e.to_string()),
         Some(Command::Recv(args)) => ipc::recv(&args).map_err(|e| e.to_string()),
     };

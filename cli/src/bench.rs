@@ -5,8 +5,11 @@
 //!   consumer process's `recv` returns it, `CLOCK_MONOTONIC` read in both processes), and the
 //!   throughput of a stream of 1 GiB batches that the consumer reads on the device; both beside the
 //!   host path: download, arrow-ipc over a Unix socket, upload in the consumer.
-//! - With the `datafusion` feature: TPC-H Q6 and Q1 on a [`GpuTable`](arrow_cuda::datafusion::GpuTable)
-//!   beside DataFusion's `MemTable` over the same batches.
+//! - TPC-H Q6 and Q1 on a [`GpuTable`](arrow_cuda::datafusion::GpuTable) with device stages beside
+//!   DataFusion's `MemTable` over the same batches.
+//!
+//! The workloads are those of the criterion benches (`benches/` of arrow-cuda), from one source:
+//! the crate `arrow-cuda-workloads`.
 //!
 //! The IPC consumers are this binary started again, as the hidden `bench-peer` subcommand.
 //! Without a GPU the command fails, unless `ARROW_CUDA_BENCH_CPU` is set: then it runs the IPC and
@@ -20,15 +23,17 @@ use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arrow_array::{ArrayRef, Int64Array, RecordBatch};
+use arrow_array::RecordBatch;
 use arrow_cuda::ipc::{Receiver, ReceiverOptions, Sender, SenderOptions, default_message_resource};
 use arrow_cuda::transfer::{dtoh, htod, htod_async};
 use arrow_cuda::{Device, DeviceBuffer, DeviceRecordBatch, MemoryResource, Result, Stream};
+use arrow_cuda_workloads::{buffers, int64_batch, monotonic_ns, small_batch, tpch};
 use arrow_ipc::reader::StreamReader;
 use arrow_ipc::writer::StreamWriter;
 use arrow_schema::SchemaRef;
-
-use crate::workloads::{buffers, monotonic_ns, small_batch};
+use datafusion::arrow::util::pretty::pretty_format_batches;
+use datafusion::datasource::MemTable;
+use datafusion::prelude::{SessionConfig, SessionContext};
 
 /// A result whose error is anything printable.
 type BoxResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
@@ -51,7 +56,6 @@ pub struct Args {
     #[arg(long, default_value_t = 8 << 20)]
     rows: usize,
     /// TPC-H scale factor of the Q6 and Q1 rows.
-    #[cfg(feature = "datafusion")]
     #[arg(long, default_value_t = 1.0)]
     sf: f64,
 }
@@ -125,12 +129,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
     if let Err(e) = ipc_rows(args, device, &stream, &mut rows) {
         failed.push(format!("IPC: {e}"));
     }
-    #[cfg(feature = "datafusion")]
     if let Err(e) = query_rows(args, device, &mut rows, &mut notes) {
         failed.push(format!("TPC-H: {e}"));
     }
-    #[cfg(not(feature = "datafusion"))]
-    notes.push("no TPC-H rows: this build has no DataFusion (build with `--features datafusion`)".into());
 
     println!("| what | arrow-cuda | comparison | unit |");
     println!("|---|---:|---:|---|");
@@ -512,29 +513,20 @@ pub fn peer(args: &PeerArgs) -> BoxResult<()> {
     Ok(())
 }
 
-/// TPC-H Q6 and Q1 on a GPU table beside DataFusion's `MemTable` over the same batches.
-#[cfg(feature = "datafusion")]
+/// TPC-H Q6 and Q1 on a GPU table with device stages beside DataFusion's `MemTable` over the same
+/// batches.
 fn query_rows(args: &Args, device: Device, rows: &mut Vec<Row>, notes: &mut Vec<String>) -> BoxResult<()> {
-    use datafusion::datasource::MemTable;
-    use datafusion::prelude::{SessionConfig, SessionContext};
-
     let sf = args.sf;
     let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
     notes.push(format!(
-        "TPC-H: GpuTable beside DataFusion's MemTable over the same lineitem batches, target_partitions = {cores} \
-         for both, the best run after a warm-up"
+        "TPC-H: GpuTable with device stages beside DataFusion's MemTable over the same lineitem batches, \
+         target_partitions = {cores} for both, the best run after a warm-up"
     ));
     eprintln!("bench: generating TPC-H lineitem at SF {sf}");
-    let partitions = crate::tpch::lineitem(sf, cores)?;
-    let schema = partitions
-        .iter()
-        .flatten()
-        .next()
-        .ok_or("TPC-H generated no lineitem rows")?
-        .schema();
+    let tpch::Table { schema, partitions, .. } = tpch::table("lineitem", sf, cores, tpch::LARGE_BATCH_SIZE)?;
     let (table, _) = crate::query::stage("lineitem", schema.clone(), partitions.clone(), device)?;
     let config = SessionConfig::new().with_target_partitions(cores);
-    let gpu = SessionContext::new_with_config(config.clone());
+    let gpu = crate::query::device_session(config.clone());
     gpu.register_table("lineitem", Arc::new(table))?;
     let host = SessionContext::new_with_config(config);
     host.register_table("lineitem", Arc::new(MemTable::try_new(schema, partitions)?))?;
@@ -542,17 +534,16 @@ fn query_rows(args: &Args, device: Device, rows: &mut Vec<Row>, notes: &mut Vec<
     for q in ["q6", "q1"] {
         let name = q.to_uppercase();
         eprintln!("bench: TPC-H {name}");
-        let sql = crate::tpch::query(q).ok_or("an unknown TPC-H query")?;
+        let sql = tpch::query(q).ok_or("an unknown TPC-H query")?;
         let (ours_out, ours) = runtime.block_on(best_query(&gpu, sql, args.seconds))?;
         let (theirs_out, theirs) = runtime.block_on(best_query(&host, sql, args.seconds))?;
         rows.push(Row {
-            what: format!("TPC-H {name}, SF {sf}: GpuTable on {device} (vs DataFusion MemTable)"),
+            what: format!("TPC-H {name}, SF {sf}: GpuTable on {device}, device stages (vs DataFusion MemTable)"),
             ours: ours * 1e3,
             theirs: theirs * 1e3,
             unit: "ms",
         });
-        let pretty = arrow_cast::pretty::pretty_format_batches;
-        if pretty(&ours_out)?.to_string() != pretty(&theirs_out)?.to_string() {
+        if pretty_format_batches(&ours_out)?.to_string() != pretty_format_batches(&theirs_out)?.to_string() {
             notes.push(format!(
                 "TPC-H {name}: the GpuTable's result differs from the MemTable's"
             ));
@@ -563,9 +554,8 @@ fn query_rows(args: &Args, device: Device, rows: &mut Vec<Row>, notes: &mut Vec<
 
 /// Runs `sql` once to warm up, then for `seconds` and at least 3 times; returns the warm-up's
 /// result and the best time in seconds.
-#[cfg(feature = "datafusion")]
 async fn best_query(
-    ctx: &datafusion::prelude::SessionContext,
+    ctx: &SessionContext,
     sql: &str,
     seconds: f64,
 ) -> std::result::Result<(Vec<RecordBatch>, f64), datafusion::error::DataFusionError> {
@@ -580,17 +570,6 @@ async fn best_query(
         runs += 1;
     }
     Ok((out, best))
-}
-
-/// `columns` Int64 columns of `rows` rows.
-fn int64_batch(columns: usize, rows: usize) -> RecordBatch {
-    let columns = (0..columns as i64).map(|c| {
-        (
-            format!("c{c}"),
-            Arc::new(Int64Array::from_iter_values((0..rows as i64).map(|i| i ^ c))) as ArrayRef,
-        )
-    });
-    RecordBatch::try_from_iter(columns).expect("valid batch")
 }
 
 /// Device buffers for the naive path: one per arrow buffer.
