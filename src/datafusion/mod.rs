@@ -90,6 +90,8 @@
 //! places such stages only when asked ([`DeviceStageRule::with_host_stages`]): the tests do, so
 //! that CI proves the plan rewrite, the partial state and DataFusion's merge of it without a GPU.
 
+#[cfg(test)]
+mod cuda_as_cpp;
 mod device_filter;
 mod error;
 mod lanes;

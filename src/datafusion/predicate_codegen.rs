@@ -349,21 +349,9 @@ mod tests {
     use std::collections::BTreeSet;
 
     use super::*;
+    use crate::datafusion::cuda_as_cpp;
     use crate::datafusion::device_filter::SCAN_KERNELS;
     use crate::device::{Device, Stream};
-
-    /// Declarations that let a host C++ compiler check the syntax of the CUDA sources.
-    const SHIM: &str = r#"
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __shared__ static
-struct dim3_ { unsigned int x, y, z; };
-static dim3_ threadIdx, blockIdx, blockDim;
-static void __syncthreads() {}
-static int __float_as_int(float) { return 0; }
-static long long __double_as_longlong(double) { return 0; }
-"#;
 
     fn batch() -> DeviceRecordBatch {
         let columns: Vec<(&str, ArrayRef)> = vec![
@@ -493,7 +481,7 @@ static long long __double_as_longlong(double) { return 0; }
     /// syntax check for machines without NVRTC; the GPU run compiles them for real).
     #[test]
     fn cuda_sources_parse_as_cpp() {
-        let Ok(cxx) = which("g++").or_else(|_| which("c++")) else {
+        let Some(cxx) = cuda_as_cpp::compiler() else {
             eprintln!("skipped: no C++ compiler");
             return;
         };
@@ -503,39 +491,10 @@ static long long __double_as_longlong(double) { return 0; }
         p.columns(&mut cols);
         let cols: Vec<usize> = cols.into_iter().collect();
         let g = generate(&p, &b, &cols).unwrap();
-        let dir = std::env::temp_dir().join(format!("arrow-cuda-kernels-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        for (name, src) in [("scan.cpp", SCAN_KERNELS), ("pred.cpp", g.source.as_str())] {
-            let path = dir.join(name);
-            std::fs::write(&path, format!("{SHIM}\n{src}")).unwrap();
-            let out = std::process::Command::new(&cxx)
-                .args([
-                    "-fsyntax-only",
-                    "-Wall",
-                    "-Wno-unused-variable",
-                    "-Wno-sign-compare",
-                    "-x",
-                    "c++",
-                ])
-                .arg(&path)
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "{name}:\n{}\n{}",
-                String::from_utf8_lossy(&out.stderr),
-                src
-            );
-        }
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    fn which(cmd: &str) -> std::io::Result<String> {
-        let out = std::process::Command::new("which").arg(cmd).output()?;
-        if out.status.success() {
-            Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
-        } else {
-            Err(std::io::Error::other("not found"))
+        for (name, src) in [("scan", SCAN_KERNELS), ("pred", g.source.as_str())] {
+            if let Err(e) = cuda_as_cpp::check_syntax(cxx, name, src) {
+                panic!("{name}:\n{e}\n{src}");
+            }
         }
     }
 

@@ -190,7 +190,7 @@ __device__ __forceinline__ long long days_from_civil(long long y, long long m, l
 }
 /* The range of chrono's NaiveDate (years -262143 to 262142), in days since 1970-01-01: arrow's date
    arithmetic goes through it, and a date or step outside it is an error. */
-#define CHRONO_MIN_DAYS (-96465293LL)
+#define CHRONO_MIN_DAYS (-96465292LL)
 #define CHRONO_MAX_DAYS 95026236LL
 /* arrow's Date32 + interval (Date32Type::add_month_day_nano_opt and its kin): `months` first, the
    day clamped to the new month's last day, then `days`, then `days2` (the whole days of the

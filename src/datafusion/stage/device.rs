@@ -2,9 +2,11 @@
 //! and accumulators stay in device memory until the last batch, and only they are copied to the
 //! host (a few bytes per group).
 //!
-//! The group table starts small and grows by four (re-inserting the groups found so far with
-//! `stage_rehash`) whenever a batch finds it full; the batch's `stage_groups` then runs again,
-//! which is safe because inserting a key is idempotent and no accumulator has been touched yet.
+//! The group table starts with room for the groups the table's statistics allow (at most the
+//! device's rows; small when they say nothing) and grows by four (re-inserting the groups found so
+//! far with `stage_rehash`) whenever a batch finds it full; the batch's `stage_groups` then runs
+//! again, which is safe because inserting a key is idempotent and no accumulator has been touched
+//! yet.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,8 +23,10 @@ use crate::device::{Device, Stream};
 use crate::error::Error;
 use crate::memory::{DeviceBuffer, MemoryResource};
 
-/// Group-table slots a stage starts with.
+/// Group-table slots a stage starts with, at least.
 const INITIAL_SLOTS: u64 = 4096;
+/// The most groups a stage makes room for up front (from statistics); more grow the table.
+const PRESIZED_GROUPS: u64 = 1 << 24;
 /// Dynamic shared memory a block may use for its groups' accumulators.
 const SHARED_BYTES: u64 = 32 << 10;
 /// Blocks of the grid-stride accumulation.
@@ -70,8 +74,15 @@ pub(crate) struct DeviceStage<'p> {
 }
 
 impl<'p> DeviceStage<'p> {
-    /// Prepares a stage of `plan` on `device` (CUDA), compiling its kernels once per context.
-    pub(crate) fn new(plan: &'p StagePlan, source: &StageSource, device: Device, stream: &Stream) -> StageResult<Self> {
+    /// Prepares a stage of `plan` over `rows` rows on `device` (CUDA), compiling its kernels once
+    /// per context.
+    pub(crate) fn new(
+        plan: &'p StagePlan,
+        source: &StageSource,
+        device: Device,
+        stream: &Stream,
+        rows: u64,
+    ) -> StageResult<Self> {
         let stream = crate::memory::stream_for(stream, device, device)?;
         let cuda = stream
             .cuda()
@@ -96,7 +107,9 @@ impl<'p> DeviceStage<'p> {
         let (slots_n, max_groups) = if nw == 0 {
             (1, 1)
         } else {
-            (INITIAL_SLOTS, INITIAL_SLOTS / 2)
+            let expected = plan.group_bound().unwrap_or(0).min(rows).min(PRESIZED_GROUPS);
+            let slots = (expected * 2).next_power_of_two().max(INITIAL_SLOTS);
+            (slots, slots / 2)
         };
         let alloc = |len: u64| DeviceBuffer::alloc(resource, (len as usize).max(1), &stream);
         let zeroed = |len: u64| DeviceBuffer::zeroed(resource, (len as usize).max(1), &stream);
@@ -291,19 +304,21 @@ impl<'p> DeviceStage<'p> {
         if !keys.is_empty() {
             self.group_keys.copy_to_host(0, &mut keys, &self.stream)?;
         }
-        let mut acc = vec![0u8; (self.nslots * self.max_groups * 8) as usize];
-        self.acc.copy_to_host(0, &mut acc, &self.stream)?;
+        // Each slot's first `count` accumulators, slot-major: the layout `Groups` holds.
+        let mut acc = vec![0u8; (self.nslots * count * 8) as usize];
+        if !acc.is_empty() {
+            for (s, out) in acc.chunks_exact_mut((count * 8) as usize).enumerate() {
+                self.acc
+                    .copy_to_host(s * (self.max_groups * 8) as usize, out, &self.stream)?;
+            }
+        }
         let words = |b: &[u8]| -> Vec<u64> {
             b.chunks_exact(8)
                 .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
                 .collect()
         };
-        let all = words(&acc);
-        let stride = self.max_groups as usize;
-        let acc = (0..self.nslots as usize)
-            .flat_map(|s| all[s * stride..s * stride + count as usize].iter().copied())
-            .collect();
-        let copied = (keys.len() + all.len() * 8) as u64;
+        let copied = (keys.len() + acc.len()) as u64;
+        let acc = words(&acc);
         Ok((
             Groups {
                 count: count as usize,

@@ -139,7 +139,8 @@ async fn run(plan: Arc<StagePlan>, metrics: &Metrics) -> StageResult<Vec<RecordB
                 .source
                 .as_ref()
                 .ok_or_else(|| Outcome::GiveBack("no kernels were generated".into()))?;
-            let mut stage = DeviceStage::new(&plan, source, device, stream)?;
+            let rows = batches.clone().map(|b| b.num_rows() as u64).sum();
+            let mut stage = DeviceStage::new(&plan, source, device, stream, rows)?;
             metrics.compile_time.add_duration(stage.compile_time);
             for b in batches {
                 metrics.rows_in.add(b.num_rows());

@@ -817,15 +817,12 @@ impl<'c, 'a> ExprCompiler<'c, 'a> {
         };
         let start = int_literal(start)?;
         let count = count.map(int_literal).transpose()?;
-        let Some(start0) = start.checked_sub(1) else {
-            return unsupported("substr start overflow");
-        };
         if count.is_some_and(|c| c < 0) {
             return unsupported("substr with a negative count");
         }
-        // Character positions [from, to), clamped at 0 as DataFusion clamps them; -1: the end.
-        let from = start0.max(0);
-        let to = count.map_or(-1, |c| start0.saturating_add(c).max(0));
+        let Some((from, to)) = substr_range(start, count) else {
+            return unsupported("substr start overflow");
+        };
         let a = self.compile(s)?;
         if !is_string(&a.dt) || &a.dt != dt {
             return unsupported(format!("substr of {} -> {dt}", a.dt));
@@ -852,6 +849,13 @@ impl<'c, 'a> ExprCompiler<'c, 'a> {
             dt: dt.clone(),
         })
     }
+}
+
+/// The character positions `[from, to)` that `substr(s, start, count)` keeps (`to` -1: the end),
+/// clamped at 0 as DataFusion clamps them; `None` when `start - 1` overflows.
+fn substr_range(start: i64, count: Option<i64>) -> Option<(i64, i64)> {
+    let start0 = start.checked_sub(1)?;
+    Some((start0.max(0), count.map_or(-1, |c| start0.saturating_add(c).max(0))))
 }
 
 /// The value of an integer literal (a function's argument).
@@ -913,5 +917,160 @@ fn arith_c(op: Operator) -> &'static str {
         Operator::Multiply => "*",
         Operator::Divide => "/",
         _ => "%",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The device helpers behind `substr` and date arithmetic, compiled as C++ on the host and
+    //! compared with DataFusion's and arrow's own functions.
+
+    use ::datafusion::functions::unicode::substr::get_true_start_end;
+    use arrow_array::types::{Date32Type, IntervalMonthDayNano};
+
+    use crate::datafusion::cuda_as_cpp;
+    use crate::datafusion::predicate_codegen::PREDICATE_PRELUDE;
+
+    const MAIN: &str = r#"
+int main() {
+    char kind[4];
+    while (scanf("%3s", kind) == 1) {
+        if (kind[0] == 'D') {
+            long long date, months, days, days2; bool ovf = false;
+            scanf("%lld %lld %lld %lld", &date, &months, &days, &days2);
+            long long r = date_add_interval(date, months, days, days2, &ovf);
+            printf("%lld %d\n", ovf ? 0 : r, ovf ? 1 : 0);
+        } else {
+            char hex[512]; long long from, to; unsigned char s[256]; u64 off = 0, len = 0;
+            scanf("%511s %lld %lld", hex, &from, &to);
+            u64 n = hex[0] == '-' ? 0 : strlen(hex) / 2;  // "-": the empty string
+            for (u64 i = 0; i < n; i++) sscanf(hex + 2 * i, "%2hhx", &s[i]);
+            utf8_substr(s, n, from, to, &off, &len);
+            printf("%llu %llu\n", (unsigned long long)off, (unsigned long long)len);
+        }
+    }
+    return 0;
+}
+"#;
+
+    /// Runs the stage helpers with `MAIN` on `input`; `None` without a C++ compiler.
+    fn run(name: &str, input: &str) -> Option<Vec<String>> {
+        let cxx = cuda_as_cpp::compiler()?;
+        let stage = include_str!("../kernels/stage.cu");
+        let source = format!("{PREDICATE_PRELUDE}\n{stage}\n{MAIN}");
+        Some(cuda_as_cpp::run(cxx, name, &source, input))
+    }
+
+    fn rng() -> impl FnMut() -> u64 {
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        }
+    }
+
+    #[test]
+    fn date_add_interval_matches_arrow() {
+        const DAY_NS: i64 = 86_400_000_000_000;
+        let mut next = rng();
+        let mut cases = Vec::new();
+        let edges = [
+            -96_465_292i64,
+            95_026_236,
+            -96_465_293,
+            95_026_237,
+            0,
+            59,
+            60,
+            11_016,
+            11_017,
+        ];
+        for i in 0..20_000 {
+            let date = match i % 4 {
+                0 => edges[(next() % edges.len() as u64) as usize] + (next() % 5) as i64 - 2,
+                1 => (next() % 200_000_000) as i64 - 100_000_000,
+                _ => (next() % 40_000) as i64 - 10_000,
+            };
+            let months = match i % 3 {
+                0 => (next() % 2_000_001) as i64 - 1_000_000,
+                _ => (next() % 61) as i64 - 30,
+            };
+            let days = if i % 5 == 0 { (next() % 2_000) as i64 - 1_000 } else { 0 };
+            let days2 = if i % 7 == 0 { (next() % 100) as i64 - 50 } else { 0 };
+            let minus = i % 2 == 1;
+            cases.push((date, months, days, days2, minus));
+        }
+        let input: String = cases
+            .iter()
+            .map(|&(d, m, x, y, minus)| {
+                let s = if minus { -1 } else { 1 };
+                format!("D {d} {} {} {}\n", s * m, s * x, s * y)
+            })
+            .collect();
+        let Some(got) = run("dates", &input) else {
+            eprintln!("skipped: no C++ compiler");
+            return;
+        };
+        assert_eq!(got.len(), cases.len());
+        for (&(date, months, days, days2, minus), got) in cases.iter().zip(&got) {
+            let delta = IntervalMonthDayNano::new(months as i32, days as i32, days2 * DAY_NS);
+            let want = if minus {
+                Date32Type::subtract_month_day_nano_opt(date as i32, delta)
+            } else {
+                Date32Type::add_month_day_nano_opt(date as i32, delta)
+            };
+            let want = match want {
+                Some(d) => format!("{d} 0"),
+                None => "0 1".to_string(),
+            };
+            assert_eq!(got, &want, "{date} {} {delta:?}", if minus { "-" } else { "+" });
+        }
+    }
+
+    #[test]
+    fn utf8_substr_matches_datafusion() {
+        let words = [
+            "",
+            "a",
+            "abc",
+            "hello world",
+            "é",
+            "aé",
+            "日本語テキスト",
+            "🌏x🌏",
+            "k1",
+            "é-accent",
+        ];
+        let mut cases = Vec::new();
+        for w in words {
+            for start in [-3i64, -1, 0, 1, 2, 3, 5, 12, i64::MAX] {
+                for count in [None, Some(0i64), Some(1), Some(2), Some(4), Some(100), Some(i64::MAX)] {
+                    cases.push((w, start, count));
+                }
+            }
+        }
+        let input: String = cases
+            .iter()
+            .map(|&(w, start, count)| {
+                let (from, to) = super::substr_range(start, count).unwrap();
+                let hex: String = w.bytes().map(|b| format!("{b:02x}")).collect();
+                let hex = if hex.is_empty() { "-".to_string() } else { hex };
+                format!("S {hex} {from} {to}\n")
+            })
+            .collect();
+        let Some(got) = run("substr", &input) else {
+            eprintln!("skipped: no C++ compiler");
+            return;
+        };
+        assert_eq!(got.len(), cases.len());
+        for (&(w, start, count), got) in cases.iter().zip(&got) {
+            let (a, b) = get_true_start_end(w, start, count, false).unwrap();
+            assert_eq!(got, &format!("{a} {}", b - a), "substr({w:?}, {start}, {count:?})");
+            if w.is_ascii() {
+                assert_eq!(get_true_start_end(w, start, count, true).unwrap(), (a, b));
+            }
+        }
     }
 }

@@ -5,7 +5,10 @@
 
 use std::sync::Arc;
 
+use ::datafusion::common::ScalarValue;
+use ::datafusion::common::stats::Precision;
 use ::datafusion::physical_expr::PhysicalExpr;
+use ::datafusion::physical_expr::expressions::Column;
 use arrow_schema::{DataType, FieldRef, SchemaRef};
 
 use super::super::predicate::Predicate;
@@ -144,6 +147,26 @@ impl StagePlan {
         }
     }
 
+    /// An upper bound on the stage's groups from the table's statistics: the product over the
+    /// keys of their distinct values (an integer or date column's range, a boolean's two, one more
+    /// where the column has nulls); `None` when a key is computed or its column has no range.
+    pub(crate) fn group_bound(&self) -> Option<u64> {
+        let stats = &self.table.stats.column_statistics;
+        self.keys.iter().try_fold(1u64, |bound, key| {
+            let c = stats.get(key.downcast_ref::<Column>()?.index())?;
+            let values = match (&c.min_value, &c.max_value) {
+                (Precision::Exact(ScalarValue::Boolean(_)), _) => 2,
+                (Precision::Exact(min), Precision::Exact(max)) => {
+                    let (min, max) = (integer(min)?, integer(max)?);
+                    u64::try_from(max.checked_sub(min)?).ok()?.checked_add(1)?
+                }
+                _ => return None,
+            };
+            let nulls = u64::from(!matches!(c.null_count, Precision::Exact(0)));
+            bound.checked_mul(values.checked_add(nulls)?)
+        })
+    }
+
     /// Every accumulator slot, and the first slot of each aggregate.
     pub(crate) fn slot_layout(&self) -> (Vec<SlotKind>, Vec<usize>) {
         let mut slots = Vec::new();
@@ -153,6 +176,21 @@ impl StagePlan {
             slots.extend_from_slice(a.slots());
         }
         (slots, first)
+    }
+}
+
+/// The value of an integer or date statistic.
+fn integer(v: &ScalarValue) -> Option<i64> {
+    use ScalarValue::*;
+    match v {
+        Int8(Some(x)) => Some(i64::from(*x)),
+        Int16(Some(x)) => Some(i64::from(*x)),
+        Int32(Some(x)) | Date32(Some(x)) => Some(i64::from(*x)),
+        Int64(Some(x)) | Date64(Some(x)) => Some(*x),
+        UInt8(Some(x)) => Some(i64::from(*x)),
+        UInt16(Some(x)) => Some(i64::from(*x)),
+        UInt32(Some(x)) => Some(i64::from(*x)),
+        _ => None,
     }
 }
 

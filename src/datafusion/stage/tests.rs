@@ -15,7 +15,7 @@ use arrow_array::{
 
 use super::DeviceStageRule;
 use super::exec::DeviceStageExec;
-use crate::datafusion::{GpuTable, LoadOptions};
+use crate::datafusion::{GpuTable, LoadOptions, cuda_as_cpp};
 use crate::device::Device;
 
 fn table() -> GpuTable {
@@ -126,38 +126,9 @@ fn stage_plans(sql: &str) -> Vec<Arc<dyn ExecutionPlan>> {
     found
 }
 
-/// Declarations that let a host C++ compiler check the syntax of the stage kernels.
-const SHIM: &str = r#"
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __shared__
-struct dim3_ { unsigned int x, y, z; };
-static dim3_ threadIdx, blockIdx, blockDim, gridDim;
-static void __syncthreads() {}
-static void __threadfence() {}
-static int __float_as_int(float) { return 0; }
-static float __int_as_float(int) { return 0; }
-static long long __double_as_longlong(double) { return 0; }
-static double __longlong_as_double(long long) { return 0; }
-template <class T> T atomicAdd(T* p, T v) { T o = *p; *p += v; return o; }
-template <class T> T atomicOr(T* p, T v) { T o = *p; *p |= v; return o; }
-template <class T> T atomicMin(T* p, T v) { T o = *p; return o; }
-template <class T> T atomicMax(T* p, T v) { T o = *p; return o; }
-template <class T> T atomicExch(T* p, T v) { T o = *p; *p = v; return o; }
-template <class T> T atomicCAS(T* p, T c, T v) { T o = *p; return o; }
-"#;
-
 #[test]
 fn supported_queries_get_a_stage_whose_kernels_parse() {
-    let cxx = ["g++", "c++"].into_iter().find(|c| {
-        std::process::Command::new(c)
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success())
-    });
-    let dir = std::env::temp_dir().join(format!("arrow-cuda-stages-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let cxx = cuda_as_cpp::compiler();
     for (i, sql) in STAGED.iter().enumerate() {
         let stages = stage_plans(sql);
         assert_eq!(stages.len(), 1, "{sql}: {:?}", declined(sql));
@@ -170,26 +141,10 @@ fn supported_queries_get_a_stage_whose_kernels_parse() {
             eprintln!("skipped: no C++ compiler");
             continue;
         };
-        let path = dir.join(format!("stage{i}.cpp"));
-        std::fs::write(&path, format!("{SHIM}\n{source}")).unwrap();
-        let out = std::process::Command::new(cxx)
-            .args([
-                "-fsyntax-only",
-                "-Wall",
-                "-Wno-unused-variable",
-                "-Wno-unused-but-set-variable",
-            ])
-            .args(["-Wno-sign-compare", "-Wno-unused-function", "-x", "c++"])
-            .arg(&path)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{sql}:\n{}\n{source}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        if let Err(e) = cuda_as_cpp::check_syntax(cxx, &format!("stage{i}"), source) {
+            panic!("{sql}:\n{e}\n{source}");
+        }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -203,5 +158,23 @@ fn unsupported_aggregates_stay_with_datafusion() {
     ] {
         assert!(stage_plans(sql).is_empty(), "{sql}");
         assert!(!declined(sql).is_empty(), "{sql}");
+    }
+}
+
+#[test]
+fn group_bound_comes_from_the_key_columns_statistics() {
+    for (sql, bound) in [
+        // `a` holds 1..=99 and nulls: 99 values and the null group.
+        ("select a, count(*) from t group by a", Some(100)),
+        ("select flag, t, count(*) from t group by flag, t", Some(2 * 100)),
+        ("select b, a, sum(f) from t group by b, a", Some(298 * 100)),
+        ("select sum(f) from t", Some(1)),
+        ("select s, count(*) from t group by s", None),
+        ("select a % 3, count(*) from t group by a % 3", None),
+    ] {
+        let stages = stage_plans(sql);
+        assert_eq!(stages.len(), 1, "{sql}: {:?}", declined(sql));
+        let stage = stages[0].downcast_ref::<DeviceStageExec>().unwrap();
+        assert_eq!(stage.stage_plan().group_bound(), bound, "{sql}");
     }
 }
