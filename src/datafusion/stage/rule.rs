@@ -6,6 +6,7 @@ use std::sync::Arc;
 use ::datafusion::common::config::ConfigOptions;
 use ::datafusion::common::tree_node::{Transformed, TreeNode};
 use ::datafusion::datasource::source::DataSourceExec;
+use ::datafusion::execution::SessionStateBuilder;
 use ::datafusion::physical_expr::PhysicalExpr;
 use ::datafusion::physical_expr::expressions::Column;
 use ::datafusion::physical_optimizer::PhysicalOptimizerRule;
@@ -317,4 +318,17 @@ impl DeviceStageRule {
         plan.source = Some(source);
         Ok(plan)
     }
+}
+
+/// Adds [`DeviceStageRule`] to a session's physical optimizer rules, after DataFusion's own:
+///
+/// ```no_run
+/// use datafusion::execution::SessionStateBuilder;
+/// use datafusion::prelude::SessionContext;
+///
+/// let state = arrow_cuda::datafusion::with_device_stages(SessionStateBuilder::new().with_default_features()).build();
+/// let ctx = SessionContext::new_with_state(state);
+/// ```
+pub fn with_device_stages(builder: SessionStateBuilder) -> SessionStateBuilder {
+    builder.with_physical_optimizer_rule(Arc::new(DeviceStageRule::new()))
 }
