@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use arrow_cuda::memory::pinned::PinnedPool;
-use arrow_cuda::memory::{Element, StridedView, register, register_mut, view};
+use arrow_cuda::memory::{Element, StridedView, c_strides, register, register_mut};
 use arrow_cuda::{Device, DeviceBuffer, Error, MemoryResource, Stream};
 use half::f16;
 
@@ -1026,7 +1026,7 @@ fn views_show_their_element_and_layout_and_clones_share_the_buffer() {
             assert!(v.buffer().is_mutable());
         }
     });
-    assert_eq!(view::c_strides(&[2, 3, 4], 4), vec![48, 16, 4]);
-    assert_eq!(view::c_strides(&[], 8), Vec::<isize>::new());
+    assert_eq!(c_strides(&[2, 3, 4], 4), vec![48, 16, 4]);
+    assert_eq!(c_strides(&[], 8), Vec::<isize>::new());
     assert_eq!((<f64 as Element>::NAME, <f16 as Element>::NAME), ("f64", "f16"));
 }

@@ -7,10 +7,10 @@
 mod buffer;
 pub(crate) mod cache;
 pub mod pinned;
-pub mod register;
+mod register;
 mod resource;
 pub(crate) mod shm;
-pub mod view;
+mod view;
 
 pub use buffer::DeviceBuffer;
 pub(crate) use buffer::{check_range, copy, stream_for};
@@ -18,4 +18,4 @@ pub use register::{Registered, RegisteredMut, register, register_mut};
 pub(crate) use resource::Allocation;
 pub use resource::{ALIGNMENT, MemoryResource};
 pub use shm::{SharedMapping, SharedMemHandle};
-pub use view::{Element, StridedView};
+pub use view::{Element, StridedView, c_strides};
