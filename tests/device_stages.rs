@@ -291,7 +291,7 @@ fn grouped(rows: usize, groups: usize) -> Data {
 }
 
 /// Aggregation with 1, 4, 1,000 and 1,000,000 groups, skewed keys, a null key, a group whose
-/// values are all null, and inputs that filter to nothing.
+/// values are all null, inputs that filter to nothing, and `COUNT(DISTINCT)`.
 #[test]
 fn aggregation_by_group_count() {
     let cases = [(1, 20_000), (4, 50_000), (1000, 200_000), (1_000_000, 2_100_000)];
@@ -307,6 +307,10 @@ fn aggregation_by_group_count() {
                 "select sum(v), min(t), max(v) from g",
                 "select s, min(cast(d as decimal(18, 3))), max(cast(d as decimal(18, 3))), min(cast(v as decimal(9, 2))) \
                  from g group by s",
+                // DataFusion plans a single COUNT(DISTINCT) as a group-by on the distinct column under
+                // an ordinary COUNT: the stage runs the group-by.
+                "select s, count(distinct k) from g group by s",
+                "select count(distinct t) from g where v > 0",
             ] {
                 let n = assert_same(&gpu, &mem, sql, true);
                 eprintln!("{groups} groups: {n} rows: {sql}");

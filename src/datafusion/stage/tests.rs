@@ -79,6 +79,8 @@ pub(crate) const STAGED: &[&str] = &[
      sum(cast(f * 1e9 as bigint)) as fb, sum(cast(t as int) + 1) as ti, count(cast(f as smallint)) as fs from t",
     "select abs(f) > 3, sum(abs(a - 50)), sum(abs(d - 30)), sum(coalesce(a, b)), sum(nullif(a, 3)), \
      count(nullif(s, 'k1')), count(coalesce(s, 'z')) from t group by abs(f) > 3",
+    // A group-by without aggregates: DataFusion's plan for a single COUNT(DISTINCT).
+    "select s, count(distinct a) from t group by s",
 ];
 
 /// Why the rule declines each partial aggregate of `sql`'s plan.
