@@ -3,7 +3,7 @@
 //! [`DeviceArrayData`] mirrors arrow-rs [`ArrayData`]: the same data type, length, offset, null
 //! bitmap, buffers and children (dictionary values are child 0, as in arrow-rs), with every buffer a
 //! [`DeviceBuffer`]. CPU code never reads the buffers of a CUDA array; it reaches the host only
-//! through an explicit copy (see [`crate::transfer`]).
+//! through an explicit copy (the transfer layer above this one).
 
 use std::sync::Arc;
 

@@ -35,7 +35,7 @@ pub enum MemoryResource {
     Managed(usize),
     /// Host memory that other processes can map (the CPU device): a sealed `memfd` mapped shared,
     /// zero-initialised. It stands in for CUDA IPC on the CPU: the IPC layer sends the file
-    /// descriptor to a peer process (see [`crate::ipc`]). Linux only.
+    /// descriptor to a peer process. Linux only.
     SharedHost,
     /// Memory allocated elsewhere and wrapped, on the given device.
     Foreign(Device),

@@ -294,8 +294,7 @@ impl SharedMapping {
         self.region.size
     }
 
-    /// The number of peers' regions mapped in this process now (a test hook: see
-    /// `crate::ipc::testing`).
+    /// The number of peers' regions mapped in this process now (a hook for the crate's tests).
     pub(crate) fn open_count() -> usize {
         OPENED.live()
     }
