@@ -53,16 +53,23 @@ fn mem(p: &Partitions) -> MemTable {
 }
 
 /// Best of five runs after one warm-up.
-fn time(rt: &tokio::runtime::Runtime, ctx: &SessionContext, sql: &str) -> Duration {
+/// The best of `runs` runs of `sql` after a warm-up: the whole query, and the part of it spent
+/// planning (SQL to physical plan, device stages placed).
+fn time(rt: &tokio::runtime::Runtime, ctx: &SessionContext, sql: &str, runs: usize) -> (Duration, Duration) {
     let run = || {
         rt.block_on(async {
             let t = Instant::now();
-            ctx.sql(sql).await.expect("plan").collect().await.expect("run");
-            t.elapsed()
+            let df = ctx.sql(sql).await.expect("plan");
+            let plan = df.create_physical_plan().await.expect("plan");
+            let planned = t.elapsed();
+            datafusion::physical_plan::collect(plan, ctx.task_ctx())
+                .await
+                .expect("run");
+            (t.elapsed(), planned)
         })
     };
     run();
-    (0..5).map(|_| run()).min().unwrap_or_default()
+    (0..runs).map(|_| run()).min().unwrap_or_default()
 }
 
 fn main() {
@@ -114,12 +121,12 @@ fn main() {
     drop((lineitem, orders, part));
     for name in ["Q6", "Q1", "Q12", "Q14"] {
         let q = tpch::query(name).expect("a TPC-H query");
-        let s = time(&rt, &stage_ctx, q);
-        let g = time(&rt, &gpu_ctx, q);
-        let m = time(&rt, &mem_ctx, q);
+        let (s, planning) = time(&rt, &stage_ctx, q, 5);
+        let (g, _) = time(&rt, &gpu_ctx, q, 5);
+        let (m, _) = time(&rt, &mem_ctx, q, 5);
         println!(
-            "TPC-H {name} SF {sf}: device stages {s:.2?} ({:.2}x MemTable), GPU table scans only {g:.2?} \
-             ({:.2}x), MemTable {m:.2?}",
+            "TPC-H {name} SF {sf}: device stages {s:.2?} (planning {planning:.2?}; {:.2}x MemTable), \
+             GPU table scans only {g:.2?} ({:.2}x), MemTable {m:.2?}",
             m.as_secs_f64() / s.as_secs_f64(),
             m.as_secs_f64() / g.as_secs_f64()
         );
@@ -156,8 +163,8 @@ fn main() {
     for selectivity in [0.001, 0.01, 0.05, 0.1, 0.25, 0.5] {
         let k = (selectivity * 1_000_000.0) as i64;
         let sql = format!("select sum(x) from t where x < {k}");
-        let g = time(&rt, &gpu_ctx, &sql);
-        let m = time(&rt, &mem_ctx, &sql);
+        let (g, _) = time(&rt, &gpu_ctx, &sql, 5);
+        let (m, _) = time(&rt, &mem_ctx, &sql, 5);
         let rate = |d: Duration| sweep_rows as f64 / d.as_secs_f64() / 1e9;
         println!(
             "filter x < {k} ({:.1} %) over {sweep_rows} rows: GPU table {g:.2?} ({:.2} G rows/s), \
@@ -193,17 +200,6 @@ fn all_queries(rt: &tokio::runtime::Runtime, sf: f64, cores: usize, config: &dyn
         device_bytes as f64 / 1e9,
         t.elapsed()
     );
-    let best = |ctx: &SessionContext, sql: &str| {
-        let run = || {
-            rt.block_on(async {
-                let t = Instant::now();
-                ctx.sql(sql).await.expect("plan").collect().await.expect("run");
-                t.elapsed()
-            })
-        };
-        run();
-        (0..3).map(|_| run()).min().unwrap_or_default()
-    };
     let (mut total_s, mut total_m, mut log_ratio) = (Duration::ZERO, Duration::ZERO, 0.0);
     for (name, sql) in tpch::QUERIES {
         let staged = rt.block_on(async {
@@ -220,8 +216,8 @@ fn all_queries(rt: &tokio::runtime::Runtime, sf: f64, cores: usize, config: &dyn
             )
             .contains("DeviceStageExec")
         });
-        let s = best(&stage_ctx, sql);
-        let m = best(&mem_ctx, sql);
+        let (s, _) = time(rt, &stage_ctx, sql, 3);
+        let (m, _) = time(rt, &mem_ctx, sql, 3);
         total_s += s;
         total_m += m;
         log_ratio += (m.as_secs_f64() / s.as_secs_f64()).ln();

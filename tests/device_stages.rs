@@ -6,13 +6,13 @@
 
 mod common;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use arrow_array::{
     ArrayRef, Date32Array, Decimal128Array, Float64Array, Int32Array, Int64Array, RecordBatch, StringArray,
 };
-use arrow_cuda::Device;
 use arrow_cuda::datafusion::{DeviceStageRule, GpuTable, LoadOptions};
+use arrow_cuda::{Device, DeviceBuffer, Error, MemoryResource, Stream};
 use arrow_cuda_workloads::tpch;
 use arrow_schema::SchemaRef;
 use datafusion::arrow::util::pretty::pretty_format_batches;
@@ -26,6 +26,17 @@ const PARTITIONS: usize = 4;
 
 /// The TPC-H queries in which an aggregate reads a single table, which a device stage runs.
 const STAGED_TPCH: &[&str] = &["q1", "q6", "q15", "q17", "q18", "q20", "q22"];
+
+/// Every test holds the GPU shared; the tests that measure or exhaust its memory hold it alone.
+static GPU: RwLock<()> = RwLock::new(());
+
+fn gpu_shared() -> RwLockReadGuard<'static, ()> {
+    GPU.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn gpu_alone() -> RwLockWriteGuard<'static, ()> {
+    GPU.write().unwrap_or_else(PoisonError::into_inner)
+}
 
 fn runtime() -> &'static tokio::runtime::Runtime {
     static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
@@ -163,6 +174,7 @@ fn tpch() -> &'static Tpch {
 /// the joins stay with DataFusion, and every result equals `MemTable`'s (decimals bit for bit).
 #[test]
 fn tpch_stages_match_memtable() {
+    let _gpu = gpu_shared();
     let staged = [
         tpch_query("q1"),
         tpch_query("q6"),
@@ -200,6 +212,7 @@ fn tpch_stages_match_memtable() {
 /// `EXPLAIN` shows a stage exactly where an aggregate reads one table.
 #[test]
 fn all_tpch_queries_match_memtable() {
+    let _gpu = gpu_shared();
     let tables = tpch::tables(0.1, PARTITIONS, tpch::BATCH_SIZE).expect("generate");
     let data: Vec<(&str, Data)> = tables.into_iter().map(|t| (t.name, Data::from(t))).collect();
     let refs: Vec<(&str, &Data)> = data.iter().map(|(n, d)| (*n, d)).collect();
@@ -221,6 +234,7 @@ fn all_tpch_queries_match_memtable() {
 /// `EXPLAIN` shows the stage and what it runs; `EXPLAIN ANALYZE` its metrics.
 #[test]
 fn explain_shows_stages_and_their_metrics() {
+    let _gpu = gpu_shared();
     let t = tpch();
     common::each_device(|device, _| {
         let (gpu, _) = sessions(&[("lineitem", &t.lineitem)], device);
@@ -291,9 +305,10 @@ fn grouped(rows: usize, groups: usize) -> Data {
 }
 
 /// Aggregation with 1, 4, 1,000 and 1,000,000 groups, skewed keys, a null key, a group whose
-/// values are all null, inputs that filter to nothing, and `COUNT(DISTINCT)`.
+/// values are all null, inputs that filter to nothing, float minima and maxima, and `COUNT(DISTINCT)`.
 #[test]
 fn aggregation_by_group_count() {
+    let _gpu = gpu_shared();
     let cases = [(1, 20_000), (4, 50_000), (1000, 200_000), (1_000_000, 2_100_000)];
     for (groups, rows) in cases {
         let data = grouped(rows, groups);
@@ -305,6 +320,9 @@ fn aggregation_by_group_count() {
                 "select k, sum(v) from g where k < 0 group by k",
                 "select count(*), sum(v), avg(d) from g where v > 1000000000",
                 "select sum(v), min(t), max(v) from g",
+                // Floats: negatives, zero, and a Float32 argument.
+                "select k % 7, min(f), max(f), min(f - 250.0), max(f - 250.0), min(cast(v as real)) from g group by k % 7",
+                "select min(f - 250.0), max(cast(f as real)) from g where k > 5",
                 "select s, min(cast(d as decimal(18, 3))), max(cast(d as decimal(18, 3))), min(cast(v as decimal(9, 2))) \
                  from g group by s",
                 // DataFusion plans a single COUNT(DISTINCT) as a group-by on the distinct column under
@@ -322,6 +340,7 @@ fn aggregation_by_group_count() {
 /// Decimal overflow and division by zero are errors on the device as in DataFusion.
 #[test]
 fn arithmetic_errors_match_datafusion() {
+    let _gpu = gpu_shared();
     let big = 10i128.pow(37);
     let d: ArrayRef = Arc::new(
         Decimal128Array::from(vec![Some(big), Some(-big), None, Some(5)])
@@ -522,6 +541,7 @@ proptest! {
     /// equal DataFusion's.
     #[test]
     fn random_expressions_match_datafusion((e, ty) in number(), p in predicate(), q in predicate()) {
+        let _gpu = gpu_shared();
         let value = format!("sum({e})");
         let sql = format!(
             "select s, {p} as key, {value}, count({e}), count(*) filter (where {q}) from r \
@@ -550,6 +570,7 @@ fn cancel_frees_device_memory() {
     let Some(device) = common::cuda() else {
         return;
     };
+    let _gpu = gpu_alone();
     let data = grouped(500_000, 100_000);
     let (gpu, _) = sessions(&[("g", &data)], device);
     let free = || {
@@ -575,4 +596,54 @@ fn cancel_frees_device_memory() {
         after + (64 << 20) >= before,
         "free device memory {before} before the query, {after} after dropping it"
     );
+}
+
+/// A stage that finds no device memory for its group table gives its work back: DataFusion's
+/// operators answer with the same rows, and `EXPLAIN ANALYZE` counts the stage as given back.
+#[test]
+fn out_of_device_memory_gives_the_work_back() {
+    let Some(device) = common::cuda() else {
+        return;
+    };
+    if common::under_sanitizer() {
+        eprintln!("skipped under compute-sanitizer: the failed allocations are deliberate");
+        return;
+    }
+    let _gpu = gpu_alone();
+    let data = grouped(2_100_000, 1_000_000);
+    let (gpu, mem) = sessions(&[("g", &data)], device);
+    let sql = "select k, count(*), sum(v) from g group by k";
+    // Once with memory to spare: the kernels are compiled and the stage runs on the device.
+    let analyzed = |gpu: &SessionContext| {
+        let batches = run(gpu, &format!("explain analyze {sql}")).expect("explain analyze");
+        let text = pretty_format_batches(&batches).unwrap().to_string();
+        let stage = text.lines().find(|l| l.contains("DeviceStageExec")).expect("a stage");
+        stage.to_string()
+    };
+    assert!(analyzed(&gpu).contains("given_back=0"), "{}", analyzed(&gpu));
+    // Take the device's memory (from the stage's own pool first, then the rest), all but a few
+    // MiB: the 1,000,000 groups' table needs more.
+    let stream = Stream::new(device).unwrap();
+    let pool = MemoryResource::default_for(device);
+    let mut hog = Vec::new();
+    let mut chunk = 1usize << 30;
+    while chunk >= 1 << 20 {
+        match DeviceBuffer::alloc(pool, chunk, &stream) {
+            Ok(b) => hog.push(b),
+            Err(Error::OutOfMemory { .. }) => chunk /= 2,
+            Err(e) => panic!("allocating: {e}"),
+        }
+    }
+    stream.synchronize().unwrap();
+    hog.truncate(hog.len().saturating_sub(4));
+    let stage = analyzed(&gpu);
+    let same = (
+        rows(&run(&gpu, sql).expect("query"), false),
+        rows(&run(&mem, sql).expect("query"), false),
+    );
+    drop(hog);
+    assert!(stage.contains("given_back=1"), "{stage}");
+    assert_eq!(same.0, same.1, "results differ for {sql}");
+    // With the memory back, the stage runs on the device again.
+    assert!(analyzed(&gpu).contains("given_back=0"), "{}", analyzed(&gpu));
 }

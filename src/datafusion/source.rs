@@ -1,6 +1,6 @@
 //! [`GpuScan`]: the [`DataSource`] of a [`GpuTable`](super::GpuTable) scan.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, VecDeque};
 use std::fmt;
 use std::sync::Arc;
 
@@ -115,7 +115,7 @@ impl GpuScan {
 }
 
 impl DataSource for GpuScan {
-    fn open(&self, partition: usize, _context: Arc<TaskContext>) -> DfResult<SendableRecordBatchStream> {
+    fn open(&self, partition: usize, context: Arc<TaskContext>) -> DfResult<SendableRecordBatchStream> {
         let batches = self
             .table
             .partitions
@@ -129,12 +129,19 @@ impl DataSource for GpuScan {
             schema: self.projected_schema.clone(),
             predicate: self.predicate.clone(),
         });
-        let state = (batches.into_iter(), self.fetch);
-        let stream = futures::stream::unfold(state, move |(mut batches, mut remaining)| {
+        // Device batches are large (millions of rows, for few and large copies); DataFusion's
+        // operators work best on batches of the session's batch size, so each host batch is handed
+        // on in slices of that many rows (no copy).
+        let batch_size = context.session_config().batch_size().max(1);
+        let state = (batches.into_iter(), self.fetch, VecDeque::new());
+        let stream = futures::stream::unfold(state, move |(mut batches, mut remaining, mut ready)| {
             let lane = lane.clone();
             let plan = plan.clone();
             async move {
                 loop {
+                    if let Some(out) = ready.pop_front() {
+                        return Some((Ok(out), (batches, remaining, ready)));
+                    }
                     if remaining == Some(0) {
                         return None;
                     }
@@ -145,14 +152,13 @@ impl DataSource for GpuScan {
                         Ok(lease) => scan_batch(&batch, &plan, remaining, lease.stream()),
                         Err(e) => Err(e),
                     };
-                    let result = result.and_then(|s| s.map(|s| s.finish(&plan)).transpose());
-                    match result {
+                    match result.and_then(|s| s.map(|s| s.finish(&plan)).transpose()) {
                         Ok(Some(out)) => {
                             remaining = remaining.map(|r| r.saturating_sub(out.num_rows()));
-                            return Some((Ok(out), (batches, remaining)));
+                            ready.extend(slices(&out, batch_size));
                         }
                         Ok(None) => continue,
-                        Err(e) => return Some((Err(e), (batches, Some(0)))),
+                        Err(e) => return Some((Err(e), (batches, Some(0), VecDeque::new()))),
                     }
                 }
             }
@@ -291,6 +297,13 @@ impl Scanned {
             &options,
         )?)
     }
+}
+
+/// `batch` in slices of at most `rows` rows (views of its buffers).
+fn slices(batch: &RecordBatch, rows: usize) -> impl Iterator<Item = RecordBatch> + '_ {
+    (0..batch.num_rows())
+        .step_by(rows)
+        .map(move |start| batch.slice(start, rows.min(batch.num_rows() - start)))
 }
 
 /// Filters, limits and projects one device batch and starts copying the result to the host;

@@ -72,6 +72,11 @@ __device__ __forceinline__ void add_u64(u64* p, u64 x) { atomicAdd((unsigned lon
 __device__ __forceinline__ void add_f64(u64* p, double x) { atomicAdd((double*)p, x); }
 __device__ __forceinline__ void min_i64(u64* p, long long x) { atomicMin((long long*)p, x); }
 __device__ __forceinline__ void max_i64(u64* p, long long x) { atomicMax((long long*)p, x); }
+/* A float as a signed integer that orders as IEEE 754's total order (layout.rs `ordered_f64`). */
+__device__ __forceinline__ long long ordered_f64(double x) {
+    long long b = __double_as_longlong(x);
+    return b ^ (long long)(((unsigned long long)(b >> 63)) >> 1);
+}
 
 /* Checked 128-bit arithmetic, as arrow's decimal kernels check it. */
 __device__ __forceinline__ i128 add_checked(i128 a, i128 b, bool* ovf) {

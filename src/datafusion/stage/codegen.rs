@@ -128,6 +128,8 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
             Acc::Float => format!("add_f64({}, (double){});", slot(1), v.v),
             Acc::MinI64 => format!("min_i64({}, (long long){});", slot(1), v.v),
             Acc::MaxI64 => format!("max_i64({}, (long long){});", slot(1), v.v),
+            Acc::MinF64 => format!("min_i64({}, ordered_f64((double){}));", slot(1), v.v),
+            Acc::MaxF64 => format!("max_i64({}, ordered_f64((double){}));", slot(1), v.v),
         };
         g.body.push_str(&format!(
             "    if ({fk} && {}) {{ add_u64({}, 1ull); {update} }}\n    }}\n",

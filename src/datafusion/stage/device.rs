@@ -21,7 +21,7 @@ use super::{Outcome, StageResult};
 use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Stream};
 use crate::error::Error;
-use crate::memory::{DeviceBuffer, MemoryResource};
+use crate::memory::{DeviceBuffer, MemoryResource, StridedView};
 
 /// Group-table slots a stage starts with, at least.
 const INITIAL_SLOTS: u64 = 4096;
@@ -62,10 +62,10 @@ pub(crate) struct DeviceStage<'p> {
     /// At most this many groups before the table grows; the dense arrays below hold as many.
     max_groups: u64,
     group_keys: DeviceBuffer,
-    count: DeviceBuffer,
     /// Accumulator slots, slot-major with a stride of `max_groups`.
     acc: DeviceBuffer,
-    flags: DeviceBuffer,
+    /// The kernels' flags word, then the group count (two `u32`s, read back together).
+    status: DeviceBuffer,
     /// Scratch memory of batches whose kernels may still run, released after the stream's next
     /// synchronisation.
     pending: Vec<DeviceBuffer>,
@@ -120,9 +120,8 @@ impl<'p> DeviceStage<'p> {
             mask: slots_n - 1,
             max_groups,
             group_keys: alloc(max_groups * nw * 8)?,
-            count: zeroed(4)?,
             acc: alloc(nslots * max_groups * 8)?,
-            flags: zeroed(4)?,
+            status: zeroed(8)?,
             pending: Vec::new(),
             plan,
             cuda,
@@ -149,19 +148,27 @@ impl<'p> DeviceStage<'p> {
         Ok(())
     }
 
-    fn read_u32(&self, b: &DeviceBuffer) -> StageResult<u32> {
-        let mut x = [0u8; 4];
-        b.copy_to_host(0, &mut x, &self.stream)?;
-        Ok(u32::from_le_bytes(x))
+    /// The flags word and the group count.
+    fn read_status(&self) -> StageResult<(u32, u64)> {
+        let mut x = [0u8; 8];
+        self.status.copy_to_host(0, &mut x, &self.stream)?;
+        let word = |i: usize| u32::from_le_bytes(x[i..i + 4].try_into().expect("4 bytes"));
+        Ok((word(0), u64::from(word(4))))
     }
 
-    fn write_u32(&mut self, which: Which, v: u32) -> StageResult<()> {
-        let b = match which {
-            Which::Flags => &mut self.flags,
-            Which::Count => &mut self.count,
-        };
-        b.copy_from_host(0, &v.to_le_bytes(), &self.stream)?;
+    fn write_status(&mut self, flags: u32, count: u32) -> StageResult<()> {
+        let mut x = flags.to_le_bytes().to_vec();
+        x.extend_from_slice(&count.to_le_bytes());
+        self.status.copy_from_host(0, &x, &self.stream)?;
         Ok(())
+    }
+
+    fn flags_address(&self) -> u64 {
+        self.status.address()
+    }
+
+    fn count_address(&self) -> u64 {
+        self.status.address() + 4
     }
 
     /// Raises the errors the kernels flagged.
@@ -247,15 +254,14 @@ impl<'p> DeviceStage<'p> {
                     self.keys.address(),
                     self.mask,
                     self.group_keys.address(),
-                    self.count.address(),
+                    self.count_address(),
                     self.max_groups,
-                    self.flags.address(),
+                    self.flags_address(),
                     self.lit.address(),
                 ];
                 args.extend_from_slice(&cols);
                 launch(&self.cuda, &f, n.div_ceil(BLOCK as u64), BLOCK, &args)?;
-                let flags = self.read_u32(&self.flags)?;
-                let count = self.read_u32(&self.count)? as u64;
+                let (flags, count) = self.read_status()?;
                 // The stream is idle: the earlier batches' scratch memory can go.
                 self.pending.clear();
                 self.check(flags)?;
@@ -264,8 +270,7 @@ impl<'p> DeviceStage<'p> {
                     break;
                 }
                 let kept = count.min(self.max_groups);
-                self.write_u32(Which::Count, kept as u32)?;
-                self.write_u32(Which::Flags, 0)?;
+                self.write_status(0, kept as u32)?;
                 self.grow(kept)?;
             }
         }
@@ -277,7 +282,7 @@ impl<'p> DeviceStage<'p> {
             self.max_groups,
             groups,
             shared as u64,
-            self.flags.address(),
+            self.flags_address(),
             self.lit.address(),
         ];
         args.extend_from_slice(&cols);
@@ -291,46 +296,19 @@ impl<'p> DeviceStage<'p> {
         Ok(())
     }
 
-    /// Copies the groups and their accumulators to the host.
+    /// Copies the groups and their accumulators to the host: the keys in one copy and the
+    /// accumulators in one strided copy (each slot's first `count` groups).
     pub(crate) fn finish(self) -> StageResult<(Groups, u64)> {
-        let flags = self.read_u32(&self.flags)?;
+        let (flags, count) = self.read_status()?;
         self.check(flags)?;
-        let count = if self.nw == 0 {
-            1
-        } else {
-            self.read_u32(&self.count)? as u64
-        };
-        let mut keys = vec![0u8; (count * self.nw * 8) as usize];
-        if !keys.is_empty() {
-            self.group_keys.copy_to_host(0, &mut keys, &self.stream)?;
-        }
-        // Each slot's first `count` accumulators, slot-major: the layout `Groups` holds.
-        let mut acc = vec![0u8; (self.nslots * count * 8) as usize];
-        if !acc.is_empty() {
-            for (s, out) in acc.chunks_exact_mut((count * 8) as usize).enumerate() {
-                self.acc
-                    .copy_to_host(s * (self.max_groups * 8) as usize, out, &self.stream)?;
-            }
-        }
-        let words = |b: &[u8]| -> Vec<u64> {
-            b.chunks_exact(8)
-                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-                .collect()
-        };
-        let copied = (keys.len() + acc.len()) as u64;
-        let acc = words(&acc);
-        Ok((
-            Groups {
-                count: count as usize,
-                keys: words(&keys),
-                acc,
-            },
-            copied,
-        ))
+        let count = if self.nw == 0 { 1 } else { count as usize };
+        let (nw, nslots) = (self.nw as usize, self.nslots as usize);
+        let keys =
+            StridedView::<u64>::contiguous(self.group_keys.clone(), &[count * nw])?.copy_to_host(&self.stream)?;
+        let acc =
+            StridedView::<u64>::with_strides(self.acc.clone(), &[nslots, count], &[self.max_groups as isize * 8, 8])?
+                .copy_to_host(&self.stream)?;
+        let copied = ((keys.len() + acc.len()) * 8) as u64;
+        Ok((Groups { count, keys, acc }, copied))
     }
-}
-
-enum Which {
-    Flags,
-    Count,
 }

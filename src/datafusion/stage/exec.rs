@@ -96,6 +96,8 @@ struct Metrics {
     device_time: Time,
     compile_time: Time,
     bytes_to_host: Count,
+    /// 1 when the stage gave its work back to DataFusion's operators.
+    given_back: Count,
 }
 
 impl Metrics {
@@ -106,6 +108,7 @@ impl Metrics {
             device_time: MetricBuilder::new(set).elapsed_compute(0),
             compile_time: MetricBuilder::new(set).subset_time("kernel_compile_time", 0),
             bytes_to_host: MetricBuilder::new(set).counter("bytes_to_host", 0),
+            given_back: MetricBuilder::new(set).counter("given_back", 0),
         }
     }
 }
@@ -222,6 +225,7 @@ impl ExecutionPlan for DeviceStageExec {
                 }
                 Err(Outcome::GiveBack(why)) => {
                     log::info!("arrow-cuda: a device stage gives its work back to DataFusion: {why}");
+                    metrics.given_back.add(1);
                     let s = CoalescePartitionsExec::new(original).execute(0, context)?;
                     Ok(s.boxed())
                 }

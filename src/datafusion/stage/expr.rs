@@ -524,6 +524,8 @@ impl<'c, 'a> ExprCompiler<'c, 'a> {
             (from, Float64) if is_int(from) => format!("(double){x}"),
             (from, Float32) if is_int(from) => format!("(float){x}"),
             (Float32, Float64) => format!("(double){x}"),
+            // Round to nearest, out of range to infinity (PTX's cvt.rn.f32.f64), as Rust's `as f32`.
+            (Float64, Float32) => format!("(float){x}"),
             (from, Decimal128(p, s)) if is_int(from) && *s >= 0 => {
                 let f = format!("ovf{v}");
                 self.line(format!(

@@ -17,7 +17,7 @@ use arrow_array::types::{
 use arrow_array::{Array, ArrayRef, BooleanArray, RecordBatch};
 use arrow_schema::DataType;
 
-use super::layout::{Acc, Groups, MAX_KEY_STRING, SlotKind, StagePlan};
+use super::layout::{Acc, Groups, MAX_KEY_STRING, SlotKind, StagePlan, ordered_f64};
 use super::{Outcome, StageResult};
 use crate::array::DeviceRecordBatch;
 use crate::device::Stream;
@@ -216,13 +216,20 @@ impl<'p> HostStage<'p> {
                         self.acc[s + 1][g] = sum.to_bits();
                     }
                 }
-                Acc::MinI64 | Acc::MaxI64 => {
-                    let v = ints(&arg)?;
+                Acc::MinI64 | Acc::MaxI64 | Acc::MinF64 | Acc::MaxF64 => {
+                    let v: Vec<Option<i64>> = if matches!(spec.acc, Acc::MinF64 | Acc::MaxF64) {
+                        floats(&arg)?
+                            .into_iter()
+                            .map(|v| v.map(|v| ordered_f64(v.to_bits())))
+                            .collect()
+                    } else {
+                        ints(&arg)?.into_iter().map(|v| v.map(|v| v as i64)).collect()
+                    };
                     for r in (0..m).filter(|&r| valid(r)) {
                         let g = groups[r];
                         self.acc[s][g] += 1;
-                        let (x, old) = (v[r].unwrap_or(0) as i64, self.acc[s + 1][g] as i64);
-                        let new = if spec.acc == Acc::MinI64 {
+                        let (x, old) = (v[r].unwrap_or(0), self.acc[s + 1][g] as i64);
+                        let new = if matches!(spec.acc, Acc::MinI64 | Acc::MinF64) {
                             old.min(x)
                         } else {
                             old.max(x)

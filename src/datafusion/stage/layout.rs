@@ -43,6 +43,19 @@ pub(crate) enum Acc {
     MinI64,
     /// The maximum of 64-bit integers.
     MaxI64,
+    /// The minimum of floats, in IEEE 754's total order (see [`ordered_f64`]).
+    MinF64,
+    /// The maximum of floats, in IEEE 754's total order.
+    MaxF64,
+}
+
+/// A float's bits as a signed integer that orders as `f64::total_cmp` does (negative values with
+/// their magnitude bits flipped), so that floats share the integer minimum and maximum slots. NaN
+/// sorts above every number, as arrow's `min` and `max` kernels order it. The mapping is its own
+/// inverse.
+pub(crate) fn ordered_f64(bits: u64) -> i64 {
+    let b = bits as i64;
+    b ^ (((b >> 63) as u64) >> 1) as i64
 }
 
 /// One accumulator slot's kind: how two partial values merge, and its initial value.
@@ -91,8 +104,8 @@ impl AggSpec {
             Acc::Count => &[SlotKind::Add],
             Acc::Int128 => &[SlotKind::Add, SlotKind::Add, SlotKind::Add, SlotKind::Add],
             Acc::Float => &[SlotKind::Add, SlotKind::AddF64],
-            Acc::MinI64 => &[SlotKind::Add, SlotKind::Min],
-            Acc::MaxI64 => &[SlotKind::Add, SlotKind::Max],
+            Acc::MinI64 | Acc::MinF64 => &[SlotKind::Add, SlotKind::Min],
+            Acc::MaxI64 | Acc::MaxF64 => &[SlotKind::Add, SlotKind::Max],
         }
     }
 }

@@ -9,10 +9,10 @@ use arrow_array::builder::{
     Int32Builder, Int64Builder, LargeStringBuilder, StringBuilder, StringViewBuilder, UInt8Builder, UInt16Builder,
     UInt32Builder, UInt64Builder,
 };
-use arrow_array::{ArrayRef, RecordBatch, RecordBatchOptions};
+use arrow_array::{ArrayRef, Float32Array, Float64Array, RecordBatch, RecordBatchOptions};
 use arrow_schema::DataType;
 
-use super::layout::{Acc, AggKind, Groups, StagePlan};
+use super::layout::{Acc, AggKind, Groups, StagePlan, ordered_f64};
 use crate::error::{Error, Result};
 
 /// An integer column of `dt` from `values` (`None` is null).
@@ -60,6 +60,7 @@ pub(crate) fn state_type_supported(acc: Acc, field: usize, dt: &DataType) -> boo
     match (acc, field) {
         (_, 0) if matches!(dt, DataType::Int64 | DataType::UInt64) => true,
         (Acc::Float, _) => *dt == DataType::Float64,
+        (Acc::MinF64 | Acc::MaxF64, _) => matches!(dt, DataType::Float32 | DataType::Float64),
         _ => matches!(
             dt,
             DataType::Int8
@@ -189,6 +190,15 @@ pub(crate) fn state_batch(plan: &StagePlan, groups: &Groups) -> Result<RecordBat
                                 (count(g) > 0).then_some(v)
                             }),
                         )?
+                    }
+                    Acc::MinF64 | Acc::MaxF64 => {
+                        let value = |g: usize| f64::from_bits(ordered_f64(groups.acc[(s + 1) * n + g]) as u64);
+                        let valid = (0..n).map(|g| (count(g) > 0).then(|| value(g)));
+                        if *dt == DataType::Float32 {
+                            Arc::new(valid.map(|v| v.map(|v| v as f32)).collect::<Float32Array>()) as ArrayRef
+                        } else {
+                            Arc::new(valid.collect::<Float64Array>())
+                        }
                     }
                     Acc::MinI64 | Acc::MaxI64 => int_column(
                         dt,

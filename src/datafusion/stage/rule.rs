@@ -258,6 +258,8 @@ impl DeviceStageRule {
                 // Decimals of at most 18 digits fit the 64-bit minimum and maximum.
                 (AggKind::Min, DataType::Decimal128(p, s)) if *p <= 18 && *s >= 0 => Acc::MinI64,
                 (AggKind::Max, DataType::Decimal128(p, s)) if *p <= 18 && *s >= 0 => Acc::MaxI64,
+                (AggKind::Min, DataType::Float32 | DataType::Float64) => Acc::MinF64,
+                (AggKind::Max, DataType::Float32 | DataType::Float64) => Acc::MaxF64,
                 (AggKind::Min, _) if int => Acc::MinI64,
                 (AggKind::Max, _) if int => Acc::MaxI64,
                 (k, dt) => return Err(format!("{k:?} of {dt}")),
