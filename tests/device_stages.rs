@@ -647,3 +647,42 @@ fn out_of_device_memory_gives_the_work_back() {
     // With the memory back, the stage runs on the device again.
     assert!(analyzed(&gpu).contains("given_back=0"), "{}", analyzed(&gpu));
 }
+
+/// String group keys of 0 to 255 bytes (multi-byte UTF-8 among them) take the key words the
+/// column's longest value needs; a longer one makes the stage give its work back, with the same
+/// answer.
+#[test]
+fn long_string_keys() {
+    let _gpu = gpu_shared();
+    let table = |longest: usize| {
+        let n = 40_000;
+        let s: ArrayRef = Arc::new(StringArray::from_iter((0..n).map(|i| {
+            let len = i * 7919 % (longest + 1);
+            (i % 17 != 0).then(|| "ä".repeat(len / 2) + &"x".repeat(len % 2))
+        })));
+        let v: ArrayRef = Arc::new(Int64Array::from_iter_values((0..n).map(|i| i as i64)));
+        let batch = RecordBatch::try_from_iter([("s", s), ("v", v)]).unwrap();
+        Data {
+            schema: batch.schema(),
+            partitions: vec![vec![batch]],
+        }
+    };
+    let fits = table(255);
+    let too_long = table(300);
+    common::each_device(|device, _| {
+        let (gpu, mem) = sessions(&[("l", &fits), ("x", &too_long)], device);
+        for sql in [
+            "select s, count(*), sum(v) from l group by s",
+            "select substr(s, 3, 20), max(v) from l where v % 3 = 0 group by 1",
+            "select case when v > 100 then s else 'short' end, count(*) from l group by 1",
+        ] {
+            assert_same(&gpu, &mem, sql, true);
+        }
+        let sql = "select s, count(*) from x group by s";
+        assert_same(&gpu, &mem, sql, true);
+        let batches = run(&gpu, &format!("explain analyze {sql}")).expect("explain analyze");
+        let text = pretty_format_batches(&batches).unwrap().to_string();
+        let stage = text.lines().find(|l| l.contains("DeviceStageExec")).expect("a stage");
+        assert!(stage.contains("given_back=1"), "{stage}");
+    });
+}

@@ -194,6 +194,7 @@ impl Stager {
             data: Arc::new(TableData {
                 partition_stats: self.partition_stats.iter().map(|s| s.finish()).collect(),
                 stats: StatsBuilder::merge(&self.schema, &self.partition_stats),
+                longest_strings: StatsBuilder::longest_strings(&self.schema, &self.partition_stats),
                 schema: self.schema,
                 partitions: self.partitions,
                 partition_devices,

@@ -4,8 +4,8 @@ use ::datafusion::common::stats::Precision;
 use ::datafusion::common::{ColumnStatistics, ScalarValue, Statistics};
 use ::datafusion::functions_aggregate::min_max::{MaxAccumulator, MinAccumulator};
 use ::datafusion::logical_expr::Accumulator;
-use arrow_array::{Array, RecordBatch};
-use arrow_schema::Schema;
+use arrow_array::{Array, ArrayRef, RecordBatch};
+use arrow_schema::{DataType, Schema};
 
 /// Running statistics of one column. Minimum and maximum use DataFusion's own `MIN` / `MAX`
 /// accumulators, so the statistics agree with what those aggregates compute; a type they do
@@ -15,6 +15,8 @@ struct ColumnStats {
     non_null: usize,
     min: Option<MinAccumulator>,
     max: Option<MaxAccumulator>,
+    /// The longest value of a string column, in bytes (`None` for other types).
+    max_bytes: Option<usize>,
 }
 
 impl std::fmt::Debug for ColumnStats {
@@ -44,6 +46,7 @@ impl StatsBuilder {
                     non_null: 0,
                     min: MinAccumulator::try_new(f.data_type()).ok(),
                     max: MaxAccumulator::try_new(f.data_type()).ok(),
+                    max_bytes: longest_string(&arrow_array::new_empty_array(f.data_type())),
                 })
                 .collect(),
         }
@@ -68,7 +71,16 @@ impl StatsBuilder {
                 if c.max.as_mut().is_some_and(|m| m.update_batch(values).is_err()) {
                     c.max = None;
                 }
+                c.max_bytes = c.max_bytes.max(longest_string(a));
             });
+    }
+
+    /// The longest value of each string column of the union of `parts`, in bytes (`None` for
+    /// columns of other types).
+    pub(crate) fn longest_strings(schema: &Schema, parts: &[StatsBuilder]) -> Vec<Option<usize>> {
+        (0..schema.fields().len())
+            .map(|i| parts.iter().map(|p| p.columns[i].max_bytes).max().flatten())
+            .collect()
     }
 
     /// The statistics of the union of `parts` (partitions of one table).
@@ -141,6 +153,28 @@ impl StatsBuilder {
             column_statistics,
         }
     }
+}
+
+/// The longest value of a string array in bytes, null slots included (an upper bound); `None`
+/// when the array does not hold strings.
+fn longest_string(a: &ArrayRef) -> Option<usize> {
+    use arrow_array::cast::AsArray;
+    fn widest<O: arrow_array::OffsetSizeTrait>(offsets: &[O]) -> usize {
+        offsets.windows(2).map(|w| (w[1] - w[0]).as_usize()).max().unwrap_or(0)
+    }
+    Some(match a.data_type() {
+        DataType::Utf8 => widest(a.as_string::<i32>().value_offsets()),
+        DataType::LargeUtf8 => widest(a.as_string::<i64>().value_offsets()),
+        // A view's first four bytes are its length.
+        DataType::Utf8View => a
+            .as_string_view()
+            .views()
+            .iter()
+            .map(|&v| v as u32 as usize)
+            .max()
+            .unwrap_or(0),
+        _ => return None,
+    })
 }
 
 /// Evaluates an accumulator without needing it mutable.

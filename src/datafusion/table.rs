@@ -33,6 +33,8 @@ pub(crate) struct TableData {
     pub(crate) partition_devices: Vec<Device>,
     pub(crate) partition_stats: Vec<Statistics>,
     pub(crate) stats: Statistics,
+    /// The longest value of each string column, in bytes (`None` for other columns).
+    pub(crate) longest_strings: Vec<Option<usize>>,
     pub(crate) lanes: HashMap<Device, Arc<DeviceLane>>,
 }
 

@@ -21,7 +21,7 @@ use arrow_schema::DataType;
 
 use super::super::predicate_codegen::{Codegen, PREDICATE_PRELUDE};
 use super::expr::{ExprCompiler, Val};
-use super::layout::{Acc, MAX_KEY_STRING, SlotKind, StagePlan};
+use super::layout::{Acc, SlotKind, StagePlan, string_capacity};
 use crate::array::DeviceRecordBatch;
 use crate::error::{Error, Result};
 
@@ -85,7 +85,7 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
             if &val.dt != dt {
                 return Err(Error::Unsupported(format!("group key of type {} for {dt}", val.dt)));
             }
-            encode_key(&mut g.body, &val, key_offsets[j], j)?;
+            encode_key(&mut g.body, &val, key_offsets[j], plan.key_words[j], j)?;
         }
         g.body.push_str(&format!("    kw[{}] = nulls;\n", nw - 1));
         g.body.push_str(&format!(
@@ -192,8 +192,9 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
     Ok(StageSource { source, literals })
 }
 
-/// Writes the key words of `val` at `kw[at..]`, and its null bit `j`.
-fn encode_key(body: &mut String, val: &Val, at: usize, j: usize) -> Result<()> {
+/// Writes the `words` key words of `val` at `kw[at..]`, and its null bit `j`. A string's bytes fill
+/// the words from the first, its length the last word's top byte.
+fn encode_key(body: &mut String, val: &Val, at: usize, words: usize, j: usize) -> Result<()> {
     let (v, k) = (&val.v, &val.k);
     let code = match &val.dt {
         DataType::Decimal128(..) => {
@@ -204,12 +205,13 @@ fn encode_key(body: &mut String, val: &Val, at: usize, j: usize) -> Result<()> {
         }
         DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View => {
             let l = val.len.as_ref().expect("string");
+            let cap = string_capacity(words);
+            let last = at + words - 1;
             format!(
-                "{{ u64 a = 0, b = 0; if ({k}) {{ if ({l} > {MAX_KEY_STRING}) atomicOr(flags, FLAG_LONG_KEY); \
-                 for (u64 t = 0; t < {l} && t < {MAX_KEY_STRING}; t++) {{ u64 c = (u64){v}[t]; \
-                 if (t < 8) a |= c << (8 * t); else b |= c << (8 * (t - 8)); }} b |= (u64){l} << 56; }} \
-                 kw[{at}] = a; kw[{}] = b; }}",
-                at + 1
+                "for (int t = 0; t < {words}; t++) kw[{at} + t] = 0; \
+                 if ({k}) {{ if ({l} > {cap}) atomicOr(flags, FLAG_LONG_KEY); \
+                 for (u64 t = 0; t < {l} && t < {cap}; t++) kw[{at} + (t >> 3)] |= (u64){v}[t] << (8 * (t & 7)); \
+                 kw[{last}] |= (u64){l} << 56; }}"
             )
         }
         DataType::Boolean => format!("kw[{at}] = {k} ? (u64){v} : 0;"),

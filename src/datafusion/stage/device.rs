@@ -174,10 +174,11 @@ impl<'p> DeviceStage<'p> {
     /// Raises the errors the kernels flagged.
     fn check(&self, flags: u32) -> StageResult<()> {
         if flags & FLAG_LONG_KEY != 0 {
-            return Err(Outcome::GiveBack(format!(
-                "a group key string longer than {} bytes",
-                super::layout::MAX_KEY_STRING
-            )));
+            return Err(Outcome::GiveBack(
+                "a group key string longer than its key words hold (the column's longest value, at most \
+                 255 bytes)"
+                    .into(),
+            ));
         }
         if flags & FLAG_DIV_ZERO != 0 {
             return Err(Outcome::Fail(arrow_schema::ArrowError::DivideByZero.into()));

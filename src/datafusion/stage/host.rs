@@ -17,7 +17,7 @@ use arrow_array::types::{
 use arrow_array::{Array, ArrayRef, BooleanArray, RecordBatch};
 use arrow_schema::DataType;
 
-use super::layout::{Acc, Groups, MAX_KEY_STRING, SlotKind, StagePlan, ordered_f64};
+use super::layout::{Acc, Groups, SlotKind, StagePlan, ordered_f64, string_capacity};
 use super::{Outcome, StageResult};
 use crate::array::DeviceRecordBatch;
 use crate::device::Stream;
@@ -265,17 +265,20 @@ impl<'p> HostStage<'p> {
                 DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View => {
                     for (r, s) in strings(&a).into_iter().enumerate() {
                         let Some(s) = s else { continue };
-                        if s.len() > MAX_KEY_STRING {
+                        let width = self.plan.key_words[j];
+                        let capacity = string_capacity(width);
+                        if s.len() > capacity {
                             return Err(Outcome::GiveBack(format!(
-                                "a group key string of {} bytes (at most {MAX_KEY_STRING})",
+                                "a group key string of {} bytes (its key words hold {capacity})",
                                 s.len()
                             )));
                         }
-                        let mut bytes = [0u8; 16];
+                        let mut bytes = vec![0u8; width * 8];
                         bytes[..s.len()].copy_from_slice(s);
-                        bytes[15] = s.len() as u8;
-                        words[r * nw + at] = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
-                        words[r * nw + at + 1] = u64::from_le_bytes(bytes[8..].try_into().expect("8 bytes"));
+                        bytes[width * 8 - 1] = s.len() as u8;
+                        for (w, b) in bytes.chunks_exact(8).enumerate() {
+                            words[r * nw + at + w] = u64::from_le_bytes(b.try_into().expect("8 bytes"));
+                        }
                     }
                 }
                 DataType::Decimal128(..) => {

@@ -110,20 +110,27 @@ impl AggSpec {
     }
 }
 
-/// The 64-bit words a group key of this type takes (strings of at most 15 bytes: the bytes and
-/// their length; longer ones make the stage give its work back to DataFusion).
-pub(crate) fn key_words(dt: &DataType) -> Option<usize> {
+/// The 64-bit words a group key of this type takes. A string takes the words its bytes and their
+/// length (the last word's top byte) need: enough for `longest` bytes when the table's statistics
+/// bound it (up to [`MAX_KEY_STRING`]), else two (15 bytes). A longer string found while running
+/// makes the stage give its work back to DataFusion.
+pub(crate) fn key_words(dt: &DataType, longest: Option<usize>) -> Option<usize> {
     use DataType::*;
     match dt {
         Int8 | Int16 | Int32 | Int64 | UInt8 | UInt16 | UInt32 | Date32 | Date64 | Boolean => Some(1),
         Decimal128(_, s) if *s >= 0 => Some(2),
-        Utf8 | LargeUtf8 | Utf8View => Some(2),
+        Utf8 | LargeUtf8 | Utf8View => Some(longest.map_or(2, |n| n.min(MAX_KEY_STRING) / 8 + 1)),
         _ => None,
     }
 }
 
-/// The longest string a group key holds in its two words.
-pub(crate) const MAX_KEY_STRING: usize = 15;
+/// The longest string a group key holds (its length must fit the length byte).
+pub(crate) const MAX_KEY_STRING: usize = 255;
+
+/// The bytes a string key of `words` words holds.
+pub(crate) fn string_capacity(words: usize) -> usize {
+    8 * words - 1
+}
 
 /// A lowered stage: a GPU table's scan with its pushed-down predicate, the filters above it, the
 /// group keys and the aggregates, every expression over the table's columns.
@@ -134,6 +141,8 @@ pub(crate) struct StagePlan {
     pub(crate) filters: Vec<Arc<dyn PhysicalExpr>>,
     pub(crate) keys: Vec<Arc<dyn PhysicalExpr>>,
     pub(crate) key_types: Vec<DataType>,
+    /// The words of each key (see [`key_words`]).
+    pub(crate) key_words: Vec<usize>,
     pub(crate) aggs: Vec<AggSpec>,
     /// The output: DataFusion's partial aggregate schema (group columns, then state fields).
     pub(crate) schema: SchemaRef,
@@ -147,11 +156,11 @@ impl StagePlan {
     /// The first word of each key, and the number of key words (a last word holds the keys'
     /// null bits); 0 words without keys.
     pub(crate) fn key_layout(&self) -> (Vec<usize>, usize) {
-        let mut offsets = Vec::with_capacity(self.key_types.len());
+        let mut offsets = Vec::with_capacity(self.key_words.len());
         let mut n = 0;
-        for dt in &self.key_types {
+        for w in &self.key_words {
             offsets.push(n);
-            n += key_words(dt).expect("checked when lowered");
+            n += w;
         }
         if self.keys.is_empty() {
             (offsets, 0)

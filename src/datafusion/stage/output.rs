@@ -12,7 +12,7 @@ use arrow_array::builder::{
 use arrow_array::{ArrayRef, Float32Array, Float64Array, RecordBatch, RecordBatchOptions};
 use arrow_schema::DataType;
 
-use super::layout::{Acc, AggKind, Groups, StagePlan, ordered_f64};
+use super::layout::{Acc, AggKind, Groups, StagePlan, ordered_f64, string_capacity};
 use crate::error::{Error, Result};
 
 /// An integer column of `dt` from `values` (`None` is null).
@@ -78,19 +78,17 @@ pub(crate) fn state_type_supported(acc: Acc, field: usize, dt: &DataType) -> boo
     }
 }
 
-/// The key of group `g`, column `j`, from its words.
-fn key_strings(groups: &Groups, nw: usize, at: usize, j: usize) -> Vec<Option<Vec<u8>>> {
+/// Key `j` of every group, a string in the `words` words at `at` (see `layout::key_words`).
+fn key_strings(groups: &Groups, nw: usize, at: usize, words: usize, j: usize) -> Vec<Option<Vec<u8>>> {
     (0..groups.count)
         .map(|g| {
             let w = &groups.keys[g * nw..(g + 1) * nw];
             if w[nw - 1] >> j & 1 == 1 {
                 return None;
             }
-            let (a, b) = (w[at], w[at + 1]);
-            let len = (b >> 56) as usize;
-            let mut bytes = a.to_le_bytes().to_vec();
-            bytes.extend_from_slice(&b.to_le_bytes()[..7]);
-            bytes.truncate(len);
+            let len = (w[at + words - 1] >> 56) as usize;
+            let mut bytes: Vec<u8> = w[at..at + words].iter().flat_map(|x| x.to_le_bytes()).collect();
+            bytes.truncate(len.min(string_capacity(words)));
             Some(bytes)
         })
         .collect()
@@ -140,7 +138,7 @@ pub(crate) fn state_batch(plan: &StagePlan, groups: &Groups) -> Result<RecordBat
         let at = offsets[j];
         let column = match dt {
             DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View => {
-                string_column(dt, key_strings(groups, nw, at, j))?
+                string_column(dt, key_strings(groups, nw, at, plan.key_words[j], j))?
             }
             _ => {
                 let values = (0..n).map(|g| {

@@ -4,11 +4,12 @@
 use std::sync::Arc;
 
 use ::datafusion::common::config::ConfigOptions;
+use ::datafusion::common::tree_node::TreeNodeRecursion;
 use ::datafusion::common::tree_node::{Transformed, TreeNode};
 use ::datafusion::datasource::source::DataSourceExec;
 use ::datafusion::execution::SessionStateBuilder;
 use ::datafusion::physical_expr::PhysicalExpr;
-use ::datafusion::physical_expr::expressions::Column;
+use ::datafusion::physical_expr::expressions::{Column, Literal};
 use ::datafusion::physical_optimizer::PhysicalOptimizerRule;
 use ::datafusion::physical_plan::ExecutionPlan;
 use ::datafusion::physical_plan::Partitioning;
@@ -24,7 +25,7 @@ use super::super::nvrtc::gpu_kernels_available;
 use super::super::source::GpuScan;
 use super::codegen;
 use super::exec::DeviceStageExec;
-use super::layout::{Acc, AggKind, AggSpec, StagePlan, key_words};
+use super::layout::{self, Acc, AggKind, AggSpec, StagePlan};
 use super::output::state_type_supported;
 use crate::device::Device;
 
@@ -214,11 +215,15 @@ impl DeviceStageRule {
         let input_schema = agg.input_schema();
         let mut keys = Vec::new();
         let mut key_types = Vec::new();
+        let mut key_words = Vec::new();
         for (e, _) in agg.group_expr().expr() {
             let dt = e.data_type(&input_schema).map_err(|e| e.to_string())?;
-            key_words(&dt).ok_or_else(|| format!("a group key of {dt}"))?;
-            keys.push(substitute(e, &below.outputs)?);
+            let key = substitute(e, &below.outputs)?;
+            let words = layout::key_words(&dt, longest_string(&key, &table.longest_strings))
+                .ok_or_else(|| format!("a group key of {dt}"))?;
+            keys.push(key);
             key_types.push(dt);
+            key_words.push(words);
         }
         let mut aggs = Vec::new();
         for (a, filter) in agg.aggr_expr().iter().zip(agg.filter_expr()) {
@@ -298,7 +303,7 @@ impl DeviceStageRule {
                 if let Some(c) = n.downcast_ref::<Column>() {
                     columns.insert(c.index());
                 }
-                Ok(::datafusion::common::tree_node::TreeNodeRecursion::Continue)
+                Ok(TreeNodeRecursion::Continue)
             })
             .map_err(|e| e.to_string())?;
         }
@@ -307,6 +312,7 @@ impl DeviceStageRule {
             filters: below.filters,
             keys,
             key_types,
+            key_words,
             aggs,
             schema: agg.schema(),
             columns: columns.into_iter().collect(),
@@ -320,6 +326,27 @@ impl DeviceStageRule {
         plan.source = Some(source);
         Ok(plan)
     }
+}
+
+/// A bound on the bytes of the strings `expr` yields: the longest value of the string columns
+/// (from the table's statistics) and string literals in it. The expressions a stage compiles never
+/// lengthen a string: columns, literals, `substr`, `CASE`, `COALESCE`, `NULLIF`, casts between
+/// string types.
+fn longest_string(expr: &Arc<dyn PhysicalExpr>, longest: &[Option<usize>]) -> Option<usize> {
+    let mut bound = 0;
+    expr.apply(|e| {
+        let here = if let Some(c) = e.downcast_ref::<Column>() {
+            longest.get(c.index()).copied().flatten()
+        } else if let Some(l) = e.downcast_ref::<Literal>() {
+            l.value().try_as_str().flatten().map(str::len)
+        } else {
+            None
+        };
+        bound = bound.max(here.unwrap_or(0));
+        Ok(TreeNodeRecursion::Continue)
+    })
+    .ok()?;
+    Some(bound)
 }
 
 /// Adds [`DeviceStageRule`] to a session's physical optimizer rules, after DataFusion's own:

@@ -181,3 +181,21 @@ fn group_bound_comes_from_the_key_columns_statistics() {
         assert_eq!(stage.stage_plan().group_bound(), bound, "{sql}");
     }
 }
+
+#[test]
+fn string_key_words_come_from_the_longest_value() {
+    // `s` holds "k0" to "k4": one word holds up to 7 bytes and the length.
+    for (sql, words) in [
+        ("select s, count(*) from t group by s", vec![1]),
+        ("select substr(s, 2), a, count(*) from t group by 1, 2", vec![1, 1]),
+        (
+            "select case when a > 3 then s else 'a literal of 26 characters' end, count(*) from t group by 1",
+            vec![4],
+        ),
+    ] {
+        let stages = stage_plans(sql);
+        assert_eq!(stages.len(), 1, "{sql}: {:?}", declined(sql));
+        let stage = stages[0].downcast_ref::<DeviceStageExec>().unwrap();
+        assert_eq!(stage.stage_plan().key_words, words, "{sql}");
+    }
+}
