@@ -66,8 +66,9 @@
 //! shape final: `EnforceDistribution` has split aggregates into `Partial` and `Final` with the
 //! repartitioning between them, projections and filters have been pushed down as far as they go,
 //! and repartitioning has been placed. A stage replaces a subtree that produces the partial state
-//! in one partition: every node above it (the repartitioning, the `Final` aggregate, sorts) accepts
-//! any number of input partitions, so the plan stays valid and its schema does not change.
+//! and keeps its partition count (the stage runs once and each partition emits a share of the
+//! groups), so the plan above it stays valid, its schema unchanged, and the repartitioning and
+//! `Final` aggregate above it merge the groups on every core.
 //!
 //! ## What a stage runs
 //!

@@ -1,13 +1,13 @@
 //! [`DeviceStageExec`]: the execution plan node of a device stage.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
+use ::datafusion::common::DataFusionError;
 use ::datafusion::common::tree_node::TreeNodeRecursion;
 use ::datafusion::execution::TaskContext;
 use ::datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
-use ::datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use ::datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use ::datafusion::physical_plan::metrics::{Count, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet, Time};
 use ::datafusion::physical_plan::stream::RecordBatchStreamAdapter;
@@ -15,6 +15,8 @@ use ::datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties, SendableRecordBatchStream,
 };
 use arrow_array::RecordBatch;
+use futures::future::{BoxFuture, FutureExt, Shared};
+use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 
 use super::super::error::DfResult;
@@ -26,17 +28,31 @@ use super::{Outcome, StageResult};
 use crate::device::Device;
 
 /// A device stage: a GPU table's scan, its filters, computed projections and a partial
-/// aggregation, run where the table lives; it emits DataFusion's partial aggregate state, one batch
-/// per device, in one partition. When the device cannot finish (a group key string longer than
-/// the key words hold, device memory exhausted) it gives the work back: the original DataFusion
-/// plan runs instead, and the answer is the same.
+/// aggregation, run where the table lives; it emits DataFusion's partial aggregate state in as
+/// many partitions as the partial aggregate it replaced (the stage runs once; each partition
+/// emits a share of its groups, so that the operators above merge them in parallel). When the
+/// device cannot finish (a group key string longer than the key words hold, device memory
+/// exhausted) it gives the work back: the original DataFusion plan runs instead, partition by
+/// partition, and the answer is the same.
 pub struct DeviceStageExec {
     plan: Arc<StagePlan>,
     /// The partial aggregate this stage replaced, run when the stage gives its work back.
     original: Arc<dyn ExecutionPlan>,
     properties: Arc<PlanProperties>,
     metrics: ExecutionPlanMetricsSet,
+    /// The stage's one run, shared by its partitions; started by the first partition executed.
+    /// The table is immutable, so a later execution of the same plan shares it too.
+    shared: Mutex<Option<SharedRun>>,
 }
+
+/// What the stage's run produced: its state batches, or the work given back.
+#[derive(Clone)]
+enum Produced {
+    Batches(Arc<Vec<RecordBatch>>),
+    GivenBack,
+}
+
+type SharedRun = Shared<BoxFuture<'static, Result<Produced, Arc<DataFusionError>>>>;
 
 impl fmt::Debug for DeviceStageExec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -46,9 +62,10 @@ impl fmt::Debug for DeviceStageExec {
 
 impl DeviceStageExec {
     pub(crate) fn new(plan: StagePlan, original: Arc<dyn ExecutionPlan>) -> Self {
+        let partitions = original.properties().partitioning.partition_count();
         let properties = PlanProperties::new(
             EquivalenceProperties::new(plan.schema.clone()),
-            Partitioning::UnknownPartitioning(1),
+            Partitioning::UnknownPartitioning(partitions),
             EmissionType::Final,
             Boundedness::Bounded,
         );
@@ -57,7 +74,32 @@ impl DeviceStageExec {
             original,
             properties: Arc::new(properties),
             metrics: ExecutionPlanMetricsSet::new(),
+            shared: Mutex::new(None),
         }
+    }
+
+    /// The stage's run, started on first use.
+    fn shared_run(&self) -> SharedRun {
+        let mut shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
+        shared
+            .get_or_insert_with(|| {
+                let plan = self.plan.clone();
+                let metrics = Metrics::new(&self.metrics);
+                async move {
+                    match run(plan, &metrics).await {
+                        Ok(batches) => Ok(Produced::Batches(Arc::new(batches))),
+                        Err(Outcome::GiveBack(why)) => {
+                            log::info!("arrow-cuda: a device stage gives its work back to DataFusion: {why}");
+                            metrics.given_back.add(1);
+                            Ok(Produced::GivenBack)
+                        }
+                        Err(Outcome::Fail(e)) => Err(Arc::new(e)),
+                    }
+                }
+                .boxed()
+                .shared()
+            })
+            .clone()
     }
 
     /// What the stage runs.
@@ -209,31 +251,36 @@ impl ExecutionPlan for DeviceStageExec {
     }
 
     fn execute(&self, partition: usize, context: Arc<TaskContext>) -> DfResult<SendableRecordBatchStream> {
-        if partition != 0 {
-            return Err(::datafusion::common::DataFusionError::Internal(format!(
-                "a device stage has one partition, not {partition}"
+        let partitions = self.properties.partitioning.partition_count();
+        if partition >= partitions {
+            return Err(DataFusionError::Internal(format!(
+                "a device stage of {partitions} partitions has no partition {partition}"
             )));
         }
-        let plan = self.plan.clone();
+        let run = self.shared_run();
         let original = self.original.clone();
-        let schema = plan.schema.clone();
-        let metrics = Metrics::new(&self.metrics);
         let fut = async move {
-            match run(plan.clone(), &metrics).await {
-                Ok(batches) => {
-                    Ok(futures::stream::iter(batches.into_iter().map(Ok)).boxed() as futures::stream::BoxStream<_>)
+            let stream: BoxStream<'static, DfResult<RecordBatch>> = match run.await.map_err(DataFusionError::Shared)? {
+                Produced::Batches(batches) => {
+                    // This partition's share of each device's groups.
+                    let share: Vec<DfResult<RecordBatch>> = batches
+                        .iter()
+                        .map(|b| {
+                            let (start, end) = (
+                                b.num_rows() * partition / partitions,
+                                b.num_rows() * (partition + 1) / partitions,
+                            );
+                            Ok(b.slice(start, end - start))
+                        })
+                        .collect();
+                    futures::stream::iter(share).boxed()
                 }
-                Err(Outcome::GiveBack(why)) => {
-                    log::info!("arrow-cuda: a device stage gives its work back to DataFusion: {why}");
-                    metrics.given_back.add(1);
-                    let s = CoalescePartitionsExec::new(original).execute(0, context)?;
-                    Ok(s.boxed())
-                }
-                Err(Outcome::Fail(e)) => Err(e),
-            }
+                Produced::GivenBack => original.execute(partition, context)?.boxed(),
+            };
+            DfResult::Ok(stream)
         };
         Ok(Box::pin(RecordBatchStreamAdapter::new(
-            schema,
+            self.plan.schema.clone(),
             futures::stream::once(fut).try_flatten(),
         )))
     }

@@ -14,6 +14,7 @@ use ::datafusion::physical_optimizer::PhysicalOptimizerRule;
 use ::datafusion::physical_plan::ExecutionPlan;
 use ::datafusion::physical_plan::Partitioning;
 use ::datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
+use ::datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use ::datafusion::physical_plan::coop::CooperativeExec;
 use ::datafusion::physical_plan::filter::FilterExec;
 use ::datafusion::physical_plan::projection::ProjectionExec;
@@ -168,13 +169,20 @@ impl DeviceStageRule {
                     agg.input_schema(),
                 )
                 .map_err(|e| e.to_string())?;
-                let stage = DeviceStageExec::new(self.lower(&partial)?, Arc::new(partial));
+                let stage: Arc<dyn ExecutionPlan> =
+                    Arc::new(DeviceStageExec::new(self.lower(&partial)?, Arc::new(partial)));
+                // The `Final` aggregate merges one partition.
+                let input: Arc<dyn ExecutionPlan> = if stage.properties().partitioning.partition_count() > 1 {
+                    Arc::new(CoalescePartitionsExec::new(stage))
+                } else {
+                    stage
+                };
                 let last = AggregateExec::try_new(
                     AggregateMode::Final,
                     agg.group_expr().as_final(),
                     agg.aggr_expr().to_vec(),
                     vec![None; agg.aggr_expr().len()],
-                    Arc::new(stage),
+                    input,
                     agg.input_schema(),
                 )
                 .map_err(|e| e.to_string())?;

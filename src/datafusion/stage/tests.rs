@@ -19,6 +19,11 @@ use crate::datafusion::{GpuTable, LoadOptions, cuda_as_cpp};
 use crate::device::Device;
 
 fn table() -> GpuTable {
+    table_in(1)
+}
+
+/// The test table, its 100 rows spread over `partitions` partitions.
+fn table_in(partitions: usize) -> GpuTable {
     let n = 100;
     let columns: Vec<(&str, ArrayRef)> = vec![
         (
@@ -52,12 +57,11 @@ fn table() -> GpuTable {
         ),
     ];
     let batch = RecordBatch::try_from_iter(columns).unwrap();
-    GpuTable::try_new(
-        batch.schema(),
-        vec![vec![batch]],
-        &LoadOptions::new().with_device(Device::Cpu),
-    )
-    .unwrap()
+    let share = (n as usize).div_ceil(partitions);
+    let parts = (0..partitions)
+        .map(|p| vec![batch.slice(p * share, share.min(n as usize - p * share))])
+        .collect();
+    GpuTable::try_new(batch.schema(), parts, &LoadOptions::new().with_device(Device::Cpu)).unwrap()
 }
 
 /// Queries whose aggregate a stage runs, covering every expression the compiler handles.
@@ -107,6 +111,10 @@ fn declined(sql: &str) -> Vec<String> {
 }
 
 fn stage_plans(sql: &str) -> Vec<Arc<dyn ExecutionPlan>> {
+    stage_plans_over(sql, table())
+}
+
+fn stage_plans_over(sql: &str, table: GpuTable) -> Vec<Arc<dyn ExecutionPlan>> {
     let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
     let state = SessionStateBuilder::new()
         .with_default_features()
@@ -114,7 +122,7 @@ fn stage_plans(sql: &str) -> Vec<Arc<dyn ExecutionPlan>> {
         .with_physical_optimizer_rule(Arc::new(DeviceStageRule::new().with_host_stages(true)))
         .build();
     let ctx = SessionContext::new_with_state(state);
-    ctx.register_table("t", Arc::new(table())).unwrap();
+    ctx.register_table("t", Arc::new(table)).unwrap();
     let plan = rt
         .block_on(async { ctx.sql(sql).await.unwrap().create_physical_plan().await })
         .unwrap();
@@ -197,5 +205,21 @@ fn string_key_words_come_from_the_longest_value() {
         assert_eq!(stages.len(), 1, "{sql}: {:?}", declined(sql));
         let stage = stages[0].downcast_ref::<DeviceStageExec>().unwrap();
         assert_eq!(stage.stage_plan().key_words, words, "{sql}");
+    }
+}
+
+#[test]
+fn stages_keep_the_partition_count_of_what_they_replace() {
+    // The partial aggregate runs on the table's partitions, and so does its stage.
+    for partitions in [1, 3] {
+        for sql in ["select s, count(*) from t group by s", "select sum(b) from t"] {
+            let stages = stage_plans_over(sql, table_in(partitions));
+            assert_eq!(stages.len(), 1, "{sql}");
+            assert_eq!(
+                stages[0].properties().partitioning.partition_count(),
+                partitions,
+                "{sql}"
+            );
+        }
     }
 }
