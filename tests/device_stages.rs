@@ -521,6 +521,31 @@ fn same_row(a: &str, b: &str, floats: bool) -> bool {
         })
 }
 
+/// DataFusion over `MemTable`s without its physical projection pushdown, which moves computed
+/// projections below filters and so can fail on rows the filter removes (`a / a` where `a = 0`).
+/// A stage filters first, as SQL does; where it succeeds and DataFusion fails, its rows are
+/// checked against this session's.
+fn filter_first_session() -> &'static SessionContext {
+    static S: OnceLock<SessionContext> = OnceLock::new();
+    S.get_or_init(|| {
+        let rules = datafusion::physical_optimizer::optimizer::PhysicalOptimizer::new()
+            .rules
+            .into_iter()
+            .filter(|r| r.name() != "ProjectionPushdown")
+            .collect();
+        let state = SessionStateBuilder::new()
+            .with_default_features()
+            .with_config(config())
+            .with_physical_optimizer_rules(rules)
+            .build();
+        let ctx = SessionContext::new_with_state(state);
+        let data = random_table();
+        let table = MemTable::try_new(data.schema.clone(), data.partitions.clone()).expect("memtable");
+        ctx.register_table("r", Arc::new(table)).expect("register");
+        ctx
+    })
+}
+
 fn random_sessions() -> &'static Vec<(Device, SessionContext, SessionContext)> {
     static S: OnceLock<Vec<(Device, SessionContext, SessionContext)>> = OnceLock::new();
     S.get_or_init(|| {
@@ -538,7 +563,8 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
     /// Random expressions in filters, group keys and aggregates: the stage's results (or errors)
-    /// equal DataFusion's.
+    /// equal DataFusion's (see `filter_first_session` for the one case where DataFusion fails and
+    /// the stage, filtering first, does not).
     #[test]
     fn random_expressions_match_datafusion((e, ty) in number(), p in predicate(), q in predicate()) {
         let _gpu = gpu_shared();
@@ -549,7 +575,10 @@ proptest! {
         );
         for (device, gpu, mem) in random_sessions() {
             let g = run(gpu, &sql);
-            let m = run(mem, &sql);
+            let m = match (&g, run(mem, &sql)) {
+                (Ok(_), Err(_)) => run(filter_first_session(), &sql),
+                (_, m) => m,
+            };
             match (g, m) {
                 (Ok(g), Ok(m)) => {
                     let (g, m) = (rows(&g, false), rows(&m, false));
@@ -558,7 +587,7 @@ proptest! {
                     prop_assert!(close, "{} on {}:\n{:?}\n{:?}", sql, device, g, m);
                 }
                 (Err(_), Err(_)) => {}
-                (g, m) => prop_assert!(false, "{} on {}: stage {:?}, DataFusion {:?}", sql, device, g.is_ok(), m.is_ok()),
+                (g, m) => prop_assert!(false, "{} on {}: stage {:?}, DataFusion {:?}", sql, device, g.map(|_| "rows"), m.map(|_| "rows")),
             }
         }
     }
