@@ -35,7 +35,7 @@ pub struct DeviceArrayData {
 }
 
 impl DeviceArrayData {
-    /// Assembles an array from its parts, checking that every buffer is on `device` and that the
+    /// Assembles an array from its parts, checking that every buffer is on one device and that the
     /// null count fits the length. Buffer sizes are checked against the type when the array is
     /// copied to the host.
     #[allow(clippy::too_many_arguments)]
@@ -66,18 +66,8 @@ impl DeviceArrayData {
             children,
             trusted: false,
         };
-        let mismatch = {
-            let mut devices = data.all_buffers().map(DeviceBuffer::device);
-            devices
-                .next()
-                .and_then(|first| devices.find(|d| *d != first).map(|other| (first, other)))
-        };
-        match mismatch {
-            Some((first, other)) => Err(Error::InvalidData(format!(
-                "buffers on {first} and {other} in one array"
-            ))),
-            None => Ok(data),
-        }
+        one_device(data.all_buffers(), "array")?;
+        Ok(data)
     }
 
     /// The Arrow data type.
@@ -216,7 +206,8 @@ pub struct DeviceRecordBatch {
 }
 
 impl DeviceRecordBatch {
-    /// Assembles a batch, checking column count, types and lengths against the schema.
+    /// Assembles a batch, checking column count, types and lengths against the schema, and that
+    /// every buffer of every column is on one device.
     pub fn try_new(schema: SchemaRef, columns: Vec<DeviceArrayData>, num_rows: usize, ready: Event) -> Result<Self> {
         if schema.fields().len() != columns.len() {
             return Err(Error::InvalidData(format!(
@@ -225,6 +216,7 @@ impl DeviceRecordBatch {
                 columns.len()
             )));
         }
+        one_device(columns.iter().flat_map(DeviceArrayData::all_buffers), "batch")?;
         for (field, column) in schema.fields().iter().zip(&columns) {
             if field.data_type() != column.data_type() {
                 return Err(Error::InvalidData(format!(
@@ -319,5 +311,18 @@ impl DeviceRecordBatch {
             num_rows: len,
             ready: self.ready.clone(),
         })
+    }
+}
+
+/// Fails when `buffers` are not all on one device (of one `what`: an array, a batch).
+fn one_device<'a>(mut buffers: impl Iterator<Item = &'a DeviceBuffer>, what: &str) -> Result<()> {
+    let Some(first) = buffers.next().map(DeviceBuffer::device) else {
+        return Ok(());
+    };
+    match buffers.map(DeviceBuffer::device).find(|d| *d != first) {
+        Some(other) => Err(Error::InvalidData(format!(
+            "buffers on {first} and {other} in one {what}"
+        ))),
+        None => Ok(()),
     }
 }

@@ -64,3 +64,15 @@ pub fn check_batch(what: &str, back: &RecordBatch, expected: &RecordBatch) {
     }
     assert_eq!(back, expected, "{what}");
 }
+
+/// The message of an [`arrow_cuda::Error::InvalidData`], failing on any other outcome.
+#[track_caller]
+pub fn invalid_data<T: std::fmt::Debug>(what: &str, result: arrow_cuda::Result<T>) -> String {
+    match result {
+        Err(arrow_cuda::Error::InvalidData(message)) => {
+            eprintln!("{what}: {message}");
+            message
+        }
+        other => panic!("{what}: expected InvalidData, got {other:?}"),
+    }
+}
