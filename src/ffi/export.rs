@@ -54,6 +54,8 @@ unsafe extern "C" fn release(array: *mut FFI_ArrowArray) {
     array.private_data = ptr::null_mut();
 }
 
+/// The C struct of `data`, which passed [`DeviceArrayData::check`]: its buffer and child counts
+/// are those of its type.
 fn export_node(data: &DeviceArrayData, event: Option<(Event, Box<CUevent>)>) -> FFI_ArrowArray {
     let spec = layout(&data.data_type);
     let mut owned: Vec<DeviceBuffer> = Vec::with_capacity(data.buffers.len() + 1);
@@ -111,8 +113,10 @@ fn export_node(data: &DeviceArrayData, event: Option<(Event, Box<CUevent>)>) -> 
 
 /// Exports an array. Its `sync_event` is recorded on `stream` after `ready`, so a consumer that
 /// waits on it sees everything issued so far; it is null for the CPU device. The exported struct
-/// owns references to the memory, which stays alive until the consumer releases it.
+/// owns references to the memory, which stays alive until the consumer releases it. Fails on an
+/// array that [`DeviceArrayData::try_new`] would refuse.
 pub fn export_array(array: &DeviceArrayData, ready: &Event, stream: &Stream) -> Result<FFI_ArrowDeviceArray> {
+    array.check()?;
     let device = array.device();
     let event = match device.ordinal() {
         None => None,
