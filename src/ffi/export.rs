@@ -11,6 +11,7 @@ use crate::array::{DeviceArrayData, DeviceRecordBatch};
 use crate::device::{Event, Stream};
 use crate::driver::CUevent;
 use crate::error::Result;
+use crate::ffi::guard::no_unwind;
 use crate::memory::DeviceBuffer;
 
 /// Everything one exported `ArrowArray` owns; freed by [`release`].
@@ -27,7 +28,8 @@ struct PrivateData {
 }
 
 /// The release callback of every array this crate exports. Releases children and dictionary
-/// (those a consumer moved out are already released), then the private data, exactly once.
+/// (those a consumer moved out are already released), then the private data, exactly once. A
+/// panic while dropping (the owner of a wrapped buffer may panic) stops inside.
 unsafe extern "C" fn release(array: *mut FFI_ArrowArray) {
     if array.is_null() {
         return;
@@ -43,13 +45,13 @@ unsafe extern "C" fn release(array: *mut FFI_ArrowArray) {
     for &child in private.children.iter() {
         // SAFETY: each child was made by `Box::into_raw`; dropping the box releases it unless a
         // consumer moved it out (then its release is already null).
-        drop(unsafe { Box::from_raw(child) });
+        no_unwind(|| drop(unsafe { Box::from_raw(child) }));
     }
     if !private.dictionary.is_null() {
         // SAFETY: as for the children.
-        drop(unsafe { Box::from_raw(private.dictionary) });
+        no_unwind(|| drop(unsafe { Box::from_raw(private.dictionary) }));
     }
-    drop(private);
+    no_unwind(|| drop(private));
     array.release = None;
     array.private_data = ptr::null_mut();
 }

@@ -1,15 +1,16 @@
 //! `ArrowDeviceArrayStream`: sequences of device batches across the C interface.
 
 use std::ffi::{CStr, CString, c_char};
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
-use arrow_schema::{Schema, SchemaRef};
+use arrow_schema::SchemaRef;
 
 use crate::abi::{DeviceType, FFI_ArrowDeviceArray, FFI_ArrowDeviceArrayStream, FFI_ArrowSchema};
 use crate::array::DeviceRecordBatch;
 use crate::device::Stream;
 use crate::error::{Error, Result};
+use crate::ffi::guard::no_unwind;
+use crate::ffi::schema::import_schema;
 use crate::ffi::{export_batch, import_batch};
 
 const EINVAL: i32 = 22;
@@ -62,12 +63,11 @@ unsafe fn private<'a>(s: *mut FFI_ArrowDeviceArrayStream) -> Option<&'a mut Stre
 
 /// Runs `f`, turning errors and panics into an errno and a stored message.
 fn guarded(p: &mut StreamPrivate, f: impl FnOnce(&mut StreamPrivate) -> Result<()>) -> i32 {
-    let outcome = catch_unwind(AssertUnwindSafe(|| f(p)));
-    let (code, message) = match outcome {
-        Ok(Ok(())) => return 0,
-        Ok(Err(e @ Error::InvalidArgument(_))) => (EINVAL, e.to_string()),
-        Ok(Err(e)) => (EIO, e.to_string()),
-        Err(_) => (EIO, "panic while producing the next batch".to_string()),
+    let (code, message) = match no_unwind(|| f(p)) {
+        Some(Ok(())) => return 0,
+        Some(Err(e @ Error::InvalidArgument(_))) => (EINVAL, e.to_string()),
+        Some(Err(e)) => (EIO, e.to_string()),
+        None => (EIO, "panic while producing the next batch".to_string()),
     };
     p.last_error = CString::new(message.replace('\0', " ")).ok();
     code
@@ -128,12 +128,14 @@ unsafe extern "C" fn get_last_error(s: *mut FFI_ArrowDeviceArrayStream) -> *cons
     }
 }
 
+/// Drops the producer's iterator (a panic in its `Drop` stops here) and marks the stream released.
 unsafe extern "C" fn release_stream(s: *mut FFI_ArrowDeviceArrayStream) {
     // SAFETY: the consumer releases our stream once.
     let Some(stream) = (unsafe { s.as_mut() }) else { return };
     if !stream.private_data.is_null() {
         // SAFETY: made by `Box::into_raw` in `export_stream`, freed only here.
-        drop(unsafe { Box::from_raw(stream.private_data as *mut StreamPrivate) });
+        let private = unsafe { Box::from_raw(stream.private_data as *mut StreamPrivate) };
+        no_unwind(|| drop(private));
     }
     // Overwritten without dropping the old value: its `Drop` would call this release again.
     // SAFETY: `s` is valid (non-null, checked above) and the old value needs no other drop.
@@ -173,7 +175,8 @@ impl DeviceArrayStreamReader {
                 last_error(&mut raw)
             )));
         }
-        let schema = Arc::new(Schema::try_from(&schema)?);
+        // SAFETY: the producer filled `schema` (code 0), per the spec.
+        let schema = Arc::new(unsafe { import_schema(&schema) }?);
         Ok(DeviceArrayStreamReader {
             raw,
             schema,

@@ -1,6 +1,7 @@
 //! Shared by the integration tests: the devices each case runs on.
 #![allow(dead_code)]
 
+pub mod c_schema;
 pub mod corpus;
 
 use arrow_array::RecordBatch;
