@@ -375,7 +375,7 @@ fn one_device<'a>(mut buffers: impl Iterator<Item = &'a DeviceBuffer>, what: &st
 }
 
 /// The types of the children that arrow-rs gives an array of `dt` (dictionary values are child 0).
-fn child_types(dt: &DataType) -> Vec<&DataType> {
+pub(crate) fn child_types(dt: &DataType) -> Vec<&DataType> {
     match dt {
         DataType::List(f)
         | DataType::LargeList(f)

@@ -328,6 +328,31 @@ fn export_field_carries_the_type_and_metadata() {
     }
 }
 
+#[test]
+fn time_zones_with_a_nul_byte_are_refused_by_schema_exports() {
+    // A C format string cannot hold the NUL ("tss:a\0b"): arrow-rs's conversion unwraps it.
+    let zoned = DataType::Timestamp(arrow_schema::TimeUnit::Second, Some("a\0b".into()));
+    let nested = DataType::List(Arc::new(Field::new("item", zoned.clone(), true)));
+    for data_type in [zoned, nested] {
+        let field = Field::new("t", data_type.clone(), true);
+        match export_field(&field) {
+            Err(Error::InvalidArgument(message)) => assert!(message.contains("NUL"), "{message}"),
+            other => panic!("{data_type}: expected InvalidArgument, got {other:?}"),
+        }
+        let schema = Arc::new(Schema::new(vec![field]));
+        let empty = RecordBatch::new_empty(schema.clone());
+        let batch = htod(&empty, Device::Cpu, &Stream::cpu()).unwrap();
+        match export_batch(&batch, &Stream::cpu()) {
+            Err(Error::InvalidArgument(message)) => assert!(message.contains("NUL"), "{message}"),
+            other => panic!(
+                "batch of {}: expected InvalidArgument, got {:?}",
+                schema.field(0),
+                other.err()
+            ),
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The header: device, id, sync_event, reserved.
 

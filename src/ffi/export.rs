@@ -4,13 +4,13 @@ use std::ffi::c_void;
 use std::ptr;
 
 use arrow_data::layout;
-use arrow_schema::{DataType, Field};
+use arrow_schema::{DataType, Field, Schema};
 
 use crate::abi::{FFI_ArrowArray, FFI_ArrowDeviceArray, FFI_ArrowSchema};
-use crate::array::{DeviceArrayData, DeviceRecordBatch};
+use crate::array::{DeviceArrayData, DeviceRecordBatch, child_types};
 use crate::device::{Event, Stream};
 use crate::driver::CUevent;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::ffi::guard::no_unwind;
 use crate::memory::DeviceBuffer;
 
@@ -149,14 +149,37 @@ pub fn export_array(array: &DeviceArrayData, ready: &Event, stream: &Stream) -> 
 
 /// Exports a batch as a struct array, with its schema (metadata included).
 pub fn export_batch(batch: &DeviceRecordBatch, stream: &Stream) -> Result<(FFI_ArrowDeviceArray, FFI_ArrowSchema)> {
-    let schema = FFI_ArrowSchema::try_from(batch.schema().as_ref())?;
+    let schema = export_schema(batch.schema())?;
     let array = export_array(&as_struct(batch), batch.ready(), stream)?;
     Ok((array, schema))
 }
 
 /// Exports the schema of an array.
 pub fn export_field(field: &Field) -> Result<FFI_ArrowSchema> {
+    check_time_zones(field.data_type())?;
     Ok(FFI_ArrowSchema::try_from(field)?)
+}
+
+/// Exports a schema (as a struct type, with its metadata).
+pub(crate) fn export_schema(schema: &Schema) -> Result<FFI_ArrowSchema> {
+    schema
+        .fields()
+        .iter()
+        .try_for_each(|f| check_time_zones(f.data_type()))?;
+    Ok(FFI_ArrowSchema::try_from(schema)?)
+}
+
+/// Fails on a time zone with a NUL byte, which a C format string cannot hold (arrow-rs's export
+/// unwraps the error into a panic).
+fn check_time_zones(dt: &DataType) -> Result<()> {
+    if let DataType::Timestamp(_, Some(tz)) = dt
+        && tz.contains('\0')
+    {
+        return Err(Error::InvalidArgument(format!(
+            "time zone {tz:?} has a NUL byte, which a C format string cannot hold"
+        )));
+    }
+    child_types(dt).into_iter().try_for_each(check_time_zones)
 }
 
 /// A batch as one struct array without a validity bitmap.

@@ -9,6 +9,7 @@ use crate::abi::{DeviceType, FFI_ArrowDeviceArray, FFI_ArrowDeviceArrayStream, F
 use crate::array::DeviceRecordBatch;
 use crate::device::Stream;
 use crate::error::{Error, Result};
+use crate::ffi::export::export_schema;
 use crate::ffi::guard::no_unwind;
 use crate::ffi::schema::import_schema;
 use crate::ffi::{export_batch, import_batch};
@@ -82,7 +83,7 @@ unsafe extern "C" fn get_schema(s: *mut FFI_ArrowDeviceArrayStream, out: *mut FF
         return EINVAL;
     }
     guarded(p, |p| {
-        let schema = FFI_ArrowSchema::try_from(p.schema.as_ref())?;
+        let schema = export_schema(&p.schema)?;
         // SAFETY: `out` is a valid destination (spec); it is overwritten without being released.
         unsafe { std::ptr::write(out, schema) };
         Ok(())
@@ -231,9 +232,9 @@ impl Iterator for DeviceArrayStreamReader {
             self.done = true;
             return None;
         }
-        let schema = match FFI_ArrowSchema::try_from(self.schema.as_ref()) {
+        let schema = match export_schema(&self.schema) {
             Ok(s) => s,
-            Err(e) => return Some(Err(e.into())),
+            Err(e) => return Some(Err(e)),
         };
         // SAFETY: the producer follows the spec (the caller of `from_raw` vouched for it).
         Some(unsafe { import_batch(array, &schema, &self.stream) })
