@@ -60,7 +60,8 @@ struct Walker {
     reads: Vec<(u64, usize)>,
 }
 
-fn invalid(msg: impl Into<String>) -> Error {
+/// An [`Error::InvalidData`] about a malformed struct.
+pub(super) fn invalid(msg: impl Into<String>) -> Error {
     Error::InvalidData(msg.into())
 }
 

@@ -9,8 +9,8 @@ use arrow_schema::{DataType, Field, Schema};
 
 use crate::abi::FFI_ArrowSchema;
 use crate::array::check_type;
-use crate::error::{Error, Result};
-use crate::ffi::import::{MAX_CHILDREN, MAX_DEPTH};
+use crate::error::Result;
+use crate::ffi::import::{MAX_CHILDREN, MAX_DEPTH, invalid};
 
 /// Imports a schema: the fields of a struct type, with its metadata.
 ///
@@ -37,10 +37,6 @@ pub unsafe fn import_field(schema: &FFI_ArrowSchema) -> Result<Field> {
     let field = Field::try_from(schema)?;
     check_type(field.data_type())?;
     Ok(field)
-}
-
-fn invalid(msg: impl Into<String>) -> Error {
-    Error::InvalidData(msg.into())
 }
 
 /// A NUL-terminated string of the schema, which must be UTF-8.
