@@ -35,9 +35,10 @@ pub struct DeviceArrayData {
 }
 
 impl DeviceArrayData {
-    /// Assembles an array from its parts, checking that every buffer is on `device` and that the
-    /// null count fits the length. Buffer sizes are checked against the type when the array is
-    /// copied to the host.
+    /// Assembles an array from its parts, checking that every buffer is on one device, that the
+    /// null count fits the length, and that the buffers and children, recursively, are those of
+    /// the type ([`DeviceArrayData::children`] says how children are laid out). Buffer sizes are
+    /// checked against the type when the array is copied to the host.
     #[allow(clippy::too_many_arguments)]
     pub fn try_new(
         data_type: DataType,
@@ -66,18 +67,54 @@ impl DeviceArrayData {
             children,
             trusted: false,
         };
-        let mismatch = {
-            let mut devices = data.all_buffers().map(DeviceBuffer::device);
-            devices
-                .next()
-                .and_then(|first| devices.find(|d| *d != first).map(|other| (first, other)))
-        };
-        match mismatch {
-            Some((first, other)) => Err(Error::InvalidData(format!(
-                "buffers on {first} and {other} in one array"
-            ))),
-            None => Ok(data),
+        data.check()?;
+        Ok(data)
+    }
+
+    /// Checks what [`DeviceArrayData::try_new`] promises of every array: its buffers are on one
+    /// device, and its type and its buffers and children, recursively, are laid out as arrow-rs
+    /// lays them out (the buffer count of the type, a validity bitmap only where the type has one,
+    /// the children of the type's fields). The export relies on it.
+    pub(crate) fn check(&self) -> Result<()> {
+        one_device(self.all_buffers(), "array")?;
+        check_type(&self.data_type)?;
+        self.check_layout()
+    }
+
+    /// The layout part of [`DeviceArrayData::check`], for an array whose type passed [`check_type`].
+    fn check_layout(&self) -> Result<()> {
+        let dt = &self.data_type;
+        let spec = arrow_data::layout(dt);
+        let (n, expected) = (self.buffers.len(), spec.buffers.len());
+        if n != expected && !(spec.variadic && n > expected) {
+            let at_least = if spec.variadic { "at least " } else { "" };
+            return Err(Error::InvalidData(format!(
+                "{dt} array with {n} buffers; expected {at_least}{expected}"
+            )));
         }
+        if self.nulls.is_some() && !spec.can_contain_null_mask {
+            return Err(Error::InvalidData(format!(
+                "a {dt} array cannot have a validity bitmap"
+            )));
+        }
+        let types = child_types(dt);
+        if self.children.len() != types.len() {
+            return Err(Error::InvalidData(format!(
+                "{dt} array with {} children; expected {}",
+                self.children.len(),
+                types.len()
+            )));
+        }
+        for (child, expected) in self.children.iter().zip(types) {
+            if child.data_type() != expected {
+                return Err(Error::InvalidData(format!(
+                    "a {} child where {dt} has {expected}",
+                    child.data_type()
+                )));
+            }
+            child.check_layout()?;
+        }
+        Ok(())
     }
 
     /// The Arrow data type.
@@ -216,7 +253,8 @@ pub struct DeviceRecordBatch {
 }
 
 impl DeviceRecordBatch {
-    /// Assembles a batch, checking column count, types and lengths against the schema.
+    /// Assembles a batch, checking column count, types and lengths against the schema, and that
+    /// every buffer of every column is on one device.
     pub fn try_new(schema: SchemaRef, columns: Vec<DeviceArrayData>, num_rows: usize, ready: Event) -> Result<Self> {
         if schema.fields().len() != columns.len() {
             return Err(Error::InvalidData(format!(
@@ -225,6 +263,7 @@ impl DeviceRecordBatch {
                 columns.len()
             )));
         }
+        one_device(columns.iter().flat_map(DeviceArrayData::all_buffers), "batch")?;
         for (field, column) in schema.fields().iter().zip(&columns) {
             if field.data_type() != column.data_type() {
                 return Err(Error::InvalidData(format!(
@@ -320,4 +359,58 @@ impl DeviceRecordBatch {
             ready: self.ready.clone(),
         })
     }
+}
+
+/// Fails when `buffers` are not all on one device (of one `what`: an array, a batch).
+fn one_device<'a>(mut buffers: impl Iterator<Item = &'a DeviceBuffer>, what: &str) -> Result<()> {
+    let Some(first) = buffers.next().map(DeviceBuffer::device) else {
+        return Ok(());
+    };
+    match buffers.map(DeviceBuffer::device).find(|d| *d != first) {
+        Some(other) => Err(Error::InvalidData(format!(
+            "buffers on {first} and {other} in one {what}"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The types of the children that arrow-rs gives an array of `dt` (dictionary values are child 0).
+pub(crate) fn child_types(dt: &DataType) -> Vec<&DataType> {
+    match dt {
+        DataType::List(f)
+        | DataType::LargeList(f)
+        | DataType::ListView(f)
+        | DataType::LargeListView(f)
+        | DataType::FixedSizeList(f, _)
+        | DataType::Map(f, _) => vec![f.data_type()],
+        DataType::Struct(fields) => fields.iter().map(|f| f.data_type()).collect(),
+        DataType::Union(fields, _) => fields.iter().map(|(_, f)| f.data_type()).collect(),
+        DataType::Dictionary(_, values) => vec![values],
+        DataType::RunEndEncoded(run_ends, values) => vec![run_ends.data_type(), values.data_type()],
+        _ => vec![],
+    }
+}
+
+/// Checks that `dt` and every type nested in it describe a layout: fixed sizes that are not
+/// negative (a C producer can write `w:-1`, on which arrow-rs's layout panics), integer dictionary
+/// keys and run ends, and map entries that are a struct of two fields.
+pub(crate) fn check_type(dt: &DataType) -> Result<()> {
+    let fault = match dt {
+        DataType::FixedSizeBinary(w) if *w < 0 => Some("a negative width"),
+        DataType::FixedSizeList(_, n) if *n < 0 => Some("a negative size"),
+        DataType::Dictionary(key, _) if !key.is_dictionary_key_type() => Some("a key type that is not an integer"),
+        DataType::RunEndEncoded(r, _)
+            if !matches!(r.data_type(), DataType::Int16 | DataType::Int32 | DataType::Int64) =>
+        {
+            Some("run ends that are not Int16, Int32 or Int64")
+        }
+        DataType::Map(f, _) if !matches!(f.data_type(), DataType::Struct(entries) if entries.len() == 2) => {
+            Some("entries that are not a struct of two fields")
+        }
+        _ => None,
+    };
+    if let Some(fault) = fault {
+        return Err(Error::InvalidData(format!("{dt} has {fault}")));
+    }
+    child_types(dt).into_iter().try_for_each(check_type)
 }

@@ -244,7 +244,7 @@ pub fn field_to_arrow(field: &PolarsField) -> Result<arrow_schema::Field> {
 
 /// Converts an arrow-rs field to a polars-arrow field.
 pub fn field_from_arrow(field: &arrow_schema::Field) -> Result<PolarsField> {
-    let schema = schema_from_arrow_ffi(FFI_ArrowSchema::try_from(field)?);
+    let schema = schema_from_arrow_ffi(crate::ffi::export_field(field)?);
     // SAFETY: `schema` was just exported by arrow-rs and is valid by the C Data Interface.
     let imported = unsafe { pffi::import_field_from_c(&schema) };
     imported

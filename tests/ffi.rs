@@ -18,8 +18,9 @@ use arrow_cuda::ffi::{
 use arrow_cuda::transfer::{dtoh, dtoh_array, htod, htod_array};
 use arrow_cuda::{Device, DeviceArrayData, DeviceBuffer, DeviceRecordBatch, Error, Event, Stream};
 use arrow_schema::{DataType, Field, Fields, Schema, SchemaRef};
+use common::c_schema::CSchema;
 use common::corpus::{every_type, every_type_batch, slice_cuts, sliced};
-use common::{check_batch, each_device};
+use common::{check_batch, each_device, invalid_data};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers.
@@ -324,6 +325,31 @@ fn export_field_carries_the_type_and_metadata() {
             .with_metadata(HashMap::from([("a".to_string(), "b".to_string())]));
         let schema = export_field(&field).unwrap();
         assert_eq!(Field::try_from(&schema).unwrap(), field, "{name}");
+    }
+}
+
+#[test]
+fn time_zones_with_a_nul_byte_are_refused_by_schema_exports() {
+    // A C format string cannot hold the NUL ("tss:a\0b"): arrow-rs's conversion unwraps it.
+    let zoned = DataType::Timestamp(arrow_schema::TimeUnit::Second, Some("a\0b".into()));
+    let nested = DataType::List(Arc::new(Field::new("item", zoned.clone(), true)));
+    for data_type in [zoned, nested] {
+        let field = Field::new("t", data_type.clone(), true);
+        match export_field(&field) {
+            Err(Error::InvalidArgument(message)) => assert!(message.contains("NUL"), "{message}"),
+            other => panic!("{data_type}: expected InvalidArgument, got {other:?}"),
+        }
+        let schema = Arc::new(Schema::new(vec![field]));
+        let empty = RecordBatch::new_empty(schema.clone());
+        let batch = htod(&empty, Device::Cpu, &Stream::cpu()).unwrap();
+        match export_batch(&batch, &Stream::cpu()) {
+            Err(Error::InvalidArgument(message)) => assert!(message.contains("NUL"), "{message}"),
+            other => panic!(
+                "batch of {}: expected InvalidArgument, got {:?}",
+                schema.field(0),
+                other.err()
+            ),
+        }
     }
 }
 
@@ -975,6 +1001,151 @@ fn offsets_past_the_data_are_errors_not_crashes() {
         "dense union offsets past the children",
         import_and_download(ffi, dense.data_type()),
     );
+}
+
+/// Imports a valid one-column CPU batch with `schema` in place of its own schema.
+fn import_with_schema(schema: &FFI_ArrowSchema) -> arrow_cuda::Result<DeviceRecordBatch> {
+    let batch = RecordBatch::try_from_iter([("x", Arc::new(Int32Array::from(vec![1, 2])) as ArrayRef)]).unwrap();
+    let (array, _) = export_batch(&htod(&batch, Device::Cpu, &Stream::cpu()).unwrap(), &Stream::cpu()).unwrap();
+    // SAFETY: a struct this crate just exported; the schema's pointers are valid, whatever they say.
+    unsafe { import_batch(array, schema, &Stream::cpu()) }
+}
+
+#[test]
+fn negative_fixed_widths_are_refused() {
+    // In a schema, as a C producer writes them.
+    for format in ["w:-1", "+w:-1"] {
+        let mut column = CSchema::named(format, "x", vec![]);
+        if format == "+w:-1" {
+            column.children.push(Some(CSchema::named("i", "item", vec![])));
+        }
+        let schema = CSchema::named("+s", "", vec![column]).build();
+        let message = invalid_data(format, import_with_schema(schema.root()));
+        assert!(message.contains("negative"), "{message}");
+    }
+    // In the data type of an array import, over a valid export of a positive width.
+    let binary = FixedSizeBinaryArray::try_from_iter([[1u8, 2], [3, 4]].into_iter()).unwrap();
+    let message = invalid_data(
+        "FixedSizeBinary(-1)",
+        import(exported(&binary), &DataType::FixedSizeBinary(-1)),
+    );
+    assert!(message.contains("negative"), "{message}");
+    let item = Arc::new(Field::new("item", DataType::Int32, true));
+    let list = FixedSizeListArray::new(item.clone(), 2, Arc::new(Int32Array::from(vec![1, 2, 3, 4])), None);
+    let message = invalid_data(
+        "FixedSizeList(-1)",
+        import(exported(&list), &DataType::FixedSizeList(item, -1)),
+    );
+    assert!(message.contains("negative"), "{message}");
+}
+
+#[test]
+fn buffer_sizes_that_overflow_are_refused() {
+    // 2^40 elements of 2^31 - 1 bytes: more bytes than a usize holds.
+    let binary = FixedSizeBinaryArray::try_from_iter([[1u8, 2], [3, 4]].into_iter()).unwrap();
+    let mut ffi = exported(&binary);
+    ffi.array.length = 1 << 40;
+    let message = invalid_data(
+        "FixedSizeBinary(i32::MAX) of 2^40",
+        import(ffi, &DataType::FixedSizeBinary(i32::MAX)),
+    );
+    assert!(message.contains("overflows"), "{message}");
+    // A buffer that would end past the top of the address space.
+    let strings = StringArray::from(vec!["ab", "cde"]);
+    let ffi = exported(&strings);
+    // SAFETY: Utf8 has three buffers; nothing reads through the pointer once it is refused.
+    unsafe { *buffer_slot(&ffi.array, 1) = usize::MAX as *const c_void };
+    let message = invalid_data("offsets at the top of memory", import(ffi, &DataType::Utf8));
+    assert!(message.contains("address space"), "{message}");
+}
+
+#[test]
+fn malformed_schemas_are_refused() {
+    let valid = || CSchema::named("+s", "", vec![CSchema::named("i", "x", vec![])]);
+    type Corrupt = fn(&mut CSchema);
+    let cases: [(&str, Corrupt); 14] = [
+        ("a null format", |s| s.node_mut(1).format = None),
+        ("a format that is not UTF-8", |s| {
+            s.node_mut(1).format = Some(b"\xff".to_vec())
+        }),
+        ("a name that is not UTF-8", |s| {
+            s.node_mut(1).name = Some(b"x\xc3".to_vec())
+        }),
+        ("a negative child count", |s| s.n_children = Some(-1)),
+        ("a child count past the limit", |s| s.n_children = Some(1 << 40)),
+        ("more children than there are", |s| s.n_children = Some(3)),
+        ("a null children array", |s| s.null_children = true),
+        ("a null child", |s| s.children[0] = None),
+        ("a list without its child", |s| {
+            *s.node_mut(1) = CSchema::named("+l", "x", vec![])
+        }),
+        ("a fixed-size list without its child", |s| {
+            *s.node_mut(1) = CSchema::named("+w:2", "x", vec![])
+        }),
+        ("a run-end encoded type with one child", |s| {
+            *s.node_mut(1) = CSchema::named("+r", "x", vec![CSchema::named("i", "run_ends", vec![])])
+        }),
+        ("a released root", |s| s.released = true),
+        ("a released child", |s| s.node_mut(1).released = true),
+        ("a dictionary that is its own dictionary", |s| {
+            s.node_mut(1).dictionary_is_self = true
+        }),
+    ];
+    for (what, corrupt) in cases {
+        let mut schema = valid();
+        corrupt(&mut schema);
+        let built = schema.build();
+        invalid_data(what, import_with_schema(built.root()));
+    }
+    // The valid schema imports.
+    let built = valid().build();
+    assert_eq!(import_with_schema(built.root()).unwrap().num_rows(), 2);
+}
+
+#[test]
+fn a_panic_while_releasing_an_array_stays_inside_the_release() {
+    struct PanicsOnDrop(#[allow(dead_code)] Vec<i32>);
+    impl Drop for PanicsOnDrop {
+        fn drop(&mut self) {
+            panic!("the owner of an exported buffer panicked");
+        }
+    }
+    let values = vec![1i32, 2, 3];
+    let address = values.as_ptr() as u64;
+    // SAFETY: the vector's heap memory does not move when it does; the owner keeps it alive.
+    let buffer = unsafe { DeviceBuffer::from_raw_parts(address, 12, Device::Cpu, PanicsOnDrop(values)) };
+    let data = DeviceArrayData::try_new(DataType::Int32, 3, 0, Some(0), None, vec![buffer], vec![]).unwrap();
+    let mut ffi = export_array(&data, &Event::completed(), &Stream::cpu()).unwrap();
+    drop(data);
+    let release = ffi.array.release.expect("an unreleased export");
+    // SAFETY: our export, released once; the panic inside must not unwind out of the callback.
+    unsafe { release(&mut ffi.array) };
+    assert!(ffi.array.release.is_none(), "released");
+    assert!(ffi.array.private_data.is_null());
+}
+
+#[test]
+fn a_panic_while_releasing_a_stream_stays_inside_the_release() {
+    /// A producer that ends at once and panics when dropped.
+    struct PanicsOnDrop;
+    impl Iterator for PanicsOnDrop {
+        type Item = arrow_cuda::Result<DeviceRecordBatch>;
+        fn next(&mut self) -> Option<Self::Item> {
+            None
+        }
+    }
+    impl Drop for PanicsOnDrop {
+        fn drop(&mut self) {
+            panic!("the producer panicked when dropped");
+        }
+    }
+    let schema = Arc::new(Schema::new(vec![Field::new("x", DataType::Int32, true)]));
+    let mut raw = export_stream(schema, PanicsOnDrop, DeviceType::CPU, Stream::cpu());
+    let release = raw.release.expect("an unreleased stream");
+    // SAFETY: our stream, released once; the panic inside must not unwind out of the callback.
+    unsafe { release(&mut raw) };
+    assert!(raw.release.is_none(), "released");
+    assert!(raw.private_data.is_null());
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ use std::sync::Arc;
 use arrow_array::Array as _;
 use arrow_cuda::polars::{
     INT128_EXTENSION, PolarsBatch, array_from_arrow, array_from_arrow_as, array_to_arrow, batch_from_arrow,
-    batch_from_device, batch_to_arrow, batch_to_device, field_to_arrow, from_device, from_device_as, to_device,
+    batch_from_device, batch_to_arrow, batch_to_device, field_from_arrow, field_to_arrow, from_device, from_device_as,
+    to_device,
 };
 use arrow_cuda::{Device, Error, Stream};
 use arrow_schema::DataType;
@@ -777,4 +778,14 @@ fn union_ids_become_explicit() {
         back.as_ref(),
         union(UnionMode::Dense, Some(vec![0, 1])).as_ref(),
     );
+}
+
+#[test]
+fn a_time_zone_with_a_nul_byte_is_an_error() {
+    // The conversion goes through a C schema, whose format string cannot hold the NUL.
+    let zoned = DataType::Timestamp(arrow_schema::TimeUnit::Second, Some("a\0b".into()));
+    match field_from_arrow(&arrow_schema::Field::new("t", zoned, true)) {
+        Err(Error::InvalidArgument(message)) => assert!(message.contains("NUL"), "{message}"),
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
 }

@@ -4,13 +4,14 @@ use std::ffi::c_void;
 use std::ptr;
 
 use arrow_data::layout;
-use arrow_schema::{DataType, Field};
+use arrow_schema::{DataType, Field, Schema};
 
 use crate::abi::{FFI_ArrowArray, FFI_ArrowDeviceArray, FFI_ArrowSchema};
-use crate::array::{DeviceArrayData, DeviceRecordBatch};
+use crate::array::{DeviceArrayData, DeviceRecordBatch, child_types};
 use crate::device::{Event, Stream};
 use crate::driver::CUevent;
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::ffi::guard::no_unwind;
 use crate::memory::DeviceBuffer;
 
 /// Everything one exported `ArrowArray` owns; freed by [`release`].
@@ -27,7 +28,8 @@ struct PrivateData {
 }
 
 /// The release callback of every array this crate exports. Releases children and dictionary
-/// (those a consumer moved out are already released), then the private data, exactly once.
+/// (those a consumer moved out are already released), then the private data, exactly once. A
+/// panic while dropping (the owner of a wrapped buffer may panic) stops inside.
 unsafe extern "C" fn release(array: *mut FFI_ArrowArray) {
     if array.is_null() {
         return;
@@ -43,17 +45,19 @@ unsafe extern "C" fn release(array: *mut FFI_ArrowArray) {
     for &child in private.children.iter() {
         // SAFETY: each child was made by `Box::into_raw`; dropping the box releases it unless a
         // consumer moved it out (then its release is already null).
-        drop(unsafe { Box::from_raw(child) });
+        no_unwind(|| drop(unsafe { Box::from_raw(child) }));
     }
     if !private.dictionary.is_null() {
         // SAFETY: as for the children.
-        drop(unsafe { Box::from_raw(private.dictionary) });
+        no_unwind(|| drop(unsafe { Box::from_raw(private.dictionary) }));
     }
-    drop(private);
+    no_unwind(|| drop(private));
     array.release = None;
     array.private_data = ptr::null_mut();
 }
 
+/// The C struct of `data`, which passed [`DeviceArrayData::check`]: its buffer and child counts
+/// are those of its type.
 fn export_node(data: &DeviceArrayData, event: Option<(Event, Box<CUevent>)>) -> FFI_ArrowArray {
     let spec = layout(&data.data_type);
     let mut owned: Vec<DeviceBuffer> = Vec::with_capacity(data.buffers.len() + 1);
@@ -111,8 +115,10 @@ fn export_node(data: &DeviceArrayData, event: Option<(Event, Box<CUevent>)>) -> 
 
 /// Exports an array. Its `sync_event` is recorded on `stream` after `ready`, so a consumer that
 /// waits on it sees everything issued so far; it is null for the CPU device. The exported struct
-/// owns references to the memory, which stays alive until the consumer releases it.
+/// owns references to the memory, which stays alive until the consumer releases it. Fails on an
+/// array that [`DeviceArrayData::try_new`] would refuse.
 pub fn export_array(array: &DeviceArrayData, ready: &Event, stream: &Stream) -> Result<FFI_ArrowDeviceArray> {
+    array.check()?;
     let device = array.device();
     let event = match device.ordinal() {
         None => None,
@@ -143,14 +149,37 @@ pub fn export_array(array: &DeviceArrayData, ready: &Event, stream: &Stream) -> 
 
 /// Exports a batch as a struct array, with its schema (metadata included).
 pub fn export_batch(batch: &DeviceRecordBatch, stream: &Stream) -> Result<(FFI_ArrowDeviceArray, FFI_ArrowSchema)> {
-    let schema = FFI_ArrowSchema::try_from(batch.schema().as_ref())?;
+    let schema = export_schema(batch.schema())?;
     let array = export_array(&as_struct(batch), batch.ready(), stream)?;
     Ok((array, schema))
 }
 
 /// Exports the schema of an array.
 pub fn export_field(field: &Field) -> Result<FFI_ArrowSchema> {
+    check_time_zones(field.data_type())?;
     Ok(FFI_ArrowSchema::try_from(field)?)
+}
+
+/// Exports a schema (as a struct type, with its metadata).
+pub(crate) fn export_schema(schema: &Schema) -> Result<FFI_ArrowSchema> {
+    schema
+        .fields()
+        .iter()
+        .try_for_each(|f| check_time_zones(f.data_type()))?;
+    Ok(FFI_ArrowSchema::try_from(schema)?)
+}
+
+/// Fails on a time zone with a NUL byte, which a C format string cannot hold (arrow-rs's export
+/// unwraps the error into a panic).
+fn check_time_zones(dt: &DataType) -> Result<()> {
+    if let DataType::Timestamp(_, Some(tz)) = dt
+        && tz.contains('\0')
+    {
+        return Err(Error::InvalidArgument(format!(
+            "time zone {tz:?} has a NUL byte, which a C format string cannot hold"
+        )));
+    }
+    child_types(dt).into_iter().try_for_each(check_time_zones)
 }
 
 /// A batch as one struct array without a validity bitmap.

@@ -8,18 +8,25 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use arrow_schema::{DataType, Schema, UnionMode};
+use arrow_schema::{DataType, UnionMode};
 
 use crate::abi::{FFI_ArrowArray, FFI_ArrowDeviceArray, FFI_ArrowSchema};
-use crate::array::{DeviceArrayData, DeviceRecordBatch};
+use crate::array::{DeviceArrayData, DeviceRecordBatch, check_type};
 use crate::device::{Device, Event, Stream};
 use crate::driver::{self, CUevent};
 use crate::error::{Error, Result};
+use crate::ffi::schema::import_schema;
 use crate::memory::pinned::PinnedPool;
 use crate::memory::{Allocation, DeviceBuffer, MemoryResource, copy, stream_for};
 
 /// Nesting deeper than this is refused rather than risking the stack.
-const MAX_DEPTH: usize = 64;
+pub(crate) const MAX_DEPTH: usize = 64;
+
+/// More children than this in one array or schema are refused.
+pub(crate) const MAX_CHILDREN: usize = 65536;
+
+/// More buffers than this in one array are refused.
+const MAX_BUFFERS: usize = 4096;
 
 /// The producer's struct, released when dropped.
 struct Imported(#[allow(dead_code)] FFI_ArrowDeviceArray);
@@ -53,12 +60,29 @@ struct Walker {
     reads: Vec<(u64, usize)>,
 }
 
-fn invalid(msg: impl Into<String>) -> Error {
+/// An [`Error::InvalidData`] about a malformed struct.
+pub(super) fn invalid(msg: impl Into<String>) -> Error {
     Error::InvalidData(msg.into())
 }
 
 fn count(value: i64, what: &str) -> Result<usize> {
     usize::try_from(value).map_err(|_| invalid(format!("negative {what}: {value}")))
+}
+
+/// The size of `n` values of `width` bytes; no buffer holds more than `isize::MAX` bytes.
+fn byte_size(n: usize, width: usize) -> Result<usize> {
+    n.checked_mul(width)
+        .filter(|size| *size <= isize::MAX as usize)
+        .ok_or_else(|| invalid(format!("{n} values of {width} bytes: the size overflows")))
+}
+
+/// The address just past a buffer of `size` bytes at `ptr`, which must lie in the address space.
+fn buffer_end(ptr: u64, size: usize) -> Result<u64> {
+    ptr.checked_add(size as u64).ok_or_else(|| {
+        invalid(format!(
+            "a buffer of {size} bytes at {ptr:#x} passes the end of the address space"
+        ))
+    })
 }
 
 /// One producer's `ArrowArray`, its counts checked, with its buffer and child pointers as slices.
@@ -101,7 +125,7 @@ impl<'a> Parts<'a> {
         if (n_buffers > 0 && a.buffers.is_null()) || (n_children > 0 && a.children.is_null()) {
             return Err(invalid("null buffers or children array"));
         }
-        if n_buffers > 4096 || n_children > 65536 {
+        if n_buffers > MAX_BUFFERS || n_children > MAX_CHILDREN {
             return Err(invalid(format!("{n_buffers} buffers and {n_children} children")));
         }
         let ptrs: &[*const c_void] = match n_buffers {
@@ -177,6 +201,11 @@ impl<'a> Parts<'a> {
             size: Size::Bytes(size),
         }
     }
+
+    /// Buffer `i`, of one `width`-byte value per element.
+    fn values(&self, i: usize, width: usize) -> Result<Buf> {
+        Ok(self.bytes(i, byte_size(self.end, width)?))
+    }
 }
 
 impl Walker {
@@ -237,7 +266,8 @@ impl Walker {
             }
             DataType::FixedSizeBinary(w) => {
                 p.expect(2, 0)?;
-                node.buffers.push(p.bytes(1, end * (*w).max(0) as usize));
+                // Not negative: `import_array` checked the type.
+                node.buffers.push(p.values(1, *w as usize)?);
             }
             DataType::Utf8 | DataType::Binary | DataType::LargeUtf8 | DataType::LargeBinary => {
                 p.expect(3, 0)?;
@@ -269,7 +299,7 @@ impl Walker {
                 if sizes_ptr.is_null() && data_buffers > 0 {
                     return Err(invalid("view array without its buffer sizes"));
                 }
-                node.buffers.push(p.bytes(1, end * 16));
+                node.buffers.push(p.values(1, 16)?);
                 for i in 0..data_buffers {
                     // SAFETY: the last buffer holds one host int64 per data buffer (spec).
                     let size = unsafe { sizes_ptr.add(i).read_unaligned() };
@@ -281,7 +311,7 @@ impl Walker {
                     .primitive_width()
                     .ok_or_else(|| Error::Unsupported(format!("import of {dt}")))?;
                 p.expect(2, 0)?;
-                node.buffers.push(p.bytes(1, end * w));
+                node.buffers.push(p.values(1, w)?);
             }
         }
         Ok(())
@@ -311,8 +341,8 @@ impl Walker {
             DataType::ListView(f) | DataType::LargeListView(f) => {
                 p.expect(3, 1)?;
                 let w = if matches!(dt, DataType::ListView(_)) { 4 } else { 8 };
-                node.buffers.push(p.bytes(1, end * w));
-                node.buffers.push(p.bytes(2, end * w));
+                node.buffers.push(p.values(1, w)?);
+                node.buffers.push(p.values(2, w)?);
                 // SAFETY: as above.
                 node.children.push(unsafe { self.child(p, 0, f.data_type())? });
             }
@@ -320,8 +350,9 @@ impl Walker {
                 p.expect(1, 1)?;
                 // SAFETY: as above.
                 let c = unsafe { self.child(p, 0, f.data_type())? };
+                // Not negative: `import_array` checked the type.
                 let needed = end
-                    .checked_mul((*size).max(0) as usize)
+                    .checked_mul(*size as usize)
                     .ok_or_else(|| invalid("fixed-size list too long"))?;
                 if c.len + c.offset < needed {
                     return Err(invalid(format!(
@@ -363,7 +394,7 @@ impl Walker {
                 p.expect(if dense { 2 } else { 1 }, fields.len())?;
                 node.buffers.push(p.bytes(0, end));
                 if dense {
-                    node.buffers.push(p.bytes(1, end * 4));
+                    node.buffers.push(p.values(1, 4)?);
                 }
                 for (i, (_, f)) in fields.iter().enumerate() {
                     // SAFETY: as above.
@@ -383,7 +414,7 @@ impl Walker {
                     .primitive_width()
                     .filter(|_| key.is_dictionary_key_type())
                     .ok_or_else(|| invalid(format!("dictionary key {key}")))?;
-                node.buffers.push(p.bytes(1, end * w));
+                node.buffers.push(p.values(1, w)?);
                 let dictionary = p.array.dictionary;
                 if dictionary.is_null() {
                     return Err(invalid("dictionary array without a dictionary"));
@@ -416,10 +447,12 @@ impl Walker {
                 Err(invalid("null offsets buffer"))
             };
         }
-        self.reads.push((ptr as u64 + (end * w) as u64, w));
+        let size = (end + 1) * w;
+        let last = buffer_end(ptr as u64, size)? - w as u64;
+        self.reads.push((last, w));
         Ok(Buf {
             ptr: ptr as u64,
-            size: Size::Bytes((end + 1) * w),
+            size: Size::Bytes(size),
         })
     }
 }
@@ -469,6 +502,7 @@ fn build(node: Node, device: Device, owner: &Arc<Imported>, offsets: &[i64]) -> 
         if b.ptr == 0 && size > 0 {
             return Err(invalid(format!("null buffer where {size} bytes are needed")));
         }
+        buffer_end(b.ptr, size)?;
         let owner: Box<dyn std::any::Any + Send + Sync> = Box::new(owner.clone());
         let address = if b.ptr == 0 {
             crate::memory::ALIGNMENT as u64
@@ -511,6 +545,7 @@ pub unsafe fn import_array(
     if array.is_released() {
         return Err(invalid("the array has been released"));
     }
+    check_type(data_type)?;
     let device = Device::from_c(array.device_type, array.device_id)?;
     // The device must exist: with a CUDA stream passed in, nothing else would look it up.
     device.context()?;
@@ -527,16 +562,14 @@ pub unsafe fn import_array(
 /// Imports a batch exported as a struct array with its schema.
 ///
 /// # Safety
-/// As for [`import_array`]; `schema` must be a valid `ArrowSchema`.
+/// As for [`import_array`]; `schema` as for [`import_schema`](crate::ffi::import_schema).
 pub unsafe fn import_batch(
     array: FFI_ArrowDeviceArray,
     schema: &FFI_ArrowSchema,
     stream: &Stream,
 ) -> Result<DeviceRecordBatch> {
-    let schema = match Schema::try_from(schema) {
-        Ok(s) => Arc::new(s),
-        Err(e) => return Err(e.into()),
-    };
+    // SAFETY: forwarded from the caller.
+    let schema = Arc::new(unsafe { import_schema(schema) }?);
     let data_type = DataType::Struct(schema.fields().clone());
     // SAFETY: forwarded from the caller.
     let (data, ready) = unsafe { import_array(array, &data_type, stream)? };

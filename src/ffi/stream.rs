@@ -1,15 +1,17 @@
 //! `ArrowDeviceArrayStream`: sequences of device batches across the C interface.
 
 use std::ffi::{CStr, CString, c_char};
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
-use arrow_schema::{Schema, SchemaRef};
+use arrow_schema::SchemaRef;
 
 use crate::abi::{DeviceType, FFI_ArrowDeviceArray, FFI_ArrowDeviceArrayStream, FFI_ArrowSchema};
 use crate::array::DeviceRecordBatch;
 use crate::device::Stream;
 use crate::error::{Error, Result};
+use crate::ffi::export::export_schema;
+use crate::ffi::guard::no_unwind;
+use crate::ffi::schema::import_schema;
 use crate::ffi::{export_batch, import_batch};
 
 const EINVAL: i32 = 22;
@@ -62,12 +64,11 @@ unsafe fn private<'a>(s: *mut FFI_ArrowDeviceArrayStream) -> Option<&'a mut Stre
 
 /// Runs `f`, turning errors and panics into an errno and a stored message.
 fn guarded(p: &mut StreamPrivate, f: impl FnOnce(&mut StreamPrivate) -> Result<()>) -> i32 {
-    let outcome = catch_unwind(AssertUnwindSafe(|| f(p)));
-    let (code, message) = match outcome {
-        Ok(Ok(())) => return 0,
-        Ok(Err(e @ Error::InvalidArgument(_))) => (EINVAL, e.to_string()),
-        Ok(Err(e)) => (EIO, e.to_string()),
-        Err(_) => (EIO, "panic while producing the next batch".to_string()),
+    let (code, message) = match no_unwind(|| f(p)) {
+        Some(Ok(())) => return 0,
+        Some(Err(e @ Error::InvalidArgument(_))) => (EINVAL, e.to_string()),
+        Some(Err(e)) => (EIO, e.to_string()),
+        None => (EIO, "panic while producing the next batch".to_string()),
     };
     p.last_error = CString::new(message.replace('\0', " ")).ok();
     code
@@ -82,7 +83,7 @@ unsafe extern "C" fn get_schema(s: *mut FFI_ArrowDeviceArrayStream, out: *mut FF
         return EINVAL;
     }
     guarded(p, |p| {
-        let schema = FFI_ArrowSchema::try_from(p.schema.as_ref())?;
+        let schema = export_schema(&p.schema)?;
         // SAFETY: `out` is a valid destination (spec); it is overwritten without being released.
         unsafe { std::ptr::write(out, schema) };
         Ok(())
@@ -128,12 +129,14 @@ unsafe extern "C" fn get_last_error(s: *mut FFI_ArrowDeviceArrayStream) -> *cons
     }
 }
 
+/// Drops the producer's iterator (a panic in its `Drop` stops here) and marks the stream released.
 unsafe extern "C" fn release_stream(s: *mut FFI_ArrowDeviceArrayStream) {
     // SAFETY: the consumer releases our stream once.
     let Some(stream) = (unsafe { s.as_mut() }) else { return };
     if !stream.private_data.is_null() {
         // SAFETY: made by `Box::into_raw` in `export_stream`, freed only here.
-        drop(unsafe { Box::from_raw(stream.private_data as *mut StreamPrivate) });
+        let private = unsafe { Box::from_raw(stream.private_data as *mut StreamPrivate) };
+        no_unwind(|| drop(private));
     }
     // Overwritten without dropping the old value: its `Drop` would call this release again.
     // SAFETY: `s` is valid (non-null, checked above) and the old value needs no other drop.
@@ -173,7 +176,8 @@ impl DeviceArrayStreamReader {
                 last_error(&mut raw)
             )));
         }
-        let schema = Arc::new(Schema::try_from(&schema)?);
+        // SAFETY: the producer filled `schema` (code 0), per the spec.
+        let schema = Arc::new(unsafe { import_schema(&schema) }?);
         Ok(DeviceArrayStreamReader {
             raw,
             schema,
@@ -228,9 +232,9 @@ impl Iterator for DeviceArrayStreamReader {
             self.done = true;
             return None;
         }
-        let schema = match FFI_ArrowSchema::try_from(self.schema.as_ref()) {
+        let schema = match export_schema(&self.schema) {
             Ok(s) => s,
-            Err(e) => return Some(Err(e.into())),
+            Err(e) => return Some(Err(e)),
         };
         // SAFETY: the producer follows the spec (the caller of `from_raw` vouched for it).
         Some(unsafe { import_batch(array, &schema, &self.stream) })

@@ -1,6 +1,7 @@
 //! Shared by the integration tests: the devices each case runs on.
 #![allow(dead_code)]
 
+pub mod c_schema;
 pub mod corpus;
 
 use arrow_array::RecordBatch;
@@ -63,4 +64,16 @@ pub fn check_batch(what: &str, back: &RecordBatch, expected: &RecordBatch) {
         assert_eq!(b.as_ref(), e.as_ref(), "{what}: column {name} differs");
     }
     assert_eq!(back, expected, "{what}");
+}
+
+/// The message of an [`arrow_cuda::Error::InvalidData`], failing on any other outcome.
+#[track_caller]
+pub fn invalid_data<T: std::fmt::Debug>(what: &str, result: arrow_cuda::Result<T>) -> String {
+    match result {
+        Err(arrow_cuda::Error::InvalidData(message)) => {
+            eprintln!("{what}: {message}");
+            message
+        }
+        other => panic!("{what}: expected InvalidData, got {other:?}"),
+    }
 }
