@@ -356,7 +356,16 @@ fn compact(
             vec![out.slice(0, m * width)?]
         }
     };
-    DeviceArrayData::try_new(dt, m, 0, null_count, nulls, buffers, vec![])
+    let offsets_computed = matches!(
+        dt,
+        DataType::Utf8 | DataType::Binary | DataType::LargeUtf8 | DataType::LargeBinary
+    );
+    let mut out = DeviceArrayData::try_new(dt, m, 0, null_count, nulls, buffers, vec![])?;
+    // Gathered values, bits and views are copies of a valid array's: the result is as valid as
+    // the input, and its download needs no validation. New string offsets are computed here, so
+    // those arrays are validated when downloaded.
+    out.trusted = a.trusted && !offsets_computed;
+    Ok(out)
 }
 
 /// Wraps a host-filtered batch with the scan's schema and row count.
