@@ -419,6 +419,46 @@ fn statistics_values() {
         let s = scan.partition_statistics(None).expect("stats");
         assert_eq!(s.num_rows, Precision::Exact(data.rows()));
         assert_eq!(s.column_statistics[0], stats.column_statistics[1]);
+        // Its byte size is that of the columns it returns, as `MemTable` counts them (DataFusion's
+        // join selection puts the smaller side first by it): additive over columns, and within a
+        // tenth of `MemTable`'s (staging gathers batches, whose buffers round differently).
+        let bytes = |projection: Vec<usize>| {
+            let scan = table
+                .scan_source()
+                .with_projection(Some(projection.clone()))
+                .expect("projection");
+            let gpu = *scan
+                .partition_statistics(None)
+                .expect("stats")
+                .total_byte_size
+                .get_value()
+                .expect("bytes");
+            let mem = datafusion::datasource::memory::MemorySourceConfig::try_new(
+                &data.partitions,
+                data.schema.clone(),
+                Some(projection),
+            )
+            .expect("memory source");
+            let mem = *mem
+                .partition_statistics(None)
+                .expect("stats")
+                .total_byte_size
+                .get_value()
+                .expect("bytes");
+            (gpu, mem)
+        };
+        let (both, mem_both) = bytes(vec![1, 0]);
+        assert_eq!(both, bytes(vec![0]).0 + bytes(vec![1]).0);
+        assert!(
+            both.abs_diff(mem_both) * 10 <= mem_both,
+            "{both} bytes, MemTable {mem_both}"
+        );
+        let all: Vec<usize> = (0..data.schema.fields().len()).collect();
+        let (whole, mem_whole) = bytes(all);
+        assert!(
+            both < whole && whole.abs_diff(mem_whole) * 10 <= mem_whole,
+            "{whole}, MemTable {mem_whole}"
+        );
     });
 }
 

@@ -214,13 +214,21 @@ impl DataSource for GpuScan {
     }
 
     fn partition_statistics(&self, partition: Option<usize>) -> DfResult<Arc<Statistics>> {
-        let stats = match partition {
+        let mut stats = match partition {
             Some(p) => match self.table.partition_stats.get(p) {
                 Some(s) => s.clone(),
                 None => return Ok(Arc::new(Statistics::new_unknown(&self.projected_schema))),
             },
             None => self.table.stats.clone(),
         };
+        // The bytes of the columns the scan returns (DataFusion's join selection compares them).
+        let columns = self.output_columns();
+        let bytes = |p: &Vec<usize>| columns.iter().map(|&c| p[c]).sum::<usize>();
+        let projected_bytes = match partition {
+            Some(p) => self.table.column_bytes.get(p).map_or(0, bytes),
+            None => self.table.column_bytes.iter().map(bytes).sum(),
+        };
+        stats.total_byte_size = ::datafusion::common::stats::Precision::Inexact(projected_bytes);
         // Filters remove an unknown number of rows: what is left is an upper bound.
         let stats = if self.predicate.is_some() {
             stats.to_inexact()

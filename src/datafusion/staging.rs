@@ -195,6 +195,7 @@ impl Stager {
                 partition_stats: self.partition_stats.iter().map(|s| s.finish()).collect(),
                 stats: StatsBuilder::merge(&self.schema, &self.partition_stats),
                 longest_strings: StatsBuilder::longest_strings(&self.schema, &self.partition_stats),
+                column_bytes: self.partition_stats.iter().map(StatsBuilder::column_bytes).collect(),
                 schema: self.schema,
                 partitions: self.partitions,
                 partition_devices,

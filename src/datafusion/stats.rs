@@ -17,6 +17,8 @@ struct ColumnStats {
     max: Option<MaxAccumulator>,
     /// The longest value of a string column, in bytes (`None` for other types).
     max_bytes: Option<usize>,
+    /// The host memory of the column's arrays (`get_array_memory_size`), as `MemTable` counts it.
+    bytes: usize,
 }
 
 impl std::fmt::Debug for ColumnStats {
@@ -47,6 +49,7 @@ impl StatsBuilder {
                     min: MinAccumulator::try_new(f.data_type()).ok(),
                     max: MaxAccumulator::try_new(f.data_type()).ok(),
                     max_bytes: longest_string(&arrow_array::new_empty_array(f.data_type())),
+                    bytes: 0,
                 })
                 .collect(),
         }
@@ -72,7 +75,14 @@ impl StatsBuilder {
                     c.max = None;
                 }
                 c.max_bytes = c.max_bytes.max(longest_string(a));
+                c.bytes += a.get_array_memory_size();
             });
+    }
+
+    /// The host memory of each column's arrays so far: a scan's byte size is that of the columns
+    /// it returns, as DataFusion's `MemTable` reports it (its join selection compares them).
+    pub(crate) fn column_bytes(&self) -> Vec<usize> {
+        self.columns.iter().map(|c| c.bytes).collect()
     }
 
     /// The longest value of each string column of the union of `parts`, in bytes (`None` for

@@ -35,6 +35,8 @@ pub(crate) struct TableData {
     pub(crate) stats: Statistics,
     /// The longest value of each string column, in bytes (`None` for other columns).
     pub(crate) longest_strings: Vec<Option<usize>>,
+    /// The host bytes of each column (as `get_array_memory_size` counts them), per partition.
+    pub(crate) column_bytes: Vec<Vec<usize>>,
     pub(crate) lanes: HashMap<Device, Arc<DeviceLane>>,
 }
 
