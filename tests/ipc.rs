@@ -1471,3 +1471,38 @@ fn corrupt_frames_from_a_receiver_cost_only_that_receiver() {
     check_batch("good", &dtoh(&good.recv().unwrap().unwrap(), &stream).unwrap(), &batch);
     sender.wait_idle(Duration::from_secs(10)).unwrap();
 }
+
+/// A sender that goes silent does not hold a receiver forever: a receive times out by default, with
+/// an error that says what it waited for and how long, and the receiver can try again.
+#[test]
+fn a_silent_sender_times_a_receive_out() {
+    let default = ReceiverOptions::default().recv_timeout;
+    assert!(
+        default.is_some_and(|t| t > Duration::ZERO && t <= Duration::from_secs(600)),
+        "{default:?}"
+    );
+    let stream = Stream::cpu();
+    let batch = small_batch(10);
+    let path = socket_path("silent");
+    let sender = Sender::bind(&path, batch.schema(), SenderOptions::default()).unwrap();
+    let options = ReceiverOptions {
+        recv_timeout: Some(Duration::from_millis(200)),
+        ..ReceiverOptions::default()
+    };
+    let mut r = Receiver::connect(&path, options).unwrap();
+    sender.wait_for_receivers(1, Duration::from_secs(10)).unwrap();
+    let e = r.recv().unwrap_err();
+    assert_eq!(e.io_kind(), Some(std::io::ErrorKind::TimedOut), "{e}");
+    assert!(
+        e.to_string().contains("waiting for a batch: none came within 200ms"),
+        "{e}"
+    );
+    sender
+        .send(&upload(&batch, MemoryResource::SharedHost, &stream))
+        .unwrap();
+    let got = r.recv().unwrap().unwrap();
+    check_batch("after a timeout", &dtoh(&got, &stream).unwrap(), &batch);
+    drop(got);
+    sender.finish().unwrap();
+    assert!(r.recv().unwrap().is_none());
+}

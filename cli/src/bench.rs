@@ -481,6 +481,8 @@ pub fn peer(args: &PeerArgs) -> BoxResult<()> {
             PeerRole::Retain => Duration::from_millis(2),
             _ => Duration::ZERO,
         },
+        // The bench stops its peer; between two measurements it may send nothing for a while.
+        recv_timeout: None,
         ..ReceiverOptions::default()
     };
     let mut receiver = Receiver::connect(&args.socket, options)?;

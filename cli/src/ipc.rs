@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use arrow_array::{ArrayRef, Int64Array, RecordBatch, StringArray};
 use arrow_cuda::ipc::{Receiver, ReceiverOptions, Sender, SenderOptions};
-use arrow_cuda::{DeviceRecordBatch, Result, Stream};
+use arrow_cuda::{DeviceRecordBatch, Error, Result, Stream};
 
 /// Where the two ends meet by default.
 const DEFAULT_SOCKET: &str = "/tmp/arrow-cuda.sock";
@@ -36,6 +36,10 @@ pub struct RecvArgs {
     /// The Unix socket to connect to.
     #[arg(long, default_value = DEFAULT_SOCKET)]
     socket: String,
+    /// Seconds to wait for each batch before giving up with a timeout error, so that a sender
+    /// that goes silent cannot hold `recv` forever (0: wait without end).
+    #[arg(long, value_name = "SECONDS", default_value_t = 60)]
+    timeout: u64,
 }
 
 pub fn send(args: &SendArgs) -> Result<()> {
@@ -68,7 +72,11 @@ pub fn send(args: &SendArgs) -> Result<()> {
 }
 
 pub fn recv(args: &RecvArgs) -> Result<()> {
-    let mut receiver = Receiver::connect(&args.socket, ReceiverOptions::default())?;
+    let options = ReceiverOptions {
+        recv_timeout: (args.timeout > 0).then(|| Duration::from_secs(args.timeout)),
+        ..ReceiverOptions::default()
+    };
+    let mut receiver = Receiver::connect(&args.socket, options)?;
     println!(
         "connected to {}: {} columns",
         args.socket,
@@ -76,7 +84,7 @@ pub fn recv(args: &RecvArgs) -> Result<()> {
     );
     let (mut batches, mut rows, mut bytes) = (0usize, 0usize, 0usize);
     let start = Instant::now();
-    while let Some(batch) = receiver.recv()? {
+    while let Some(batch) = receiver.recv().map_err(name_the_timeout)? {
         batches += 1;
         rows += batch.num_rows();
         bytes += batch.size_in_bytes();
@@ -91,6 +99,17 @@ pub fn recv(args: &RecvArgs) -> Result<()> {
         bytes as f64 / 1e6
     );
     Ok(())
+}
+
+/// A receive that timed out, with the option that sets the limit.
+fn name_the_timeout(e: Error) -> Error {
+    match e {
+        Error::Io { context, source } if source.kind() == std::io::ErrorKind::TimedOut => Error::Io {
+            context: format!("{context} (--timeout sets the limit; 0 waits without end)"),
+            source,
+        },
+        other => other,
+    }
 }
 
 fn describe(batches: usize, rows: usize) -> String {

@@ -102,3 +102,33 @@ fn bench_prints_one_table() {
     }
     assert!(!stdout.contains("differs"), "{stdout}");
 }
+
+/// `recv` gives up on a sender that sends nothing: after `--timeout` seconds (60 unless set, as
+/// `--help` says) it fails with a timeout in one line instead of waiting without end.
+#[test]
+fn recv_times_out_on_a_silent_sender() {
+    let o = arrow_cuda(&["recv", "--help"], &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("--timeout") && text(&o).contains("[default: 60]"),
+        "{}",
+        text(&o)
+    );
+    let socket = std::env::temp_dir().join(format!("arrow-cuda-cli-{}-silent.sock", std::process::id()));
+    let _ = std::fs::remove_file(&socket);
+    let schema = std::sync::Arc::new(arrow_schema::Schema::new(vec![arrow_schema::Field::new(
+        "x",
+        arrow_schema::DataType::Int64,
+        false,
+    )]));
+    let sender = arrow_cuda::ipc::Sender::bind(&socket, schema, Default::default()).unwrap();
+    let o = arrow_cuda(&["recv", "--socket", socket.to_str().unwrap(), "--timeout", "1"], &[]);
+    drop(sender);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("none came within 1s") && stderr.contains("--timeout"),
+        "{stderr}"
+    );
+}

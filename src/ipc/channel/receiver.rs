@@ -26,9 +26,12 @@ use crate::ipc::wire::{self, FrameReader, RecvError};
 pub struct ReceiverOptions {
     /// How long [`Receiver::connect`] waits for the socket to appear and the schema to arrive.
     pub connect_timeout: Duration,
-    /// How long [`Receiver::recv`] waits for the next frame (`None`: until it comes or the sender's
-    /// connection ends). A timeout is an [`std::io::ErrorKind::TimedOut`] error after which the
-    /// receiver can try again.
+    /// How long [`Receiver::recv`] waits for the next frame: 60 seconds by default, so that a
+    /// sender that goes silent without closing its connection (stopped, or stuck) cannot hold the
+    /// receiver forever; `None` waits until a frame comes or the sender's connection ends. A timeout
+    /// is an [`Error::Io`] of kind [`std::io::ErrorKind::TimedOut`] ("waiting for a batch: none came
+    /// within 60s"), after which the receiver can try again. A receiver whose sender may rightly
+    /// pause longer between batches sets a longer limit, or `None`.
     pub recv_timeout: Option<Duration>,
     /// The largest frame accepted from the sender.
     pub max_frame_bytes: usize,
@@ -54,7 +57,7 @@ impl Default for ReceiverOptions {
     fn default() -> Self {
         ReceiverOptions {
             connect_timeout: Duration::from_secs(10),
-            recv_timeout: None,
+            recv_timeout: Some(Duration::from_secs(60)),
             max_frame_bytes: 64 << 20,
             retain_mappings: false,
             ack_timeout: Duration::from_secs(5),
@@ -189,7 +192,8 @@ impl Receiver {
     /// ([`ArrowError::IpcError`]), a connection that ended without an end of stream (the sender
     /// died; [`std::io::ErrorKind::UnexpectedEof`]), a timeout, malformed frames
     /// ([`Error::InvalidData`]). After a malformed batch frame the receiver can go on receiving;
-    /// after a broken connection every call fails.
+    /// after a broken connection every call fails. A receive waits at most
+    /// [`ReceiverOptions::recv_timeout`] (60 seconds unless set otherwise).
     pub fn recv(&mut self) -> Result<Option<DeviceRecordBatch>> {
         match &self.state {
             State::Open => {}
@@ -198,7 +202,14 @@ impl Receiver {
         }
         let frame = match self.next_frame() {
             Ok(decoded) => decoded?,
-            Err(RecvError::Idle(e)) => return Err(Error::io("waiting for a batch", e)),
+            Err(RecvError::Idle(_)) => {
+                // Only a limit ends a wait with nothing read.
+                let limit = self.options.recv_timeout.unwrap_or_default();
+                return Err(Error::io(
+                    "waiting for a batch",
+                    io::Error::new(io::ErrorKind::TimedOut, format!("none came within {limit:?}")),
+                ));
+            }
             Err(RecvError::Broken(e)) => {
                 self.state = State::Broken(e.to_string());
                 return Err(e);
