@@ -20,12 +20,14 @@
 //! - truncated, oversized or corrupt frames: errors on either side, never a crash; a corrupt batch is
 //!   acknowledged so its memory is reclaimed.
 
+mod access;
 mod peers;
 mod protocol;
 mod receiver;
 mod ring;
 mod sender;
 
+pub use access::private_socket_path;
 pub use peers::{SenderEvent, SenderStatus};
 pub use receiver::{Receiver, ReceiverOptions};
 pub use sender::{Sender, SenderOptions};

@@ -13,6 +13,7 @@ use arrow_schema::{ArrowError, SchemaRef};
 use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Event, Stream};
 use crate::error::{Error, Result};
+use crate::ipc::channel::access::check_peer;
 use crate::ipc::channel::protocol::{Frame, Link};
 use crate::ipc::channel::ring::{Entry, RingReader, Woken};
 use crate::ipc::descriptor::{BatchDescriptor, Mapping};
@@ -44,6 +45,10 @@ pub struct ReceiverOptions {
     pub retain_mappings: bool,
     /// How long sending an acknowledgement may block.
     pub ack_timeout: Duration,
+    /// The users whose sender this receiver accepts, told by the kernel (`SO_PEERCRED`: the user of
+    /// the process that listens on the socket); `None` (the default): only this process's own
+    /// user. Anyone who can create the socket path can otherwise pose as the sender.
+    pub allowed_uids: Option<Vec<u32>>,
     /// How long [`Receiver::recv`] polls for the next frame, on a busy core, before it sleeps until
     /// the frame arrives (default zero: it sleeps at once). Frames arrive through shared memory, so
     /// polling costs no system call; waking a sleeping thread costs tens of microseconds, and on
@@ -61,6 +66,7 @@ impl Default for ReceiverOptions {
             max_frame_bytes: 64 << 20,
             retain_mappings: false,
             ack_timeout: Duration::from_secs(5),
+            allowed_uids: None,
             poll: Duration::ZERO,
         }
     }
@@ -128,7 +134,9 @@ const MAX_EVENTS: usize = 1024;
 
 impl Receiver {
     /// Connects to the sender at `path`, waiting up to [`ReceiverOptions::connect_timeout`] for the
-    /// socket to appear and the schema to arrive.
+    /// socket to appear and the schema to arrive. A sender of a user that
+    /// [`ReceiverOptions::allowed_uids`] does not allow, or one that refuses this process's user, is
+    /// an [`Error::Io`] of kind [`std::io::ErrorKind::PermissionDenied`].
     pub fn connect(path: impl AsRef<Path>, options: ReceiverOptions) -> Result<Receiver> {
         let path = path.as_ref();
         let deadline = Instant::now() + options.connect_timeout;
@@ -144,6 +152,8 @@ impl Receiver {
                 Err(e) => return Err(Error::io(format!("connecting to {}", path.display()), e)),
             }
         };
+        check_peer(&socket, options.allowed_uids.as_deref())
+            .map_err(|e| Error::io(format!("connecting to {}", path.display()), e))?;
         socket
             .set_write_timeout(Some(options.ack_timeout))
             .map_err(|e| Error::io("configuring the channel socket", e))?;
@@ -161,6 +171,13 @@ impl Receiver {
         };
         let schema = match greeting("reading the schema")? {
             Frame::Hello { schema } => decode_schema(&schema)?,
+            // A sender says so when it refuses this process's user.
+            Frame::Abort(reason) => {
+                return Err(Error::io(
+                    format!("connecting to {}", path.display()),
+                    io::Error::new(io::ErrorKind::PermissionDenied, reason),
+                ));
+            }
             other => return Err(Error::InvalidData(format!("a channel that starts with {other:?}"))),
         };
         let ring = match greeting("reading the ring")? {
