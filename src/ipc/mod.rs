@@ -21,8 +21,8 @@
 //!
 //! A CUDA IPC memory handle is a capability: any process of the same user (and root) that learns
 //! its 64 bytes can map the whole allocation it names, read it and write it, for as long as the
-//! exporter keeps it; CUDA checks nothing else. Shared host memory on the CPU device travels as a
-//! file descriptor, which is the same capability. So whoever receives a batch's handles holds its
+//! exporter keeps it; the driver does not ask how the handle was obtained. Shared host memory on
+//! the CPU device travels as a file descriptor, which is the same capability. So whoever receives a batch's handles holds its
 //! memory, and a process that poses as a sender can feed a receiver any data. The channel
 //! therefore trusts exactly the users it is told to:
 //!

@@ -86,8 +86,14 @@ fn not_ours(path: &Path, uid: u32) -> Error {
 /// `/tmp`). The directory is created with mode 0700 if missing; one that exists must be a real
 /// directory (not a link), owned by this user, with no access for anyone else: otherwise another
 /// user could have made it first to watch or replace the socket, and this is an error of kind
-/// [`std::io::ErrorKind::PermissionDenied`].
+/// [`std::io::ErrorKind::PermissionDenied`]. `name` must be a plain file name
+/// ([`Error::InvalidArgument`] otherwise), so the socket cannot land outside the directory.
 pub fn private_socket_path(name: &str) -> Result<PathBuf> {
+    if Path::new(name).file_name() != Some(name.as_ref()) {
+        return Err(Error::InvalidArgument(format!(
+            "socket name {name:?} is not a plain file name"
+        )));
+    }
     let dir = match std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
         Some(runtime) => PathBuf::from(runtime).join("arrow-cuda"),
         None => std::env::temp_dir().join(format!("arrow-cuda-{}", own_uid())),
@@ -141,6 +147,16 @@ mod tests {
         match private_dir(dir) {
             Err(e) if e.io_kind() == Some(io::ErrorKind::PermissionDenied) => e.to_string(),
             other => panic!("{}: expected PermissionDenied, got {other:?}", dir.display()),
+        }
+    }
+
+    #[test]
+    fn socket_names_stay_in_the_directory() {
+        for name in ["", ".", "..", "a/b", "/tmp/x.sock", "x/"] {
+            assert!(
+                matches!(private_socket_path(name), Err(Error::InvalidArgument(m)) if m.contains("plain file name")),
+                "{name:?}"
+            );
         }
     }
 
