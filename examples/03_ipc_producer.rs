@@ -3,9 +3,12 @@
 //! Start it, then `04_ipc_consumer` in another terminal (any number of them):
 //!
 //! ```sh
-//! cargo run --example 03_ipc_producer -- /tmp/arrow-cuda.sock
-//! cargo run --example 04_ipc_consumer -- /tmp/arrow-cuda.sock
+//! cargo run --example 03_ipc_producer
+//! cargo run --example 04_ipc_consumer
 //! ```
+//!
+//! Both meet at `ipc::private_socket_path("arrow-cuda.sock")`, in a directory only this user can
+//! enter, unless given another socket path as their argument.
 //!
 //! Without a GPU it runs on the CPU device, where shared memory stands in for CUDA IPC.
 
@@ -13,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arrow_array::{ArrayRef, Float64Array, Int64Array, RecordBatch, StringArray};
-use arrow_cuda::ipc::{Sender, SenderOptions, default_message_resource};
+use arrow_cuda::ipc::{Sender, SenderOptions, default_message_resource, private_socket_path};
 use arrow_cuda::transfer::htod_async;
 use arrow_cuda::{Device, Stream};
 
@@ -32,7 +35,10 @@ fn batch(n: i64) -> RecordBatch {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let path = std::env::args().nth(1).unwrap_or_else(|| "/tmp/arrow-cuda.sock".into());
+    let path: std::path::PathBuf = match std::env::args_os().nth(1) {
+        Some(path) => path.into(),
+        None => private_socket_path("arrow-cuda.sock")?,
+    };
     let device = if arrow_cuda::device::cuda_available() {
         Device::Cuda(0)
     } else {
@@ -41,7 +47,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let schema = batch(0).schema();
     let sender = Sender::bind(&path, schema, SenderOptions::default())?;
-    println!("waiting for a consumer on {path} (start 04_ipc_consumer)");
+    println!("waiting for a consumer on {} (start 04_ipc_consumer)", path.display());
     sender.wait_for_receivers(1, Duration::from_secs(600))?;
     let stream = Stream::new(device)?;
     for n in 0..BATCHES {

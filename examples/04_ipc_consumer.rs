@@ -2,16 +2,22 @@
 //! bodies never pass through host memory. Each batch is given back to the producer when dropped.
 //!
 //! ```sh
-//! cargo run --example 04_ipc_consumer -- /tmp/arrow-cuda.sock
+//! cargo run --example 04_ipc_consumer
 //! ```
+//!
+//! It connects to `ipc::private_socket_path("arrow-cuda.sock")`, where `03_ipc_producer` listens,
+//! unless given another socket path as its argument.
 
 use std::time::Duration;
 
-use arrow_cuda::ipc::{Receiver, ReceiverOptions};
+use arrow_cuda::ipc::{Receiver, ReceiverOptions, private_socket_path};
 use arrow_cuda::{Device, Stream};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let path = std::env::args().nth(1).unwrap_or_else(|| "/tmp/arrow-cuda.sock".into());
+    let path: std::path::PathBuf = match std::env::args_os().nth(1) {
+        Some(path) => path.into(),
+        None => private_socket_path("arrow-cuda.sock")?,
+    };
     if !arrow_cuda::device::cuda_available() {
         println!("no CUDA device: batches arrive on the CPU device, in shared memory");
     }
@@ -20,7 +26,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ..ReceiverOptions::default()
     };
     let mut receiver = Receiver::connect(&path, options)?;
-    println!("connected to {path}; schema: {}", receiver.schema());
+    println!("connected to {}; schema: {}", path.display(), receiver.schema());
     let mut rows = 0;
     while let Some(batch) = receiver.recv()? {
         let device = batch.device();

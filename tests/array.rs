@@ -9,7 +9,7 @@ use arrow_array::{Array, Int32Array, StringViewArray};
 use arrow_cuda::ffi::{export_array, import_array};
 use arrow_cuda::transfer::{dtoh, dtoh_array, htod_array};
 use arrow_cuda::{Device, DeviceArrayData, DeviceBuffer, DeviceRecordBatch, Event, MemoryResource, Stream};
-use arrow_schema::{DataType, Field, Fields, Schema};
+use arrow_schema::{DataType, Field, Fields, Schema, UnionFields, UnionMode};
 use common::invalid_data;
 
 /// An empty Int32 array whose (zero-length) buffer belongs to `device`. A zero-length buffer needs
@@ -155,5 +155,232 @@ fn assembled_arrays_export_and_come_back() {
         // SAFETY: a struct this crate just exported.
         let (back, _) = unsafe { import_array(ffi, array.data_type(), &stream) }.unwrap();
         assert_eq!(dtoh_array(&back, &stream).unwrap().as_ref(), array.as_ref());
+    }
+}
+
+#[test]
+fn arrays_whose_buffers_are_too_small_are_refused() {
+    // Each case is one byte (or one element) short of what `offset + len` elements need; the
+    // message names the buffer. Exported, any of them would send a C consumer out of bounds.
+    let stream = Stream::cpu();
+    let buffer = |n: usize| DeviceBuffer::from_host(&vec![0; n], MemoryResource::Host, &stream).unwrap();
+    let array =
+        |dt: DataType, len: usize, offset: usize, buffers: Vec<DeviceBuffer>, children: Vec<DeviceArrayData>| {
+            DeviceArrayData::try_new(dt, len, offset, None, None, buffers, children)
+        };
+    let int32 = |len: usize| array(DataType::Int32, len, 0, vec![buffer(4 * len)], vec![]).unwrap();
+    let item = Arc::new(Field::new("item", DataType::Int32, true));
+    let pair = Fields::from(vec![
+        Field::new("a", DataType::Int32, true),
+        Field::new("b", DataType::Int32, true),
+    ]);
+    let union_fields = UnionFields::try_new(vec![0, 1], pair.iter().map(|f| f.as_ref().clone())).unwrap();
+    let run_ends = Arc::new(Field::new("run_ends", DataType::Int32, false));
+    let values = Arc::new(Field::new("values", DataType::Int32, true));
+    let cases: Vec<(&str, &str, arrow_cuda::Result<DeviceArrayData>)> = vec![
+        (
+            "Int32 of 4 in 15 bytes",
+            "values",
+            array(DataType::Int32, 4, 0, vec![buffer(15)], vec![]),
+        ),
+        (
+            "Int32 of 2 at offset 2 in 12 bytes",
+            "values",
+            array(DataType::Int32, 2, 2, vec![buffer(12)], vec![]),
+        ),
+        (
+            "Decimal128 of 4 in 63 bytes",
+            "values",
+            array(DataType::Decimal128(38, 2), 4, 0, vec![buffer(63)], vec![]),
+        ),
+        (
+            "a validity bitmap of 8 bits for 9 elements",
+            "validity",
+            DeviceArrayData::try_new(DataType::Int32, 9, 0, None, Some(buffer(1)), vec![buffer(36)], vec![]),
+        ),
+        (
+            "Boolean of 9 in 1 byte",
+            "values",
+            array(DataType::Boolean, 9, 0, vec![buffer(1)], vec![]),
+        ),
+        (
+            "FixedSizeBinary(3) of 4 in 11 bytes",
+            "values",
+            array(DataType::FixedSizeBinary(3), 4, 0, vec![buffer(11)], vec![]),
+        ),
+        (
+            "Utf8 of 4 with 4 offsets",
+            "offsets",
+            array(DataType::Utf8, 4, 0, vec![buffer(16), buffer(0)], vec![]),
+        ),
+        (
+            "Utf8 of 1 at offset 3 with 4 offsets",
+            "offsets",
+            array(DataType::Utf8, 1, 3, vec![buffer(16), buffer(0)], vec![]),
+        ),
+        (
+            "Utf8 of 0 at offset 1 without offsets",
+            "offsets",
+            array(DataType::Utf8, 0, 1, vec![buffer(0), buffer(0)], vec![]),
+        ),
+        (
+            "LargeBinary of 4 with 4 offsets",
+            "offsets",
+            array(DataType::LargeBinary, 4, 0, vec![buffer(32), buffer(0)], vec![]),
+        ),
+        (
+            "Utf8View of 4 with 3 views",
+            "views",
+            array(DataType::Utf8View, 4, 0, vec![buffer(48), buffer(0)], vec![]),
+        ),
+        (
+            "List of 4 with 4 offsets",
+            "offsets",
+            array(DataType::List(item.clone()), 4, 0, vec![buffer(16)], vec![int32(0)]),
+        ),
+        (
+            "ListView of 4 with 3 sizes",
+            "sizes",
+            array(
+                DataType::ListView(item.clone()),
+                4,
+                0,
+                vec![buffer(16), buffer(12)],
+                vec![int32(0)],
+            ),
+        ),
+        (
+            "FixedSizeList(2) of 4 over 7 values",
+            "child",
+            array(DataType::FixedSizeList(item.clone(), 2), 4, 0, vec![], vec![int32(7)]),
+        ),
+        (
+            "a struct of 3 at offset 1 over a child of 3",
+            "child",
+            array(DataType::Struct(pair.clone()), 3, 1, vec![], vec![int32(4), int32(3)]),
+        ),
+        (
+            "a sparse union of 4 with 3 type ids",
+            "type ids",
+            array(
+                DataType::Union(union_fields.clone(), UnionMode::Sparse),
+                4,
+                0,
+                vec![buffer(3)],
+                vec![int32(4), int32(4)],
+            ),
+        ),
+        (
+            "a sparse union of 4 over a child of 3",
+            "child",
+            array(
+                DataType::Union(union_fields.clone(), UnionMode::Sparse),
+                4,
+                0,
+                vec![buffer(4)],
+                vec![int32(4), int32(3)],
+            ),
+        ),
+        (
+            "a dense union of 4 with 3 offsets",
+            "offsets",
+            array(
+                DataType::Union(union_fields, UnionMode::Dense),
+                4,
+                0,
+                vec![buffer(4), buffer(12)],
+                vec![int32(0), int32(0)],
+            ),
+        ),
+        (
+            "a dictionary of 4 with 3 Int16 keys",
+            "keys",
+            array(
+                DataType::Dictionary(Box::new(DataType::Int16), Box::new(DataType::Int32)),
+                4,
+                0,
+                vec![buffer(6)],
+                vec![int32(1)],
+            ),
+        ),
+        (
+            "run-end encoded with 2 run ends and 1 value",
+            "values",
+            array(
+                DataType::RunEndEncoded(run_ends, values),
+                2,
+                0,
+                vec![],
+                vec![int32(2), int32(1)],
+            ),
+        ),
+        (
+            "Int32 whose offset + length overflows",
+            "overflow",
+            array(DataType::Int32, usize::MAX, 1, vec![buffer(0)], vec![]),
+        ),
+        (
+            "FixedSizeBinary(i32::MAX) whose size overflows",
+            "overflow",
+            array(
+                DataType::FixedSizeBinary(i32::MAX),
+                usize::MAX / 4,
+                0,
+                vec![buffer(0)],
+                vec![],
+            ),
+        ),
+    ];
+    for (what, names, result) in cases {
+        let message = invalid_data(what, result);
+        assert!(message.contains(names), "{what}: {message:?} does not name the {names}");
+    }
+}
+
+#[test]
+fn arrays_whose_buffers_are_just_large_enough_are_accepted() {
+    let stream = Stream::cpu();
+    let buffer = |n: usize| DeviceBuffer::from_host(&vec![0; n], MemoryResource::Host, &stream).unwrap();
+    let item = Arc::new(Field::new("item", DataType::Int32, true));
+    let int32 =
+        |len: usize| DeviceArrayData::try_new(DataType::Int32, len, 0, None, None, vec![buffer(4 * len)], vec![]);
+    let arrays = vec![
+        int32(4),
+        DeviceArrayData::try_new(
+            DataType::Int32,
+            2,
+            2,
+            Some(0),
+            Some(buffer(1)),
+            vec![buffer(16)],
+            vec![],
+        ),
+        DeviceArrayData::try_new(DataType::Boolean, 9, 0, None, None, vec![buffer(2)], vec![]),
+        DeviceArrayData::try_new(DataType::Utf8, 1, 3, None, None, vec![buffer(20), buffer(0)], vec![]),
+        // An empty array may leave its offsets out, as arrow-rs allows.
+        DeviceArrayData::try_new(DataType::Utf8, 0, 0, None, None, vec![buffer(0), buffer(0)], vec![]),
+        DeviceArrayData::try_new(
+            DataType::List(item.clone()),
+            0,
+            0,
+            None,
+            None,
+            vec![buffer(0)],
+            vec![int32(0).unwrap()],
+        ),
+        DeviceArrayData::try_new(
+            DataType::FixedSizeList(item, 2),
+            3,
+            1,
+            None,
+            None,
+            vec![],
+            vec![int32(8).unwrap()],
+        ),
+        DeviceArrayData::try_new(DataType::FixedSizeBinary(0), 4, 0, None, None, vec![buffer(0)], vec![]),
+    ];
+    for (i, array) in arrays.into_iter().enumerate() {
+        let array = array.unwrap_or_else(|e| panic!("array {i}: {e}"));
+        export_array(&array, &Event::completed(), &stream).unwrap_or_else(|e| panic!("array {i}: {e}"));
     }
 }

@@ -1039,6 +1039,25 @@ fn negative_fixed_widths_are_refused() {
     assert!(message.contains("negative"), "{message}");
 }
 
+/// A fixed-size list of `n` lists of `k` needs `n * k` child elements from the child's own offset:
+/// an offset on the child does not make up for elements it lacks.
+#[test]
+fn a_fixed_size_list_over_too_short_a_child_is_refused() {
+    let item = Arc::new(Field::new("item", DataType::Int32, false));
+    let list = FixedSizeListArray::new(item, 2, Arc::new(Int32Array::from(vec![1, 2, 3, 4])), None);
+    let ffi = exported(&list);
+    // SAFETY: the export has one child, whose buffers hold 4 values: offset 2 + length 2 stays
+    // inside them.
+    let child = unsafe { child_mut(&ffi.array, 0) };
+    child.offset = 2;
+    child.length = 2;
+    let message = invalid_data("a child of 2 for 2 lists of 2", import(ffi, list.data_type()));
+    assert!(
+        message.contains("fixed-size list child has 2 elements, 4 needed"),
+        "{message}"
+    );
+}
+
 #[test]
 fn buffer_sizes_that_overflow_are_refused() {
     // 2^40 elements of 2^31 - 1 bytes: more bytes than a usize holds.

@@ -1471,3 +1471,106 @@ fn corrupt_frames_from_a_receiver_cost_only_that_receiver() {
     check_batch("good", &dtoh(&good.recv().unwrap().unwrap(), &stream).unwrap(), &batch);
     sender.wait_idle(Duration::from_secs(10)).unwrap();
 }
+
+/// A sender that goes silent does not hold a receiver forever: a receive times out by default, with
+/// an error that says what it waited for and how long, and the receiver can try again.
+#[test]
+fn a_silent_sender_times_a_receive_out() {
+    let default = ReceiverOptions::default().recv_timeout;
+    assert!(
+        default.is_some_and(|t| t > Duration::ZERO && t <= Duration::from_secs(600)),
+        "{default:?}"
+    );
+    let stream = Stream::cpu();
+    let batch = small_batch(10);
+    let path = socket_path("silent");
+    let sender = Sender::bind(&path, batch.schema(), SenderOptions::default()).unwrap();
+    let options = ReceiverOptions {
+        recv_timeout: Some(Duration::from_millis(200)),
+        ..ReceiverOptions::default()
+    };
+    let mut r = Receiver::connect(&path, options).unwrap();
+    sender.wait_for_receivers(1, Duration::from_secs(10)).unwrap();
+    let e = r.recv().unwrap_err();
+    assert_eq!(e.io_kind(), Some(std::io::ErrorKind::TimedOut), "{e}");
+    assert!(
+        e.to_string().contains("waiting for a batch: none came within 200ms"),
+        "{e}"
+    );
+    sender
+        .send(&upload(&batch, MemoryResource::SharedHost, &stream))
+        .unwrap();
+    let got = r.recv().unwrap().unwrap();
+    check_batch("after a timeout", &dtoh(&got, &stream).unwrap(), &batch);
+    drop(got);
+    sender.finish().unwrap();
+    assert!(r.recv().unwrap().is_none());
+}
+
+/// This process's user id, as the owner of a file it creates.
+fn own_uid(path: &std::path::Path) -> u32 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).unwrap().uid()
+}
+
+/// Each end checks the other's user (`SO_PEERCRED`): only this user's processes unless
+/// `allowed_uids` names others. Here the allowed user is another one, so this process's own peer
+/// is refused, by the sender (which tells the receiver why and reports it) and by the receiver.
+#[test]
+fn peers_of_users_not_allowed_are_refused() {
+    let batch = small_batch(10);
+    let path = socket_path("peer-uid");
+    let sender = Sender::bind(&path, batch.schema(), SenderOptions::default()).unwrap();
+    let me = own_uid(&path);
+    let stranger = me.wrapping_add(1);
+    let wary = ReceiverOptions {
+        allowed_uids: Some(vec![stranger]),
+        ..ReceiverOptions::default()
+    };
+    let e = Receiver::connect(&path, wary).unwrap_err();
+    assert_eq!(e.io_kind(), Some(std::io::ErrorKind::PermissionDenied), "{e}");
+    assert!(e.to_string().contains(&format!("uid {me}")), "{e}");
+    // Allowed by name, this user is accepted.
+    let named = ReceiverOptions {
+        allowed_uids: Some(vec![stranger, me]),
+        ..ReceiverOptions::default()
+    };
+    drop(Receiver::connect(&path, named).unwrap());
+    drop(sender);
+
+    let path = socket_path("peer-uid-sender");
+    let options = SenderOptions {
+        allowed_uids: Some(vec![stranger]),
+        ..SenderOptions::default()
+    };
+    let sender = Sender::bind(&path, batch.schema(), options).unwrap();
+    let e = Receiver::connect(&path, ReceiverOptions::default()).unwrap_err();
+    assert_eq!(e.io_kind(), Some(std::io::ErrorKind::PermissionDenied), "{e}");
+    assert!(e.to_string().contains("refused"), "{e}");
+    assert_eq!(sender.status().joined, 0);
+    let events = sender.take_events();
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, SenderEvent::Refused { reason } if reason.contains(&format!("uid {me}")))),
+        "{events:?}"
+    );
+}
+
+/// A socket file that another user owns is neither replaced nor reused by a sender. Root can make
+/// such a file; as another user the case is skipped.
+#[test]
+fn a_socket_path_of_another_user_is_refused() {
+    use std::os::unix::fs::MetadataExt;
+    let path = socket_path("other-owner");
+    drop(UnixListener::bind(&path).unwrap());
+    if std::os::unix::fs::chown(&path, Some(65534), Some(65534)).is_err() {
+        eprintln!("skipped: only root can give a file to another user");
+        return;
+    }
+    let e = Sender::bind(&path, small_batch(1).schema(), SenderOptions::default()).unwrap_err();
+    assert_eq!(e.io_kind(), Some(std::io::ErrorKind::PermissionDenied), "{e}");
+    assert!(e.to_string().contains("uid 65534"), "{e}");
+    assert_eq!(std::fs::metadata(&path).unwrap().uid(), 65534, "the file is left alone");
+    std::fs::remove_file(&path).unwrap();
+}

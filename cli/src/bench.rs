@@ -24,7 +24,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arrow_array::RecordBatch;
-use arrow_cuda::ipc::{Receiver, ReceiverOptions, Sender, SenderOptions, default_message_resource};
+use arrow_cuda::ipc::{
+    Receiver, ReceiverOptions, Sender, SenderOptions, default_message_resource, private_socket_path,
+};
 use arrow_cuda::transfer::{dtoh, htod, htod_async};
 use arrow_cuda::{Device, DeviceBuffer, DeviceRecordBatch, MemoryResource, Result, Stream};
 use arrow_cuda_workloads::{buffers, int64_batch, monotonic_ns, small_batch, tpch};
@@ -226,7 +228,7 @@ fn latency(device: Device, stream: &Stream, seconds: f64) -> BoxResult<(f64, f64
     let host = int64_batch(100, 1024);
     let batch = upload(&host, device, stream)?;
     let ours = {
-        let path = socket_path("latency");
+        let path = socket_path("latency")?;
         let _file = SocketFile(path.clone());
         let sender = Sender::bind(&path, host.schema(), SenderOptions::default())?;
         let mut peer = Peer::start(PeerRole::Retain, &path, device)?;
@@ -260,7 +262,7 @@ fn streaming(host: RecordBatch, device: Device, stream: &Stream, seconds: f64) -
     drop(host);
     let bytes = batch.size_in_bytes() as f64;
     let ours = {
-        let path = socket_path("stream");
+        let path = socket_path("stream")?;
         let _file = SocketFile(path.clone());
         let options = SenderOptions {
             max_in_flight_bytes: (4u64 << 30).max(2 * batch.size_in_bytes() as u64),
@@ -324,7 +326,7 @@ struct HostPath {
 impl HostPath {
     /// Listens on a new socket named after `name` and starts a consumer for batches of `schema`.
     fn start(name: &str, schema: &SchemaRef, device: Device) -> BoxResult<HostPath> {
-        let path = socket_path(name);
+        let path = socket_path(name)?;
         let file = SocketFile(path.clone());
         let listener = UnixListener::bind(&path)?;
         listener.set_nonblocking(true)?;
@@ -444,10 +446,11 @@ impl Drop for SocketFile {
 }
 
 /// A fresh socket path in the temporary directory.
-fn socket_path(name: &str) -> PathBuf {
-    let p = std::env::temp_dir().join(format!("arrow-cuda-bench-{}-{name}.sock", std::process::id()));
+/// A fresh socket path for `name`, in a directory only this user can enter.
+fn socket_path(name: &str) -> Result<PathBuf> {
+    let p = private_socket_path(&format!("bench-{}-{name}.sock", std::process::id()))?;
     let _ = std::fs::remove_file(&p);
-    p
+    Ok(p)
 }
 
 /// `batch` in memory another process can open, once the copy has finished.
@@ -481,6 +484,8 @@ pub fn peer(args: &PeerArgs) -> BoxResult<()> {
             PeerRole::Retain => Duration::from_millis(2),
             _ => Duration::ZERO,
         },
+        // The bench stops its peer; between two measurements it may send nothing for a while.
+        recv_timeout: None,
         ..ReceiverOptions::default()
     };
     let mut receiver = Receiver::connect(&args.socket, options)?;

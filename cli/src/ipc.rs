@@ -1,21 +1,34 @@
 //! `arrow-cuda send` / `recv`: the IPC channel between two terminals.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arrow_array::{ArrayRef, Int64Array, RecordBatch, StringArray};
-use arrow_cuda::ipc::{Receiver, ReceiverOptions, Sender, SenderOptions};
-use arrow_cuda::{DeviceRecordBatch, Result, Stream};
+use arrow_cuda::ipc::{Receiver, ReceiverOptions, Sender, SenderOptions, private_socket_path};
+use arrow_cuda::{DeviceRecordBatch, Error, Result, Stream};
 
-/// Where the two ends meet by default.
-const DEFAULT_SOCKET: &str = "/tmp/arrow-cuda.sock";
+/// The socket both ends use by default, in a directory only this user can enter.
+const DEFAULT_SOCKET: &str = "arrow-cuda.sock";
+
+/// What `--help` says of the default socket.
+const SOCKET_HELP: &str = "The Unix socket [default: $XDG_RUNTIME_DIR/arrow-cuda/arrow-cuda.sock, or \
+    arrow-cuda-UID/arrow-cuda.sock in the temporary directory without XDG_RUNTIME_DIR; the directory \
+    is made with mode 0700, and one that another user owns or can enter is refused]";
+
+/// `socket`, or the default in a private directory.
+fn socket_path(socket: &Option<PathBuf>) -> Result<PathBuf> {
+    match socket {
+        Some(path) => Ok(path.clone()),
+        None => private_socket_path(DEFAULT_SOCKET),
+    }
+}
 
 /// Options of `arrow-cuda send`.
 #[derive(clap::Args)]
 pub struct SendArgs {
-    /// The Unix socket to listen on.
-    #[arg(long, default_value = DEFAULT_SOCKET)]
-    socket: String,
+    #[arg(long, help = SOCKET_HELP)]
+    socket: Option<PathBuf>,
     /// How many batches to send.
     #[arg(long, default_value_t = 10)]
     batches: usize,
@@ -33,9 +46,12 @@ pub struct SendArgs {
 /// Options of `arrow-cuda recv`.
 #[derive(clap::Args)]
 pub struct RecvArgs {
-    /// The Unix socket to connect to.
-    #[arg(long, default_value = DEFAULT_SOCKET)]
-    socket: String,
+    #[arg(long, help = SOCKET_HELP)]
+    socket: Option<PathBuf>,
+    /// Seconds to wait for each batch before giving up with a timeout error, so that a sender
+    /// that goes silent cannot hold `recv` forever (0: wait without end).
+    #[arg(long, value_name = "SECONDS", default_value_t = 60)]
+    timeout: u64,
 }
 
 pub fn send(args: &SendArgs) -> Result<()> {
@@ -43,10 +59,13 @@ pub fn send(args: &SendArgs) -> Result<()> {
     let stream = Stream::new(device)?;
     let host = sample(args.rows);
     let batch = arrow_cuda::transfer::htod(&host, device, &stream)?;
-    let sender = Sender::bind(&args.socket, batch.schema().clone(), SenderOptions::default())?;
+    let socket = socket_path(&args.socket)?;
+    let sender = Sender::bind(&socket, batch.schema().clone(), SenderOptions::default())?;
     println!(
         "sending {} batches of {} rows from {device}; waiting for a receiver on {}",
-        args.batches, args.rows, args.socket
+        args.batches,
+        args.rows,
+        socket.display()
     );
     sender.wait_for_receivers(1, Duration::from_secs(args.wait))?;
     let start = Instant::now();
@@ -68,15 +87,20 @@ pub fn send(args: &SendArgs) -> Result<()> {
 }
 
 pub fn recv(args: &RecvArgs) -> Result<()> {
-    let mut receiver = Receiver::connect(&args.socket, ReceiverOptions::default())?;
+    let options = ReceiverOptions {
+        recv_timeout: (args.timeout > 0).then(|| Duration::from_secs(args.timeout)),
+        ..ReceiverOptions::default()
+    };
+    let socket = socket_path(&args.socket)?;
+    let mut receiver = Receiver::connect(&socket, options)?;
     println!(
         "connected to {}: {} columns",
-        args.socket,
+        socket.display(),
         receiver.schema().fields().len()
     );
     let (mut batches, mut rows, mut bytes) = (0usize, 0usize, 0usize);
     let start = Instant::now();
-    while let Some(batch) = receiver.recv()? {
+    while let Some(batch) = receiver.recv().map_err(name_the_timeout)? {
         batches += 1;
         rows += batch.num_rows();
         bytes += batch.size_in_bytes();
@@ -91,6 +115,17 @@ pub fn recv(args: &RecvArgs) -> Result<()> {
         bytes as f64 / 1e6
     );
     Ok(())
+}
+
+/// A receive that timed out, with the option that sets the limit.
+fn name_the_timeout(e: Error) -> Error {
+    match e {
+        Error::Io { context, source } if source.kind() == std::io::ErrorKind::TimedOut => Error::Io {
+            context: format!("{context} (--timeout sets the limit; 0 waits without end)"),
+            source,
+        },
+        other => other,
+    }
 }
 
 fn describe(batches: usize, rows: usize) -> String {

@@ -102,3 +102,72 @@ fn bench_prints_one_table() {
     }
     assert!(!stdout.contains("differs"), "{stdout}");
 }
+
+/// `recv` gives up on a sender that sends nothing: after `--timeout` seconds (60 unless set, as
+/// `--help` says) it fails with a timeout in one line instead of waiting without end.
+#[test]
+fn recv_times_out_on_a_silent_sender() {
+    let o = arrow_cuda(&["recv", "--help"], &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("--timeout") && text(&o).contains("[default: 60]"),
+        "{}",
+        text(&o)
+    );
+    let socket = std::env::temp_dir().join(format!("arrow-cuda-cli-{}-silent.sock", std::process::id()));
+    let _ = std::fs::remove_file(&socket);
+    let schema = std::sync::Arc::new(arrow_schema::Schema::new(vec![arrow_schema::Field::new(
+        "x",
+        arrow_schema::DataType::Int64,
+        false,
+    )]));
+    let sender = arrow_cuda::ipc::Sender::bind(&socket, schema, Default::default()).unwrap();
+    let o = arrow_cuda(&["recv", "--socket", socket.to_str().unwrap(), "--timeout", "1"], &[]);
+    drop(sender);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("none came within 1s") && stderr.contains("--timeout"),
+        "{stderr}"
+    );
+}
+
+/// Without `--socket`, `send` and `recv` meet in a directory only this user can enter: made with
+/// mode 0700 under `XDG_RUNTIME_DIR`, and refused when others can enter it (another user may have
+/// made it first).
+#[test]
+fn the_default_socket_is_in_a_private_directory() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let o = arrow_cuda(&["recv", "--help"], &[]);
+    assert!(text(&o).contains("XDG_RUNTIME_DIR"), "{}", text(&o));
+    let runtime = std::env::temp_dir().join(format!("arrow-cuda-cli-{}-runtime", std::process::id()));
+    let _ = std::fs::remove_dir_all(&runtime);
+    std::fs::create_dir_all(&runtime).unwrap();
+    let send = [
+        "send",
+        "--device",
+        "cpu",
+        "--batches",
+        "1",
+        "--rows",
+        "10",
+        "--wait",
+        "1",
+    ];
+    let env = [("XDG_RUNTIME_DIR", runtime.to_str().unwrap())];
+    // No receiver comes, so it fails after a second, having listened in the private directory.
+    let o = arrow_cuda(&send, &env);
+    assert!(!o.status.success(), "{}", text(&o));
+    let dir = runtime.join("arrow-cuda");
+    let socket = dir.join("arrow-cuda.sock");
+    assert!(text(&o).contains(&format!("on {}", socket.display())), "{}", text(&o));
+    assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o700);
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let o = arrow_cuda(&send, &env);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("mode is 777"), "{stderr}");
+    std::fs::remove_dir_all(&runtime).unwrap();
+}

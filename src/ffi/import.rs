@@ -354,7 +354,8 @@ impl Walker {
                 let needed = end
                     .checked_mul(*size as usize)
                     .ok_or_else(|| invalid("fixed-size list too long"))?;
-                if c.len + c.offset < needed {
+                // Counted from the child's own offset, as a struct's children are.
+                if c.len < needed {
                     return Err(invalid(format!(
                         "fixed-size list child has {} elements, {needed} needed",
                         c.len

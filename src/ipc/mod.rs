@@ -16,6 +16,28 @@
 //! (on the CPU device they are shared memory). Linux only. I/O failures are
 //! [`Error::Io`](crate::error::Error::Io); [`Error::io_kind`](crate::error::Error::io_kind) says
 //! what happened ([`std::io::ErrorKind::TimedOut`] for timeouts).
+//!
+//! # Who can reach the memory
+//!
+//! A CUDA IPC memory handle is a capability: any process of the same user (and root) that learns
+//! its 64 bytes can map the whole allocation it names, read it and write it, for as long as the
+//! exporter keeps it; the driver does not ask how the handle was obtained. Shared host memory on
+//! the CPU device travels as a file descriptor, which is the same capability. So whoever receives a batch's handles holds its
+//! memory, and a process that poses as a sender can feed a receiver any data. The channel
+//! therefore trusts exactly the users it is told to:
+//!
+//! - each end asks the kernel who the other is (`SO_PEERCRED`) and, unless
+//!   [`SenderOptions::allowed_uids`] / [`ReceiverOptions::allowed_uids`] name other users, accepts
+//!   only processes of its own user; a refused receiver is disconnected before it sees the schema
+//!   ([`SenderEvent::Refused`]) and a receiver that refuses its sender fails to connect, both with
+//!   [`std::io::ErrorKind::PermissionDenied`];
+//! - a sender neither replaces nor uses a socket file of another user. A socket path in a directory
+//!   that others can write (`/tmp`) can still be taken first by another user, who then makes the
+//!   peer checks fail rather than succeed; [`private_socket_path`] gives a path in a directory of
+//!   mode 0700 (under `XDG_RUNTIME_DIR` when set), where no one else can;
+//! - the checks keep other users out. They cannot separate processes of one user: those can read
+//!   each other's memory anyway (through `/proc`, `ptrace` or the handles themselves), and so can
+//!   root. Processes that must not see each other's data run as different users.
 
 mod channel;
 mod decode;
@@ -28,7 +50,7 @@ mod message;
 pub mod testing;
 mod wire;
 
-pub use channel::{Receiver, ReceiverOptions, Sender, SenderEvent, SenderOptions, SenderStatus};
+pub use channel::{Receiver, ReceiverOptions, Sender, SenderEvent, SenderOptions, SenderStatus, private_socket_path};
 pub use descriptor::{BatchDescriptor, BufferLocation, RegionHandle};
 pub use event::{IpcEvent, IpcEventHandle};
 pub use handle::{HANDLE_BYTES, IpcMemHandle, OpenedHandle};

@@ -15,16 +15,19 @@
 //! - a receiver that dies: its socket ends, the sender's reader thread for it notices at once and
 //!   reclaims everything it held ([`SenderEvent::Lost`], [`SenderStatus::lost`]);
 //! - a sender that dies: the receiver's next receive reads the end of the connection and fails
-//!   ([`std::io::ErrorKind::UnexpectedEof`]); a receive can also be bounded by a timeout;
+//!   ([`std::io::ErrorKind::UnexpectedEof`]); a sender that goes silent makes a receive time out
+//!   ([`std::io::ErrorKind::TimedOut`], after [`ReceiverOptions::recv_timeout`]: 60 s by default);
 //! - truncated, oversized or corrupt frames: errors on either side, never a crash; a corrupt batch is
 //!   acknowledged so its memory is reclaimed.
 
+mod access;
 mod peers;
 mod protocol;
 mod receiver;
 mod ring;
 mod sender;
 
+pub use access::private_socket_path;
 pub use peers::{SenderEvent, SenderStatus};
 pub use receiver::{Receiver, ReceiverOptions};
 pub use sender::{Sender, SenderOptions};

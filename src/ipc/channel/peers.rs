@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
+use crate::ipc::channel::access::check_peer;
 use crate::ipc::channel::protocol::{Frame, Link};
 use crate::ipc::channel::ring::RingWriter;
 use crate::ipc::event::{IpcEvent, IpcEventHandle};
@@ -28,6 +29,13 @@ pub enum SenderEvent {
     Left {
         /// The receiver's number.
         receiver: u64,
+    },
+    /// A process connected as a user that [`SenderOptions::allowed_uids`](crate::ipc::SenderOptions::allowed_uids)
+    /// does not allow, or whose user could not be told: it was told so and disconnected before it
+    /// saw anything of the stream.
+    Refused {
+        /// Why, with the process's user id.
+        reason: String,
     },
     /// A receiver's connection ended while it held batches, failed, or broke the protocol; what it
     /// held was reclaimed.
@@ -119,12 +127,20 @@ pub(super) struct Shared {
     hello: Frame,
     max_frame: usize,
     write_timeout: Duration,
+    /// The users whose processes may connect (`None`: this process's own).
+    allowed_uids: Option<Vec<u32>>,
 }
 
 impl Shared {
     /// Nothing connected yet: receivers will be greeted with `hello`, their frames may be up to
-    /// `max_frame` bytes, and a write to one may block for `write_timeout`.
-    pub(super) fn new(hello: Frame, max_frame: usize, write_timeout: Duration) -> Shared {
+    /// `max_frame` bytes, a write to one may block for `write_timeout`, and only processes of
+    /// `allowed_uids` (`None`: this process's user) are accepted.
+    pub(super) fn new(
+        hello: Frame,
+        max_frame: usize,
+        write_timeout: Duration,
+        allowed_uids: Option<Vec<u32>>,
+    ) -> Shared {
         Shared {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
@@ -132,6 +148,7 @@ impl Shared {
             hello,
             max_frame,
             write_timeout,
+            allowed_uids,
         }
     }
 
@@ -142,6 +159,14 @@ impl Shared {
     /// Greets a new receiver, hands it its ring and starts reading its acknowledgements.
     fn add_peer(self: &Arc<Self>, socket: UnixStream) {
         if socket.set_nonblocking(false).is_err() || socket.set_write_timeout(Some(self.write_timeout)).is_err() {
+            return;
+        }
+        if let Err(e) = check_peer(&socket, self.allowed_uids.as_deref()) {
+            let reason = e.to_string();
+            // The refused process learns why, and nothing of the stream.
+            let _ = Link::new(socket).send(&Frame::Abort(format!("refused: {reason}")));
+            self.lock().events.push(SenderEvent::Refused { reason });
+            self.changed.notify_all();
             return;
         }
         let Ok(reader) = socket.try_clone() else { return };

@@ -13,6 +13,7 @@ use arrow_schema::{ArrowError, SchemaRef};
 use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Event, Stream};
 use crate::error::{Error, Result};
+use crate::ipc::channel::access::check_peer;
 use crate::ipc::channel::protocol::{Frame, Link};
 use crate::ipc::channel::ring::{Entry, RingReader, Woken};
 use crate::ipc::descriptor::{BatchDescriptor, Mapping};
@@ -26,9 +27,12 @@ use crate::ipc::wire::{self, FrameReader, RecvError};
 pub struct ReceiverOptions {
     /// How long [`Receiver::connect`] waits for the socket to appear and the schema to arrive.
     pub connect_timeout: Duration,
-    /// How long [`Receiver::recv`] waits for the next frame (`None`: until it comes or the sender's
-    /// connection ends). A timeout is an [`std::io::ErrorKind::TimedOut`] error after which the
-    /// receiver can try again.
+    /// How long [`Receiver::recv`] waits for the next frame: 60 seconds by default, so that a
+    /// sender that goes silent without closing its connection (stopped, or stuck) cannot hold the
+    /// receiver forever; `None` waits until a frame comes or the sender's connection ends. A timeout
+    /// is an [`Error::Io`] of kind [`std::io::ErrorKind::TimedOut`] ("waiting for a batch: none came
+    /// within 60s"), after which the receiver can try again. A receiver whose sender may rightly
+    /// pause longer between batches sets a longer limit, or `None`.
     pub recv_timeout: Option<Duration>,
     /// The largest frame accepted from the sender.
     pub max_frame_bytes: usize,
@@ -41,6 +45,10 @@ pub struct ReceiverOptions {
     pub retain_mappings: bool,
     /// How long sending an acknowledgement may block.
     pub ack_timeout: Duration,
+    /// The users whose sender this receiver accepts, told by the kernel (`SO_PEERCRED`: the user of
+    /// the process that listens on the socket); `None` (the default): only this process's own
+    /// user. Anyone who can create the socket path can otherwise pose as the sender.
+    pub allowed_uids: Option<Vec<u32>>,
     /// How long [`Receiver::recv`] polls for the next frame, on a busy core, before it sleeps until
     /// the frame arrives (default zero: it sleeps at once). Frames arrive through shared memory, so
     /// polling costs no system call; waking a sleeping thread costs tens of microseconds, and on
@@ -54,10 +62,11 @@ impl Default for ReceiverOptions {
     fn default() -> Self {
         ReceiverOptions {
             connect_timeout: Duration::from_secs(10),
-            recv_timeout: None,
+            recv_timeout: Some(Duration::from_secs(60)),
             max_frame_bytes: 64 << 20,
             retain_mappings: false,
             ack_timeout: Duration::from_secs(5),
+            allowed_uids: None,
             poll: Duration::ZERO,
         }
     }
@@ -125,7 +134,9 @@ const MAX_EVENTS: usize = 1024;
 
 impl Receiver {
     /// Connects to the sender at `path`, waiting up to [`ReceiverOptions::connect_timeout`] for the
-    /// socket to appear and the schema to arrive.
+    /// socket to appear and the schema to arrive. A sender of a user that
+    /// [`ReceiverOptions::allowed_uids`] does not allow, or one that refuses this process's user, is
+    /// an [`Error::Io`] of kind [`std::io::ErrorKind::PermissionDenied`].
     pub fn connect(path: impl AsRef<Path>, options: ReceiverOptions) -> Result<Receiver> {
         let path = path.as_ref();
         let deadline = Instant::now() + options.connect_timeout;
@@ -141,6 +152,8 @@ impl Receiver {
                 Err(e) => return Err(Error::io(format!("connecting to {}", path.display()), e)),
             }
         };
+        check_peer(&socket, options.allowed_uids.as_deref())
+            .map_err(|e| Error::io(format!("connecting to {}", path.display()), e))?;
         socket
             .set_write_timeout(Some(options.ack_timeout))
             .map_err(|e| Error::io("configuring the channel socket", e))?;
@@ -158,6 +171,13 @@ impl Receiver {
         };
         let schema = match greeting("reading the schema")? {
             Frame::Hello { schema } => decode_schema(&schema)?,
+            // A sender says so when it refuses this process's user.
+            Frame::Abort(reason) => {
+                return Err(Error::io(
+                    format!("connecting to {}", path.display()),
+                    io::Error::new(io::ErrorKind::PermissionDenied, reason),
+                ));
+            }
             other => return Err(Error::InvalidData(format!("a channel that starts with {other:?}"))),
         };
         let ring = match greeting("reading the ring")? {
@@ -189,7 +209,8 @@ impl Receiver {
     /// ([`ArrowError::IpcError`]), a connection that ended without an end of stream (the sender
     /// died; [`std::io::ErrorKind::UnexpectedEof`]), a timeout, malformed frames
     /// ([`Error::InvalidData`]). After a malformed batch frame the receiver can go on receiving;
-    /// after a broken connection every call fails.
+    /// after a broken connection every call fails. A receive waits at most
+    /// [`ReceiverOptions::recv_timeout`] (60 seconds unless set otherwise).
     pub fn recv(&mut self) -> Result<Option<DeviceRecordBatch>> {
         match &self.state {
             State::Open => {}
@@ -198,7 +219,14 @@ impl Receiver {
         }
         let frame = match self.next_frame() {
             Ok(decoded) => decoded?,
-            Err(RecvError::Idle(e)) => return Err(Error::io("waiting for a batch", e)),
+            Err(RecvError::Idle(_)) => {
+                // Only a limit ends a wait with nothing read.
+                let limit = self.options.recv_timeout.unwrap_or_default();
+                return Err(Error::io(
+                    "waiting for a batch",
+                    io::Error::new(io::ErrorKind::TimedOut, format!("none came within {limit:?}")),
+                ));
+            }
             Err(RecvError::Broken(e)) => {
                 self.state = State::Broken(e.to_string());
                 return Err(e);

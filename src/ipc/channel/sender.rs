@@ -16,6 +16,7 @@ use arrow_schema::SchemaRef;
 use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Event, Stream};
 use crate::error::{Error, Result};
+use crate::ipc::channel::access::check_owner;
 use crate::ipc::channel::peers::{InFlight, SenderEvent, SenderStatus, Shared, State, accept_loop};
 use crate::ipc::channel::protocol::Frame;
 use crate::ipc::descriptor::{BatchDescriptor, Route};
@@ -40,6 +41,12 @@ pub struct SenderOptions {
     pub message_resource: Option<MemoryResource>,
     /// The largest frame accepted from a receiver.
     pub max_frame_bytes: usize,
+    /// The users whose processes may receive, told by the kernel (`SO_PEERCRED`) for each
+    /// connection; `None` (the default): only this process's own user. A process refused is told
+    /// so and disconnected before it sees the schema ([`SenderEvent::Refused`]). Every receiver
+    /// can open the memory of the batches it is sent: see the [`crate::ipc`] docs before allowing
+    /// other users.
+    pub allowed_uids: Option<Vec<u32>>,
 }
 
 impl Default for SenderOptions {
@@ -50,6 +57,7 @@ impl Default for SenderOptions {
             zero_copy: true,
             message_resource: None,
             max_frame_bytes: 1 << 20,
+            allowed_uids: None,
         }
     }
 }
@@ -86,9 +94,12 @@ impl std::fmt::Debug for Sender {
 
 impl Sender {
     /// Binds `path` (a stale socket file left by a dead process is replaced) and starts accepting
-    /// receivers for batches of `schema`.
+    /// receivers for batches of `schema`. A file at `path` that belongs to another user is
+    /// neither replaced nor used ([`std::io::ErrorKind::PermissionDenied`]); put sockets in a
+    /// directory only this user can enter, such as [`private_socket_path`](crate::ipc::private_socket_path)'s.
     pub fn bind(path: impl AsRef<Path>, schema: SchemaRef, options: SenderOptions) -> Result<Sender> {
         let path = path.as_ref().to_path_buf();
+        check_owner(&path)?;
         let listener = match UnixListener::bind(&path) {
             Ok(l) => l,
             Err(e) if e.kind() == io::ErrorKind::AddrInUse && is_stale(&path) => {
@@ -103,7 +114,12 @@ impl Sender {
         let hello = Frame::Hello {
             schema: encode_schema(&schema),
         };
-        let shared = Arc::new(Shared::new(hello, options.max_frame_bytes, options.send_timeout));
+        let shared = Arc::new(Shared::new(
+            hello,
+            options.max_frame_bytes,
+            options.send_timeout,
+            options.allowed_uids.clone(),
+        ));
         let accepting = shared.clone();
         let accept = std::thread::Builder::new()
             .name("arrow-cuda-ipc-accept".into())

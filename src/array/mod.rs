@@ -14,6 +14,8 @@ use crate::device::{Device, Event};
 use crate::error::{Error, Result};
 use crate::memory::DeviceBuffer;
 
+mod sizes;
+
 /// An array's data buffers: most arrays have one or two, kept inline.
 pub(crate) type Buffers = smallvec::SmallVec<[DeviceBuffer; 2]>;
 
@@ -37,8 +39,28 @@ pub struct DeviceArrayData {
 impl DeviceArrayData {
     /// Assembles an array from its parts, checking that every buffer is on one device, that the
     /// null count fits the length, and that the buffers and children, recursively, are those of
-    /// the type ([`DeviceArrayData::children`] says how children are laid out). Buffer sizes are
-    /// checked against the type when the array is copied to the host.
+    /// the type ([`DeviceArrayData::children`] says how children are laid out).
+    ///
+    /// Every buffer and child whose size follows from `offset + len` is checked to be large enough,
+    /// at every level of nesting: the validity bitmap (a bit per element), fixed-width values
+    /// (booleans, primitives, decimals, `FixedSizeBinary`, dictionary keys, union type ids and
+    /// dense union offsets, list view offsets and sizes, the 16-byte views of view arrays),
+    /// `offset + len + 1` offsets of strings, binaries, lists and maps (none at all is accepted
+    /// when `offset + len` is 0), the children of structs and sparse unions (`offset + len`
+    /// elements) and of fixed-size lists (`(offset + len) * size`), and as many values as run ends
+    /// in a run-end encoded array. An array that fails is an [`Error::InvalidData`] naming the
+    /// buffer or child.
+    ///
+    /// What only the contents of the buffers tell is not checked, because CPU code never reads a
+    /// device array's memory (on a GPU that would take a copy and a synchronisation): the size of
+    /// the data buffer of `Utf8`, `Binary`, `LargeUtf8` and `LargeBinary` arrays (their last
+    /// offset), the data buffers of view arrays (which the views address), the lengths of the
+    /// children of lists, maps, list views and dense unions (reached through offsets and sizes),
+    /// of dictionary values (reached through keys) and the length a run-end encoded array's last
+    /// run end gives; nor whether offsets rise, type ids name children or keys lie in the values.
+    /// The check is the same on every device, the CPU included. A copy to the host
+    /// ([`crate::transfer`]) validates all of it; an array assembled from untrusted parts must be
+    /// validated so before it is exported to a consumer that trusts it.
     #[allow(clippy::too_many_arguments)]
     pub fn try_new(
         data_type: DataType,
@@ -74,14 +96,16 @@ impl DeviceArrayData {
     /// Checks what [`DeviceArrayData::try_new`] promises of every array: its buffers are on one
     /// device, and its type and its buffers and children, recursively, are laid out as arrow-rs
     /// lays them out (the buffer count of the type, a validity bitmap only where the type has one,
-    /// the children of the type's fields). The export relies on it.
+    /// the children of the type's fields, sizes that hold `offset + len` elements). The export
+    /// relies on it.
     pub(crate) fn check(&self) -> Result<()> {
         one_device(self.all_buffers(), "array")?;
         check_type(&self.data_type)?;
         self.check_layout()
     }
 
-    /// The layout part of [`DeviceArrayData::check`], for an array whose type passed [`check_type`].
+    /// The layout part of [`DeviceArrayData::check`], for an array whose type passed [`check_type`]:
+    /// buffers and children as the type has them, of the sizes the lengths need.
     fn check_layout(&self) -> Result<()> {
         let dt = &self.data_type;
         let spec = arrow_data::layout(dt);
@@ -114,7 +138,7 @@ impl DeviceArrayData {
             }
             child.check_layout()?;
         }
-        Ok(())
+        sizes::check_sizes(self)
     }
 
     /// The Arrow data type.
