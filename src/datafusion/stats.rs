@@ -31,7 +31,6 @@ impl std::fmt::Debug for ColumnStats {
 #[derive(Debug)]
 pub(crate) struct StatsBuilder {
     rows: usize,
-    bytes: usize,
     columns: Vec<ColumnStats>,
 }
 
@@ -39,7 +38,6 @@ impl StatsBuilder {
     pub(crate) fn new(schema: &Schema) -> Self {
         StatsBuilder {
             rows: 0,
-            bytes: 0,
             columns: schema
                 .fields()
                 .iter()
@@ -58,7 +56,6 @@ impl StatsBuilder {
     pub(crate) fn update(&mut self, batch: &RecordBatch) {
         use rayon::prelude::*;
         self.rows += batch.num_rows();
-        self.bytes += batch.get_array_memory_size();
         // Columns on every core: string minima and maxima are the slow part of staging.
         self.columns
             .par_iter_mut()
@@ -98,12 +95,12 @@ impl StatsBuilder {
         let mut out = StatsBuilder::new(schema);
         for p in parts {
             out.rows += p.rows;
-            out.bytes += p.bytes;
         }
         for (i, c) in out.columns.iter_mut().enumerate() {
             let cols = parts.iter().map(|p| &p.columns[i]);
             c.nulls = cols.clone().map(|p| p.nulls).sum();
             c.non_null = cols.clone().map(|p| p.non_null).sum();
+            c.bytes = cols.clone().map(|p| p.bytes).sum();
             // Each partition's extreme (those with values), fed to a fresh accumulator.
             let with_values: Vec<&ColumnStats> = cols.filter(|p| p.non_null > 0).collect();
             let mins: Option<Vec<ScalarValue>> = with_values
@@ -159,7 +156,7 @@ impl StatsBuilder {
             .collect();
         Statistics {
             num_rows: Precision::Exact(self.rows),
-            total_byte_size: Precision::Inexact(self.bytes),
+            total_byte_size: Precision::Inexact(self.columns.iter().map(|c| c.bytes).sum()),
             column_statistics,
         }
     }
