@@ -231,6 +231,36 @@ fn all_tpch_queries_match_memtable() {
     });
 }
 
+/// Stages that emit final rows partition them as DataFusion's `Final` aggregate would (by the hash
+/// of the group keys): a partitioned hash join of two aggregates, with no repartitioning between
+/// them and the join, pairs the same partitions of both.
+#[test]
+fn final_rows_keep_the_hash_partitioning_a_join_needs() {
+    let _gpu = gpu_shared();
+    let t = tpch();
+    let sql = "select a.l_suppkey, a.n, b.q from \
+               (select l_suppkey, count(*) as n from lineitem group by l_suppkey) a join \
+               (select l_suppkey, sum(l_quantity) as q from lineitem where l_quantity < 10 group by l_suppkey) b \
+               on a.l_suppkey = b.l_suppkey";
+    common::each_device(|device, _| {
+        let (gpu, mem) = sessions(&[("lineitem", &t.lineitem)], device);
+        for ctx in [&gpu, &mem] {
+            for option in [
+                "hash_join_single_partition_threshold",
+                "hash_join_single_partition_threshold_rows",
+            ] {
+                run(ctx, &format!("set datafusion.optimizer.{option} = 0")).expect("set");
+            }
+        }
+        let plan = explain(&gpu, sql);
+        assert!(plan.contains("HashJoinExec: mode=Partitioned"), "{plan}");
+        assert_eq!(plan.matches("output=final").count(), 2, "{plan}");
+        assert!(!plan.contains("RepartitionExec"), "{plan}");
+        let n = assert_same(&gpu, &mem, sql, true);
+        assert!(n > 100, "{n} rows");
+    });
+}
+
 /// `EXPLAIN` shows the stage and what it runs; `EXPLAIN ANALYZE` its metrics.
 #[test]
 fn explain_shows_stages_and_their_metrics() {
@@ -244,6 +274,8 @@ fn explain_shows_stages_and_their_metrics() {
             plan.contains("DeviceStageExec: scan=7 columns, pushed predicate"),
             "{plan}"
         );
+        assert!(plan.contains("output=final"), "{plan}");
+        assert!(!plan.contains("AggregateExec"), "{plan}");
         assert!(plan.contains("group_by=[l_returnflag@8, l_linestatus@9]"), "{plan}");
         assert!(plan.contains("aggr=[sum(lineitem.l_quantity)"), "{plan}");
         assert!(!plan.contains("GpuTableScan"), "{plan}");

@@ -50,25 +50,27 @@
 //! A device stage is the part of a query plan over a GPU table that runs where the table lives.
 //!
 //! [`DeviceStageRule`] is a DataFusion physical optimizer rule. Installed with
-//! [`with_device_stages`], it finds each partial aggregate (`AggregateExec` in `Partial` mode)
-//! whose input is a [`GpuScan`] through projections, filters and round-robin
-//! repartitioning, and replaces that whole subtree with one [`DeviceStageExec`] (a `Single`
-//! aggregate, whose input is one partition, becomes a `Final` aggregate over a stage). The
-//! stage evaluates the scan's pushed-down predicate, the filters, the computed projections, the
-//! group keys and the aggregates on the device in one or two passes over the columns (see
-//! `stage/codegen.rs`), keeps its groups and accumulators in device memory, and copies only the groups'
-//! partial state to the host: a batch with exactly the schema of DataFusion's partial aggregate,
-//! which DataFusion's `Final` aggregate above merges as it would merge its own.
+//! [`with_device_stages`], it finds each aggregation whose input is a [`GpuScan`] through
+//! projections, filters and round-robin repartitioning, and replaces it with one
+//! [`DeviceStageExec`]. The stage evaluates the scan's pushed-down predicate, the filters, the
+//! computed projections, the group keys and the aggregates on the device in one or two passes over
+//! the columns (see `stage/codegen.rs`), keeps its groups and accumulators in device memory, and
+//! copies only the groups' partial state to the host (a batch with exactly the schema of
+//! DataFusion's partial aggregate). Where the stage covers the whole aggregation (a `Final`
+//! aggregate over the partial one, with only repartitioning or coalescing between them, or a
+//! `Single` aggregate) it replaces all of it and emits the final rows, DataFusion's own groups
+//! accumulators merging the state, partitioned by the hash of the group keys as the `Final`
+//! aggregate was; otherwise it replaces the partial aggregate and DataFusion's `Final` aggregate
+//! above merges the state as it would merge its own.
 //!
 //! ## Where the rule sits
 //!
 //! The rule is appended after DataFusion's own physical optimizer rules. Only then is the plan's
 //! shape final: `EnforceDistribution` has split aggregates into `Partial` and `Final` with the
 //! repartitioning between them, projections and filters have been pushed down as far as they go,
-//! and repartitioning has been placed. A stage replaces a subtree that produces the partial state
-//! and keeps its partition count (the stage runs once and each partition emits a share of the
-//! groups), so the plan above it stays valid, its schema unchanged, and the repartitioning and
-//! `Final` aggregate above it merge the groups on every core.
+//! and repartitioning has been placed. A stage keeps the partitioning and the schema of what it
+//! replaces (it runs once, and each partition emits its share of the rows), so the plan above it
+//! stays valid: a join that needs its input hash-partitioned by the group keys still gets it.
 //!
 //! ## What a stage runs
 //!

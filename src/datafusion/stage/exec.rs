@@ -7,14 +7,17 @@ use std::time::Instant;
 use ::datafusion::common::DataFusionError;
 use ::datafusion::common::tree_node::TreeNodeRecursion;
 use ::datafusion::execution::TaskContext;
+use ::datafusion::physical_expr::aggregate::AggregateFunctionExpr;
 use ::datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
 use ::datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use ::datafusion::physical_plan::metrics::{Count, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet, Time};
+use ::datafusion::physical_plan::repartition::BatchPartitioner;
 use ::datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use ::datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties, SendableRecordBatchStream,
 };
 use arrow_array::RecordBatch;
+use arrow_schema::SchemaRef;
 use futures::future::{BoxFuture, FutureExt, Shared};
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
@@ -23,20 +26,23 @@ use super::super::error::DfResult;
 use super::device::DeviceStage;
 use super::host::HostStage;
 use super::layout::{Groups, StagePlan};
-use super::output::state_batch;
+use super::output::{final_batch, state_batch};
 use super::{Outcome, StageResult};
 use crate::device::Device;
 
-/// A device stage: a GPU table's scan, its filters, computed projections and a partial
-/// aggregation, run where the table lives; it emits DataFusion's partial aggregate state in as
-/// many partitions as the partial aggregate it replaced (the stage runs once; each partition
-/// emits a share of its groups, so that the operators above merge them in parallel). When the
-/// device cannot finish (a group key string longer than the key words hold, device memory
-/// exhausted) it gives the work back: the original DataFusion plan runs instead, partition by
-/// partition, and the answer is the same.
+/// A device stage: a GPU table's scan, its filters, computed projections and an aggregation, run
+/// where the table lives. When it covers the whole aggregation it emits the aggregate's final rows,
+/// partitioned as the `Final` aggregate it replaced partitioned them; when DataFusion's `Final`
+/// aggregate stays above it, it emits DataFusion's partial aggregate state in as many partitions
+/// as the partial aggregate it replaced (each partition a share of the groups, merged above in
+/// parallel). The stage runs once, shared by its partitions. When the device cannot finish (a
+/// group key string longer than the key words hold, device memory exhausted) it gives the work
+/// back: the original DataFusion plan runs instead, partition by partition, and the answer is the
+/// same.
 pub struct DeviceStageExec {
     plan: Arc<StagePlan>,
-    /// The partial aggregate this stage replaced, run when the stage gives its work back.
+    output: Output,
+    /// The plan this stage replaced, run when the stage gives its work back.
     original: Arc<dyn ExecutionPlan>,
     properties: Arc<PlanProperties>,
     metrics: ExecutionPlanMetricsSet,
@@ -45,10 +51,23 @@ pub struct DeviceStageExec {
     shared: Mutex<Option<SharedRun>>,
 }
 
-/// What the stage's run produced: its state batches, or the work given back.
+/// What a stage emits.
+#[derive(Debug)]
+pub(crate) enum Output {
+    /// DataFusion's partial aggregate state (the plan's schema), for a `Final` aggregate above.
+    Partial,
+    /// The final rows of these aggregates (DataFusion's own accumulators merge the stage's
+    /// state), with this schema: the stage replaced the whole aggregation.
+    Final {
+        aggr: Vec<Arc<AggregateFunctionExpr>>,
+        schema: SchemaRef,
+    },
+}
+
+/// What the stage's run produced: each partition's batches, or the work given back.
 #[derive(Clone)]
 enum Produced {
-    Batches(Arc<Vec<RecordBatch>>),
+    Partitions(Arc<Vec<Vec<RecordBatch>>>),
     GivenBack,
 }
 
@@ -61,16 +80,21 @@ impl fmt::Debug for DeviceStageExec {
 }
 
 impl DeviceStageExec {
-    pub(crate) fn new(plan: StagePlan, original: Arc<dyn ExecutionPlan>) -> Self {
-        let partitions = original.properties().partitioning.partition_count();
-        let properties = PlanProperties::new(
-            EquivalenceProperties::new(plan.schema.clone()),
-            Partitioning::UnknownPartitioning(partitions),
-            EmissionType::Final,
-            Boundedness::Bounded,
-        );
+    /// A stage that runs `plan` in place of `original`, which emits `output`.
+    pub(crate) fn new(plan: StagePlan, output: Output, original: Arc<dyn ExecutionPlan>) -> Self {
+        let properties = match &output {
+            // Unordered, partitioned as the aggregate it replaced.
+            Output::Final { .. } => original.properties().as_ref().clone(),
+            Output::Partial => PlanProperties::new(
+                EquivalenceProperties::new(plan.schema.clone()),
+                Partitioning::UnknownPartitioning(original.properties().partitioning.partition_count()),
+                EmissionType::Final,
+                Boundedness::Bounded,
+            ),
+        };
         DeviceStageExec {
             plan: Arc::new(plan),
+            output,
             original,
             properties: Arc::new(properties),
             metrics: ExecutionPlanMetricsSet::new(),
@@ -85,9 +109,14 @@ impl DeviceStageExec {
             .get_or_insert_with(|| {
                 let plan = self.plan.clone();
                 let metrics = Metrics::new(&self.metrics);
+                let emit = self.emitter();
                 async move {
-                    match run(plan, &metrics).await {
-                        Ok(batches) => Ok(Produced::Batches(Arc::new(batches))),
+                    match run(plan, &metrics).await.and_then(|states| Ok(emit(states)?)) {
+                        Ok(partitions) => {
+                            let rows = partitions.iter().flatten().map(RecordBatch::num_rows).sum();
+                            metrics.output_rows.add(rows);
+                            Ok(Produced::Partitions(Arc::new(partitions)))
+                        }
                         Err(Outcome::GiveBack(why)) => {
                             log::info!("arrow-cuda: a device stage gives its work back to DataFusion: {why}");
                             metrics.given_back.add(1);
@@ -100,6 +129,32 @@ impl DeviceStageExec {
                 .shared()
             })
             .clone()
+    }
+
+    /// What turns the stage's state batches (one per device) into each partition's batches.
+    fn emitter(&self) -> impl FnOnce(Vec<RecordBatch>) -> DfResult<Vec<Vec<RecordBatch>>> + Send + 'static {
+        let partitioning = self.properties.partitioning.clone();
+        let last = match &self.output {
+            Output::Partial => None,
+            Output::Final { aggr, schema } => Some((aggr.clone(), schema.clone(), self.plan.keys.len())),
+        };
+        move |states| match last {
+            None => Ok(shares(&states, partitioning.partition_count())),
+            Some((aggr, schema, keys)) => {
+                let batch = final_batch(&aggr, keys, &schema, &states)?;
+                match partitioning {
+                    Partitioning::Hash(..) => {
+                        let mut out = vec![Vec::new(); partitioning.partition_count()];
+                        BatchPartitioner::try_new(partitioning, Time::new(), 0, 1)?.partition(batch, |p, b| {
+                            out[p].push(b);
+                            Ok(())
+                        })?;
+                        Ok(out)
+                    }
+                    _ => Ok(shares(&[batch], partitioning.partition_count())),
+                }
+            }
+        }
     }
 
     /// What the stage runs.
@@ -124,11 +179,30 @@ impl DisplayAs for DeviceStageExec {
                 }
                 write!(f, ", group_by=[{}]", list(&p.keys))?;
                 let aggs: Vec<&str> = p.aggs.iter().map(|a| a.name.as_str()).collect();
-                write!(f, ", aggr=[{}], output=partial", aggs.join(", "))
+                let output = match self.output {
+                    Output::Partial => "partial",
+                    Output::Final { .. } => "final",
+                };
+                write!(f, ", aggr=[{}], output={output}", aggs.join(", "))
             }
             DisplayFormatType::TreeRender => write!(f, "group_by={}\naggr={}", p.keys.len(), p.aggs.len()),
         }
     }
+}
+
+/// Each of `n` partitions' share of the rows of `batches`.
+fn shares(batches: &[RecordBatch], n: usize) -> Vec<Vec<RecordBatch>> {
+    (0..n)
+        .map(|p| {
+            batches
+                .iter()
+                .map(|b| {
+                    let (start, end) = (b.num_rows() * p / n, b.num_rows() * (p + 1) / n);
+                    b.slice(start, end - start)
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// The stage's metrics for one execution.
@@ -208,7 +282,6 @@ async fn run(plan: Arc<StagePlan>, metrics: &Metrics) -> StageResult<Vec<RecordB
         };
         let batch = state_batch(&plan, &groups)?;
         metrics.device_time.add_duration(started.elapsed());
-        metrics.output_rows.add(batch.num_rows());
         out.push(batch);
     }
     Ok(out)
@@ -261,26 +334,15 @@ impl ExecutionPlan for DeviceStageExec {
         let original = self.original.clone();
         let fut = async move {
             let stream: BoxStream<'static, DfResult<RecordBatch>> = match run.await.map_err(DataFusionError::Shared)? {
-                Produced::Batches(batches) => {
-                    // This partition's share of each device's groups.
-                    let share: Vec<DfResult<RecordBatch>> = batches
-                        .iter()
-                        .map(|b| {
-                            let (start, end) = (
-                                b.num_rows() * partition / partitions,
-                                b.num_rows() * (partition + 1) / partitions,
-                            );
-                            Ok(b.slice(start, end - start))
-                        })
-                        .collect();
-                    futures::stream::iter(share).boxed()
+                Produced::Partitions(batches) => {
+                    futures::stream::iter(batches[partition].clone().into_iter().map(Ok)).boxed()
                 }
                 Produced::GivenBack => original.execute(partition, context)?.boxed(),
             };
             DfResult::Ok(stream)
         };
         Ok(Box::pin(RecordBatchStreamAdapter::new(
-            self.plan.schema.clone(),
+            self.schema(),
             futures::stream::once(fut).try_flatten(),
         )))
     }

@@ -1,16 +1,23 @@
 //! A stage's output: its [`Groups`] as a batch of DataFusion's partial aggregate state (the group
 //! columns, then each aggregate's state fields as `AggregateFunctionExpr::state_fields` declares
-//! them), which DataFusion's `Final` aggregate merges.
+//! them), which DataFusion's `Final` aggregate merges, or which [`final_batch`] turns into the
+//! final rows with DataFusion's own accumulators.
 
 use std::sync::Arc;
 
+use ::datafusion::logical_expr::EmitTo;
+use ::datafusion::physical_expr::aggregate::AggregateFunctionExpr;
+use ::datafusion::physical_plan::aggregates::group_values::new_group_values;
+use ::datafusion::physical_plan::aggregates::order::GroupOrdering;
 use arrow_array::builder::{
     BooleanBuilder, Date32Builder, Date64Builder, Decimal128Builder, Float64Builder, Int8Builder, Int16Builder,
     Int32Builder, Int64Builder, LargeStringBuilder, StringBuilder, StringViewBuilder, UInt8Builder, UInt16Builder,
     UInt32Builder, UInt64Builder,
 };
 use arrow_array::{ArrayRef, Float32Array, Float64Array, RecordBatch, RecordBatchOptions};
-use arrow_schema::DataType;
+use arrow_schema::{DataType, Schema, SchemaRef};
+
+use super::super::error::DfResult;
 
 use super::layout::{Acc, AggKind, Groups, StagePlan, ordered_f64, string_capacity};
 use crate::error::{Error, Result};
@@ -214,4 +221,42 @@ pub(crate) fn state_batch(plan: &StagePlan, groups: &Groups) -> Result<RecordBat
         columns,
         &options,
     )?)
+}
+
+/// The final rows (`schema`: the `keys` group columns, then one value per aggregate) of partial
+/// state batches, merged as DataFusion's `Final` aggregate merges them: the keys interned by
+/// DataFusion's group values, each aggregate's state merged and evaluated by its own groups
+/// accumulator, so results are DataFusion's to the bit.
+pub(crate) fn final_batch(
+    aggr: &[Arc<AggregateFunctionExpr>],
+    keys: usize,
+    schema: &SchemaRef,
+    states: &[RecordBatch],
+) -> DfResult<RecordBatch> {
+    let mut indices = Vec::with_capacity(states.len());
+    let (groups, mut columns) = if keys == 0 {
+        indices.extend(states.iter().map(|b| vec![0; b.num_rows()]));
+        (1, vec![])
+    } else {
+        let key_schema = Arc::new(Schema::new(schema.fields()[..keys].to_vec()));
+        let mut values = new_group_values(key_schema, &GroupOrdering::None)?;
+        for b in states {
+            let mut g = Vec::with_capacity(b.num_rows());
+            values.intern(&b.columns()[..keys], &mut g)?;
+            indices.push(g);
+        }
+        (values.len(), values.emit(EmitTo::All)?)
+    };
+    let mut at = keys;
+    for a in aggr {
+        let width = a.state_fields()?.len();
+        let mut acc = a.create_groups_accumulator()?;
+        for (b, g) in states.iter().zip(&indices) {
+            acc.merge_batch(&b.columns()[at..at + width], g, groups)?;
+        }
+        columns.push(acc.evaluate(EmitTo::All)?);
+        at += width;
+    }
+    let options = RecordBatchOptions::new().with_row_count(Some(groups));
+    Ok(RecordBatch::try_new_with_options(schema.clone(), columns, &options)?)
 }

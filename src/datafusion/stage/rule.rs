@@ -1,5 +1,5 @@
-//! [`DeviceStageRule`]: the physical optimizer rule that replaces partial aggregates over GPU table
-//! scans with device stages.
+//! [`DeviceStageRule`]: the physical optimizer rule that replaces aggregations over GPU table scans
+//! with device stages.
 
 use std::sync::Arc;
 
@@ -25,13 +25,13 @@ use super::super::error::DfResult;
 use super::super::nvrtc::gpu_kernels_available;
 use super::super::source::GpuScan;
 use super::codegen;
-use super::exec::DeviceStageExec;
+use super::exec::{DeviceStageExec, Output};
 use super::layout::{self, Acc, AggKind, AggSpec, StagePlan};
 use super::output::state_type_supported;
 use crate::device::Device;
 
-/// Replaces each partial aggregate over a GPU table scan (through projections and filters) with one [`DeviceStageExec`], when the device can run all of it; everything else
-/// stays with DataFusion. See the [module docs](crate::datafusion#device-stages) for where it sits among DataFusion's rules.
+/// Replaces each aggregation over a GPU table scan (through projections and filters) with one
+/// [`DeviceStageExec`], when the device can run all of it; everything else stays with DataFusion. See the [module docs](crate::datafusion#device-stages) for where it sits among DataFusion's rules.
 #[derive(Debug, Default, Clone)]
 pub struct DeviceStageRule {
     host_stages: bool,
@@ -102,6 +102,22 @@ fn substitute(
         .map_err(|e| e.to_string())
 }
 
+/// The partial aggregate under a `Final` one, through the repartitioning or coalescing between them.
+fn partial_below(plan: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>, String> {
+    if let Some(agg) = plan.downcast_ref::<AggregateExec>()
+        && *agg.mode() == AggregateMode::Partial
+    {
+        return Ok(plan.clone());
+    }
+    if plan.downcast_ref::<RepartitionExec>().is_some()
+        || plan.downcast_ref::<CoalescePartitionsExec>().is_some()
+        || plan.downcast_ref::<CooperativeExec>().is_some()
+    {
+        return partial_below(plan.children()[0]);
+    }
+    Err(format!("{} under the final aggregate", plan.name()))
+}
+
 fn walk(plan: &Arc<dyn ExecutionPlan>) -> Result<Lowered<'_>, String> {
     if let Some(source) = plan.downcast_ref::<DataSourceExec>() {
         let scan = source
@@ -153,14 +169,22 @@ fn walk(plan: &Arc<dyn ExecutionPlan>) -> Result<Lowered<'_>, String> {
 }
 
 impl DeviceStageRule {
-    /// The stage that replaces `agg` (the node `node`): for a `Partial` aggregate the stage itself;
-    /// for a `Single` one (all input in one partition) the stage of its partial half under a
-    /// `Final` aggregate.
+    /// The stage that replaces `agg` (the node `node`): for a `Final` aggregate over a partial one
+    /// (through the repartitioning between them) or a `Single` aggregate, a stage that emits the
+    /// final rows; for a `Partial` aggregate whose `Final` stays with DataFusion, a stage that
+    /// emits the partial state.
     fn stage(&self, agg: &AggregateExec, node: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>, String> {
-        match agg.mode() {
-            AggregateMode::Partial => Ok(Arc::new(DeviceStageExec::new(self.lower(agg)?, node.clone()))),
-            AggregateMode::Single => {
-                let partial = AggregateExec::try_new(
+        let partial = match agg.mode() {
+            AggregateMode::Partial => {
+                return Ok(Arc::new(DeviceStageExec::new(
+                    self.lower(agg)?,
+                    Output::Partial,
+                    node.clone(),
+                )));
+            }
+            AggregateMode::Final | AggregateMode::FinalPartitioned => partial_below(agg.input())?,
+            AggregateMode::Single => Arc::new(
+                AggregateExec::try_new(
                     AggregateMode::Partial,
                     agg.group_expr().clone(),
                     agg.aggr_expr().to_vec(),
@@ -168,28 +192,22 @@ impl DeviceStageRule {
                     agg.input().clone(),
                     agg.input_schema(),
                 )
-                .map_err(|e| e.to_string())?;
-                let stage: Arc<dyn ExecutionPlan> =
-                    Arc::new(DeviceStageExec::new(self.lower(&partial)?, Arc::new(partial)));
-                // The `Final` aggregate merges one partition.
-                let input: Arc<dyn ExecutionPlan> = if stage.properties().partitioning.partition_count() > 1 {
-                    Arc::new(CoalescePartitionsExec::new(stage))
-                } else {
-                    stage
-                };
-                let last = AggregateExec::try_new(
-                    AggregateMode::Final,
-                    agg.group_expr().as_final(),
-                    agg.aggr_expr().to_vec(),
-                    vec![None; agg.aggr_expr().len()],
-                    input,
-                    agg.input_schema(),
-                )
-                .map_err(|e| e.to_string())?;
-                Ok(Arc::new(last))
-            }
-            other => Err(format!("mode {other:?}")),
+                .map_err(|e| e.to_string())?,
+            ),
+            other => return Err(format!("mode {other:?}")),
+        };
+        if agg.limit_options().is_some() || node.properties().output_ordering().is_some() {
+            return Err("a limit or an output ordering".into());
         }
+        if let Some(a) = agg.aggr_expr().iter().find(|a| !a.groups_accumulator_supported()) {
+            return Err(format!("{} has no groups accumulator", a.name()));
+        }
+        let plan = self.lower(partial.downcast_ref::<AggregateExec>().ok_or("not an aggregate")?)?;
+        let output = Output::Final {
+            aggr: agg.aggr_expr().to_vec(),
+            schema: agg.schema(),
+        };
+        Ok(Arc::new(DeviceStageExec::new(plan, output, node.clone())))
     }
 
     pub(crate) fn lower(&self, agg: &AggregateExec) -> Result<StagePlan, String> {

@@ -209,17 +209,41 @@ fn string_key_words_come_from_the_longest_value() {
 }
 
 #[test]
-fn stages_keep_the_partition_count_of_what_they_replace() {
-    // The partial aggregate runs on the table's partitions, and so does its stage.
+fn stages_replace_the_whole_aggregation_and_keep_its_partitioning() {
+    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
     for partitions in [1, 3] {
         for sql in ["select s, count(*) from t group by s", "select sum(b) from t"] {
+            // The aggregate DataFusion plans without the rule: its last (top) half.
+            let ctx = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(4));
+            ctx.register_table("t", Arc::new(table_in(partitions))).unwrap();
+            let plain = rt
+                .block_on(async { ctx.sql(sql).await.unwrap().create_physical_plan().await })
+                .unwrap();
+            let mut top = None;
+            plain
+                .apply(|p| {
+                    top = p
+                        .downcast_ref::<AggregateExec>()
+                        .map(|_| p.properties().partitioning.clone());
+                    Ok(if top.is_some() {
+                        TreeNodeRecursion::Stop
+                    } else {
+                        TreeNodeRecursion::Continue
+                    })
+                })
+                .unwrap();
             let stages = stage_plans_over(sql, table_in(partitions));
             assert_eq!(stages.len(), 1, "{sql}");
+            // (`UnknownPartitioning` is never equal to itself: compare what they print.)
             assert_eq!(
-                stages[0].properties().partitioning.partition_count(),
-                partitions,
+                format!("{:?}", stages[0].properties().partitioning),
+                format!("{:?}", top.unwrap()),
                 "{sql}"
             );
+            let shown = ::datafusion::physical_plan::displayable(stages[0].as_ref())
+                .one_line()
+                .to_string();
+            assert!(shown.contains("output=final"), "{shown}");
         }
     }
 }
