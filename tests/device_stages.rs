@@ -9,7 +9,8 @@ mod common;
 use std::sync::{Arc, OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use arrow_array::{
-    ArrayRef, Date32Array, Decimal128Array, Float64Array, Int32Array, Int64Array, RecordBatch, StringArray,
+    ArrayRef, Date32Array, Decimal128Array, DictionaryArray, Float64Array, Int8Array, Int32Array, Int64Array,
+    RecordBatch, StringArray,
 };
 use arrow_cuda::datafusion::{DeviceStageRule, GpuTable, LoadOptions};
 use arrow_cuda::{Device, DeviceBuffer, Error, MemoryResource, Stream};
@@ -745,5 +746,54 @@ fn long_string_keys() {
         let text = pretty_format_batches(&batches).unwrap().to_string();
         let stage = text.lines().find(|l| l.contains("DeviceStageExec")).expect("a stage");
         assert!(stage.contains("given_back=1"), "{stage}");
+    });
+}
+
+/// Group keys of dictionary columns group by their values, as DataFusion groups them: batches with
+/// different dictionaries (the same value under different keys, values no key references), null
+/// keys and null values, string and integer values, a value longer than two key words, sliced
+/// batches.
+#[test]
+fn dictionary_group_keys() {
+    let _gpu = gpu_shared();
+    let batch = |b: usize| {
+        let n = 5_000;
+        let names = ["ant", "bee", "cat", "a dictionary value of 33 bytes..."];
+        // Each batch orders its values differently and holds a null value and one more value.
+        let values: Vec<Option<&str>> = (0..names.len() + 2)
+            .map(|v| match (v + b) % (names.len() + 2) {
+                0 => None,
+                1 => Some("eel"),
+                x => Some(names[x - 2]),
+            })
+            .collect();
+        let keys = Int32Array::from_iter((0..n).map(|i| (i % 13 != 0).then_some(((i * 7 + b) % values.len()) as i32)));
+        let ds: ArrayRef = Arc::new(DictionaryArray::new(keys, Arc::new(StringArray::from(values))));
+        let small = Int8Array::from_iter((0..n).map(|i| (i % 11 != 0).then_some((i % 3) as i8)));
+        let di: ArrayRef = Arc::new(DictionaryArray::new(
+            small,
+            Arc::new(Int64Array::from(vec![Some(-5 + b as i64), None, Some(1 << 40)])),
+        ));
+        let x: ArrayRef = Arc::new(Int64Array::from_iter_values((0..n).map(|i| (i * b) as i64 % 1000)));
+        let batch = RecordBatch::try_from_iter([("ds", ds), ("di", di), ("x", x)]).unwrap();
+        batch.slice(b * 10, n - b * 20)
+    };
+    let batches: Vec<RecordBatch> = (1..4).map(batch).collect();
+    let data = Data {
+        schema: batches[0].schema(),
+        partitions: vec![batches[..2].to_vec(), batches[2..].to_vec()],
+    };
+    common::each_device(|device, _| {
+        let (gpu, mem) = sessions(&[("t", &data)], device);
+        for sql in [
+            "select ds, count(*), sum(x) from t group by ds",
+            "select di, ds, min(x), max(x), count(ds) from t where x > 10 group by di, ds",
+            "select substr(ds, 2, 2), count(*) from t where x % 3 = 0 group by 1",
+            "select count(di), count(*) from t where x > 0",
+        ] {
+            assert_same(&gpu, &mem, sql, true);
+        }
+        // Answered from the table's statistics, which count null values as nulls.
+        assert_same(&gpu, &mem, "select count(di), count(ds) from t", false);
     });
 }

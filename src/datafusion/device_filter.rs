@@ -406,13 +406,37 @@ pub(crate) fn column_args(
                 keep.push(t);
                 addr
             }
+            // The values' buffers, validity and offset (see `Codegen::column_decl`).
+            DataType::Dictionary(..) => {
+                let values = a
+                    .children()
+                    .first()
+                    .ok_or_else(|| Error::InvalidData("a dictionary without values".into()))?;
+                let table: Vec<u8> = [
+                    values.buffers().first().map_or(0, DeviceBuffer::address),
+                    values.buffers().get(1).map_or(0, DeviceBuffer::address),
+                    validity(values),
+                    values.offset() as u64,
+                ]
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect();
+                let t = DeviceBuffer::from_host(&table, resource, stream)?;
+                let addr = t.address();
+                keep.push(t);
+                addr
+            }
             _ => 0,
         };
-        let nulls = match (a.nulls(), a.null_count()) {
-            (Some(_), Some(0)) | (None, _) => 0,
-            (Some(b), _) => b.address(),
-        };
-        args.extend([values, data, nulls, a.offset() as u64]);
+        args.extend([values, data, validity(a), a.offset() as u64]);
     }
     Ok(keep)
+}
+
+/// The address of an array's validity bitmap, 0 when no element is null.
+fn validity(a: &DeviceArrayData) -> u64 {
+    match (a.nulls(), a.null_count()) {
+        (Some(_), Some(0)) | (None, _) => 0,
+        (Some(b), _) => b.address(),
+    }
 }

@@ -80,7 +80,8 @@
 //!   and `_`; `date_part` of year and month);
 //! - group keys of integers, dates, booleans, decimals and strings of up to 255 bytes (each string
 //!   key takes the words its column's longest value needs, measured while staging; a longer string
-//!   found while running makes the stage give its work back);
+//!   found while running makes the stage give its work back), and dictionary columns of those
+//!   (a dictionary key groups by its value, so batches with different dictionaries agree);
 //! - `COUNT`, `SUM` and `AVG` of integers, decimals (exact, 128-bit) and floats, `MIN` and `MAX`
 //!   of integers, dates, decimals of at most 18 digits and floats, each with an optional
 //!   `FILTER (WHERE ...)`. Float minima and maxima follow IEEE 754's total order, as arrow's `min`

@@ -38,6 +38,22 @@ pub(crate) struct Generated {
     pub(crate) literals: Vec<u8>,
 }
 
+/// How values of `dt` are read and compared.
+fn kind_of(dt: &DataType) -> Result<ValueKind> {
+    use DataType::*;
+    Ok(match dt {
+        Int8 | Int16 | Int32 | Int64 | Float32 | Float64 | Date32 | Date64 | Timestamp(..) | Boolean => {
+            ValueKind::Signed
+        }
+        UInt8 | UInt16 | UInt32 | UInt64 => ValueKind::Unsigned,
+        Decimal128(..) => ValueKind::Decimal128,
+        Utf8 => ValueKind::Utf8,
+        LargeUtf8 => ValueKind::LargeUtf8,
+        Utf8View => ValueKind::Utf8View,
+        other => return Err(Error::Unsupported(format!("GPU predicate over {other}"))),
+    })
+}
+
 pub(crate) struct Codegen<'a> {
     batch: &'a DeviceRecordBatch,
     /// The statements emitted so far.
@@ -62,10 +78,60 @@ impl<'a> Codegen<'a> {
         }
     }
 
-    /// The kernel parameters of column `c`: values, data (string bytes or the view buffers'
-    /// addresses), validity and offset.
+    /// The kernel parameters of column `c`: values, data (string bytes, the view buffers'
+    /// addresses, or a dictionary's values: see `device_filter::column_args`), validity and
+    /// offset.
     pub(crate) fn column_params(c: usize) -> String {
         format!(", const unsigned char* c{c}_v, const unsigned char* c{c}_d, const unsigned char* c{c}_n, u64 c{c}_o")
+    }
+
+    /// The declarations that give row `i` of column `c` its element `e<c>`. A dictionary
+    /// column's element is its key's value element (0 under a null key), in the values' buffers
+    /// `c<c>_dv`, `c<c>_dd` and `c<c>_dn`; `c<c>_kv` says whether the key is valid.
+    pub(crate) fn column_decl(&self, c: usize) -> Result<String> {
+        let DataType::Dictionary(key, _) = self.batch.column(c).data_type() else {
+            return Ok(format!("    u64 e{c} = c{c}_o + i;\n"));
+        };
+        let k = match key.as_ref() {
+            DataType::Int8 => "signed char",
+            DataType::Int16 => "short",
+            DataType::Int32 => "int",
+            DataType::Int64 => "long long",
+            DataType::UInt8 => "unsigned char",
+            DataType::UInt16 => "unsigned short",
+            DataType::UInt32 => "unsigned int",
+            DataType::UInt64 => "u64",
+            other => return Err(Error::Unsupported(format!("dictionary keys of {other}"))),
+        };
+        Ok(format!(
+            "    const u64* t{c} = (const u64*)c{c}_d; const unsigned char* c{c}_dv = (const unsigned char*)t{c}[0]; \
+             const unsigned char* c{c}_dd = (const unsigned char*)t{c}[1]; \
+             const unsigned char* c{c}_dn = (const unsigned char*)t{c}[2];\n\
+             \x20   bool c{c}_kv = valid(c{c}_n, c{c}_o + i); \
+             u64 e{c} = c{c}_kv ? t{c}[3] + (u64)((const {k}*)c{c}_v)[c{c}_o + i] : 0;\n"
+        ))
+    }
+
+    /// The type of column `c`'s values (a dictionary's value type).
+    pub(crate) fn value_type(&self, c: usize) -> &DataType {
+        match self.batch.column(c).data_type() {
+            DataType::Dictionary(_, v) => v,
+            dt => dt,
+        }
+    }
+
+    /// The C names of column `c`'s values and data buffers, and the C expression of element
+    /// `e<c>`'s validity (a dictionary's key and value validity).
+    pub(crate) fn column_names(&self, c: usize) -> (String, String, String) {
+        if matches!(self.batch.column(c).data_type(), DataType::Dictionary(..)) {
+            (
+                format!("c{c}_dv"),
+                format!("c{c}_dd"),
+                format!("(c{c}_kv && valid(c{c}_dn, e{c}))"),
+            )
+        } else {
+            (format!("c{c}_v"), format!("c{c}_d"), format!("valid(c{c}_n, e{c})"))
+        }
     }
 
     /// The literal buffer: slots, then string bytes; string slots hold offsets from the buffer start.
@@ -109,18 +175,7 @@ impl<'a> Codegen<'a> {
     }
 
     fn kind(&self, col: usize) -> Result<ValueKind> {
-        use DataType::*;
-        Ok(match self.batch.column(col).data_type() {
-            Int8 | Int16 | Int32 | Int64 | Float32 | Float64 | Date32 | Date64 | Timestamp(..) | Boolean => {
-                ValueKind::Signed
-            }
-            UInt8 | UInt16 | UInt32 | UInt64 => ValueKind::Unsigned,
-            Decimal128(..) => ValueKind::Decimal128,
-            Utf8 => ValueKind::Utf8,
-            LargeUtf8 => ValueKind::LargeUtf8,
-            Utf8View => ValueKind::Utf8View,
-            other => return Err(Error::Unsupported(format!("GPU predicate over {other}"))),
-        })
+        kind_of(self.batch.column(col).data_type())
     }
 
     /// A C expression of column `col`'s value at element `e` in the domain it is compared in.
@@ -195,9 +250,9 @@ impl<'a> Codegen<'a> {
     pub(crate) fn string_value(&mut self, col: usize) -> Result<(String, String)> {
         let n = self.var();
         let (p, l) = (format!("sp{n}"), format!("sl{n}"));
-        let (v, d) = (format!("c{col}_v"), format!("c{col}_d"));
+        let (v, d, valid) = self.column_names(col);
         // Only valid slots are read: a null view's length and buffer index may be anything.
-        let read = match self.kind(col)? {
+        let read = match kind_of(self.value_type(col))? {
             ValueKind::Utf8 => format!(
                 "const int* so{n} = (const int*){v}; {p} = {d} + so{n}[e{col}]; \
                  {l} = (u64)(so{n}[e{col} + 1] - so{n}[e{col}]);"
@@ -215,7 +270,7 @@ impl<'a> Codegen<'a> {
         };
         writeln!(
             self.body,
-            "    const unsigned char* {p} = 0; u64 {l} = 0;\n    if (valid(c{col}_n, e{col})) {{ {read} }}"
+            "    const unsigned char* {p} = 0; u64 {l} = 0;\n    if ({valid}) {{ {read} }}"
         )
         .map_err(|_| Error::InvalidArgument("formatting a kernel".into()))?;
         Ok((p, l))
@@ -322,7 +377,8 @@ impl<'a> Codegen<'a> {
 pub(crate) fn generate(predicate: &Predicate, batch: &DeviceRecordBatch, cols: &[usize]) -> Result<Generated> {
     let mut g = Codegen::new(batch);
     for &c in cols {
-        g.body.push_str(&format!("    u64 e{c} = c{c}_o + i;\n"));
+        let decl = g.column_decl(c)?;
+        g.body.push_str(&decl);
     }
     let (v, k) = g.emit(predicate)?;
     let mut source = String::from(PREDICATE_PRELUDE);

@@ -180,6 +180,8 @@ fn longest_string(a: &ArrayRef) -> Option<usize> {
             .map(|&v| v as u32 as usize)
             .max()
             .unwrap_or(0),
+        // A dictionary's values, referenced or not.
+        DataType::Dictionary(..) => longest_string(a.as_any_dictionary().values())?,
         _ => return None,
     })
 }

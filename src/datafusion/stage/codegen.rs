@@ -21,7 +21,7 @@ use arrow_schema::DataType;
 
 use super::super::predicate_codegen::{Codegen, PREDICATE_PRELUDE};
 use super::expr::{ExprCompiler, Val};
-use super::layout::{Acc, SlotKind, StagePlan, string_capacity};
+use super::layout::{Acc, SlotKind, StagePlan, key_value_type, string_capacity};
 use crate::array::DeviceRecordBatch;
 use crate::error::{Error, Result};
 
@@ -41,11 +41,7 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
     let mut g = Codegen::new(batch);
     let (key_offsets, nw) = plan.key_layout();
     let (slots, first) = plan.slot_layout();
-    let decls: String = plan
-        .columns
-        .iter()
-        .map(|c| format!("    u64 e{c} = c{c}_o + i;\n"))
-        .collect();
+    let decls: String = plan.columns.iter().map(|&c| g.column_decl(c)).collect::<Result<_>>()?;
     let params: String = plan.columns.iter().map(|&c| Codegen::column_params(c)).collect();
 
     // The rows kept: the scan's predicate and the filters above it.
@@ -82,7 +78,7 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
         g.body.push_str(&format!("    u64 kw[{nw}]; u64 nulls = 0;\n"));
         for (j, (key, dt)) in plan.keys.iter().zip(&plan.key_types).enumerate() {
             let val = ExprCompiler::new(&mut g, schema).compile(key)?;
-            if &val.dt != dt {
+            if &val.dt != key_value_type(dt) {
                 return Err(Error::Unsupported(format!("group key of type {} for {dt}", val.dt)));
             }
             encode_key(&mut g.body, &val, key_offsets[j], plan.key_words[j], j)?;

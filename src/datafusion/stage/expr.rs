@@ -188,12 +188,18 @@ impl<'c, 'a> ExprCompiler<'c, 'a> {
         unsupported(expr)
     }
 
+    /// Column `c`'s value; a dictionary column's is its key's value, of the value type.
     fn column(&mut self, c: usize) -> Result<Val> {
-        let dt = self.schema.field(c).data_type().clone();
+        let dt = self.g.value_type(c).clone();
+        if let DataType::Dictionary(..) = self.schema.field(c).data_type()
+            && (dt == DataType::Utf8View || c_type(&dt).is_none())
+        {
+            return unsupported(format!("a dictionary of {dt}"));
+        }
         let (v, k) = self.fresh();
-        let src = format!("c{c}_v");
+        let (src, _, valid) = self.g.column_names(c);
         let e = format!("e{c}");
-        self.line(format!("bool {k} = valid(c{c}_n, {e});"));
+        self.line(format!("bool {k} = {valid};"));
         if is_string(&dt) {
             let (p, l) = self.g.string_value(c)?;
             return Ok(Val {

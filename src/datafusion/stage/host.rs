@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use ::datafusion::arrow::compute::cast;
 use ::datafusion::common::tree_node::{Transformed, TreeNode};
 use ::datafusion::physical_expr::PhysicalExpr;
 use ::datafusion::physical_expr::expressions::Column;
@@ -190,7 +191,9 @@ impl<'p> HostStage<'p> {
                 None => vec![true; m],
             };
             let arg = self.args[a].evaluate(&kept)?.into_array(m)?;
-            let valid = |r: usize| fk[r] && arg.is_valid(r);
+            // Logical nulls: a dictionary's null values too.
+            let nulls = arg.logical_nulls();
+            let valid = |r: usize| fk[r] && nulls.as_ref().is_none_or(|n| n.is_valid(r));
             match spec.acc {
                 Acc::Count => {
                     for r in (0..m).filter(|&r| valid(r)) {
@@ -255,6 +258,11 @@ impl<'p> HostStage<'p> {
         let nw = self.nw;
         for (j, key) in self.keys.iter().enumerate() {
             let a = key.evaluate(kept)?.into_array(m)?;
+            // A dictionary's keys group by their values.
+            let a = match a.data_type() {
+                DataType::Dictionary(_, v) => cast(&a, v)?,
+                _ => a,
+            };
             let at = self.offsets[j];
             for r in 0..m {
                 if a.is_null(r) {

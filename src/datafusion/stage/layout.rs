@@ -116,11 +116,20 @@ impl AggSpec {
 /// makes the stage give its work back to DataFusion.
 pub(crate) fn key_words(dt: &DataType, longest: Option<usize>) -> Option<usize> {
     use DataType::*;
-    match dt {
+    match key_value_type(dt) {
         Int8 | Int16 | Int32 | Int64 | UInt8 | UInt16 | UInt32 | Date32 | Date64 | Boolean => Some(1),
         Decimal128(_, s) if *s >= 0 => Some(2),
         Utf8 | LargeUtf8 | Utf8View => Some(longest.map_or(2, |n| n.min(MAX_KEY_STRING) / 8 + 1)),
         _ => None,
+    }
+}
+
+/// The type of a group key's values: a dictionary's value type (the stage groups by values, and
+/// the output encodes them as the dictionary type again), else the key's type.
+pub(crate) fn key_value_type(dt: &DataType) -> &DataType {
+    match dt {
+        DataType::Dictionary(_, v) => v,
+        dt => dt,
     }
 }
 

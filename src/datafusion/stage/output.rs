@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use ::datafusion::arrow::compute::cast;
 use ::datafusion::logical_expr::EmitTo;
 use ::datafusion::physical_expr::aggregate::AggregateFunctionExpr;
 use ::datafusion::physical_plan::aggregates::group_values::new_group_values;
@@ -19,7 +20,7 @@ use arrow_schema::{DataType, Schema, SchemaRef};
 
 use super::super::error::DfResult;
 
-use super::layout::{Acc, AggKind, Groups, StagePlan, ordered_f64, string_capacity};
+use super::layout::{Acc, AggKind, Groups, StagePlan, key_value_type, ordered_f64, string_capacity};
 use crate::error::{Error, Result};
 
 /// An integer column of `dt` from `values` (`None` is null).
@@ -141,8 +142,9 @@ pub(crate) fn state_batch(plan: &StagePlan, groups: &Groups) -> Result<RecordBat
     let (_, first) = plan.slot_layout();
     let n = groups.count;
     let mut columns: Vec<ArrayRef> = Vec::with_capacity(plan.schema.fields().len());
-    for (j, dt) in plan.key_types.iter().enumerate() {
+    for (j, key_type) in plan.key_types.iter().enumerate() {
         let at = offsets[j];
+        let dt = key_value_type(key_type);
         let column = match dt {
             DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View => {
                 string_column(dt, key_strings(groups, nw, at, plan.key_words[j], j))?
@@ -159,6 +161,11 @@ pub(crate) fn state_batch(plan: &StagePlan, groups: &Groups) -> Result<RecordBat
                 });
                 int_column(dt, values)?
             }
+        };
+        let column = if dt == key_type {
+            column
+        } else {
+            cast(&column, key_type)?
         };
         columns.push(column);
     }

@@ -9,8 +9,8 @@ use ::datafusion::physical_plan::ExecutionPlan;
 use ::datafusion::physical_plan::aggregates::AggregateExec;
 use ::datafusion::prelude::{SessionConfig, SessionContext};
 use arrow_array::{
-    ArrayRef, BooleanArray, Date32Array, Decimal128Array, Float64Array, Int32Array, Int64Array, RecordBatch,
-    StringArray,
+    ArrayRef, BooleanArray, Date32Array, Decimal128Array, DictionaryArray, Float64Array, Int8Array, Int32Array,
+    Int64Array, RecordBatch, StringArray,
 };
 
 use super::DeviceStageRule;
@@ -55,6 +55,13 @@ fn table_in(partitions: usize) -> GpuTable {
             "flag",
             Arc::new(BooleanArray::from_iter((0..n).map(|i| Some(i % 3 == 0)))),
         ),
+        (
+            "ds",
+            Arc::new(DictionaryArray::new(
+                Int8Array::from_iter((0..n).map(|i| (i % 4 != 0).then_some((i % 3) as i8))),
+                Arc::new(StringArray::from(vec![Some("x"), None, Some("zz")])),
+            )),
+        ),
     ];
     let batch = RecordBatch::try_from_iter(columns).unwrap();
     let share = (n as usize).div_ceil(partitions);
@@ -84,6 +91,7 @@ pub(crate) const STAGED: &[&str] = &[
      sum(cast(f * 1e9 as bigint)) as fb, sum(cast(t as int) + 1) as ti, count(cast(f as smallint)) as fs from t",
     "select abs(f) > 3, sum(abs(a - 50)), sum(abs(d - 30)), sum(coalesce(a, b)), sum(nullif(a, 3)), \
      count(nullif(s, 'k1')), count(coalesce(s, 'z')) from t group by abs(f) > 3",
+    "select ds, substr(ds, 2), count(ds), sum(a) from t where ds is not null or a > 3 group by ds, 2",
     // A group-by without aggregates: DataFusion's plan for a single COUNT(DISTINCT).
     "select s, count(distinct a) from t group by s",
 ];
