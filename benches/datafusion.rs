@@ -85,7 +85,7 @@ fn main() {
         .build()
         .expect("runtime");
     let config = || SessionConfig::new().with_target_partitions(cores);
-    println!("devices: {:?}", arrow_cuda::datafusion::default_devices());
+    println!("device: {}", arrow_cuda::datafusion::default_device());
 
     // TPC-H
     let t = Instant::now();

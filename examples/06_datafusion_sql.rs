@@ -13,7 +13,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use arrow_cuda::datafusion::{GpuTable, LoadOptions, default_devices};
+use arrow_cuda::datafusion::{GpuTable, LoadOptions, default_device};
 use arrow_cuda_workloads::tpch;
 use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::prelude::{SessionConfig, SessionContext};
@@ -21,7 +21,7 @@ use datafusion::prelude::{SessionConfig, SessionContext};
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let sf: f64 = std::env::args().nth(1).map(|s| s.parse()).transpose()?.unwrap_or(0.1);
     let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
-    let devices = default_devices();
+    let device = default_device();
     if !arrow_cuda::device::cuda_available() {
         println!("no CUDA device: the table lives on the CPU device");
     }
@@ -36,11 +36,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
 
     let t = Instant::now();
-    let options = LoadOptions::new().with_devices(devices.clone());
+    let options = LoadOptions::new().with_device(device);
     let table = GpuTable::try_new(lineitem.schema, lineitem.partitions, &options)?;
     let staged = t.elapsed();
     println!(
-        "staged {:.1} MB on {devices:?} in {staged:.2?} ({:.1} GB/s)",
+        "staged {:.1} MB on {device} in {staged:.2?} ({:.1} GB/s)",
         table.size_in_bytes() as f64 / 1e6,
         table.size_in_bytes() as f64 / staged.as_secs_f64() / 1e9
     );

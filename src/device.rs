@@ -148,6 +148,21 @@ fn keep_pool_memory(ctx: &CudaContext) -> Result<()> {
     unsafe { driver::mem_pool_set_release_threshold(pool, u64::MAX) }
 }
 
+/// The bytes the default memory pool of CUDA device `ordinal` keeps for this process's next
+/// stream-ordered allocations: memory freed into it, which [`keep_pool_memory`] stops it from
+/// returning to the driver, so that the driver's free memory leaves it out. 0 on a device without
+/// memory pools.
+pub(crate) fn pool_idle_memory(ordinal: usize) -> Result<u64> {
+    let ctx = context(ordinal)?;
+    if !ctx.has_async_alloc() {
+        return Ok(0);
+    }
+    // SAFETY: the device handle is valid for the retained context; the pool is the device's own.
+    let pool = unsafe { driver::default_mem_pool(ctx.cu_device()) }?;
+    // SAFETY: the device's default pool, alive as long as the driver.
+    unsafe { driver::mem_pool_idle_bytes(pool) }
+}
+
 /// What the driver reports about one CUDA device.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CudaDeviceInfo {

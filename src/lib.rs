@@ -59,7 +59,7 @@
 //! use datafusion::prelude::SessionContext;
 //!
 //! let batch = RecordBatch::try_from_iter([("x", Arc::new(Int64Array::from_iter_values(0..1000)) as ArrayRef)])?;
-//! // Every visible GPU, or the CPU device when there is none.
+//! // The first GPU, or the CPU device when there is none.
 //! let table = GpuTable::from_batches(batch.schema(), vec![batch], &LoadOptions::new())?;
 //!
 //! let ctx = SessionContext::new();

@@ -349,8 +349,9 @@ fn staging_gathers_batches() {
     });
 }
 
-/// With several GPUs, partitions spread over all of them and scan concurrently; results equal
-/// `MemTable`'s. Needs two GPUs; says `skipped` elsewhere.
+/// With several GPUs named, partitions spread over all of them and scan concurrently; results
+/// equal `MemTable`'s. Without names, a table goes to the first GPU only. Needs two GPUs; says
+/// `skipped` elsewhere.
 #[test]
 fn several_gpus_share_a_table() {
     let n = arrow_cuda::device::cuda_device_count().unwrap_or(0);
@@ -361,15 +362,20 @@ fn several_gpus_share_a_table() {
     let t = tpch();
     let gpu = session();
     let mem = session();
+    let all = LoadOptions::new()
+        .with_devices((0..n).map(Device::Cuda))
+        .with_batch_rows(2048);
     for (name, data) in [("lineitem", &t.lineitem), ("orders", &t.orders), ("part", &t.part)] {
-        let table = GpuTable::try_new(
-            data.schema.clone(),
-            data.partitions.clone(),
-            &LoadOptions::new().with_batch_rows(2048),
-        )
-        .expect("stage");
+        let table = GpuTable::try_new(data.schema.clone(), data.partitions.clone(), &all).expect("stage");
         let used: std::collections::BTreeSet<Device> = table.partition_devices().iter().copied().collect();
         assert_eq!(used, (0..n).map(Device::Cuda).collect(), "{name}");
+        let default =
+            GpuTable::try_new(data.schema.clone(), data.partitions.clone(), &LoadOptions::new()).expect("stage");
+        assert!(
+            default.partition_devices().iter().all(|&d| d == Device::Cuda(0)),
+            "{name}: {:?}",
+            default.partition_devices()
+        );
         gpu.register_table(name, Arc::new(table)).expect("register");
         mem.register_table(name, Arc::new(mem_table(data))).expect("register");
     }
@@ -549,30 +555,214 @@ fn loading_from_providers_and_files() {
     });
 }
 
+/// The bytes a batch's values need in its own types: the used ranges of its buffers, and for view
+/// columns the views and the bytes of the values too long to be inlined in them (each once).
+fn value_bytes(batch: &RecordBatch) -> usize {
+    use arrow_array::Array;
+    use arrow_array::cast::AsArray;
+    batch
+        .columns()
+        .iter()
+        .map(|c| match c.data_type() {
+            DataType::Utf8View => {
+                let v = c.as_string_view();
+                16 * v.len() + v.total_buffer_bytes_used() + v.nulls().map_or(0, |n| n.len().div_ceil(8))
+            }
+            _ => c.to_data().get_slice_memory_size().expect("slice size"),
+        })
+        .sum()
+}
+
+/// Strings read from Parquet by DataFusion come as `Utf8View` arrays whose data buffers are the
+/// decoded pages (and dictionaries) of a whole row group, shared by every batch of it and holding
+/// bytes no view of the batch references. A staged table takes device memory in proportion to its
+/// values all the same, and its size, its byte statistics and the progress it reports count what
+/// staging really copies.
+#[test]
+fn staged_views_take_the_memory_of_their_values() {
+    use datafusion::parquet::arrow::ArrowWriter;
+    use datafusion::parquet::file::properties::WriterProperties;
+    let rows = 100_000usize;
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("flag", DataType::Utf8, false),
+        Field::new("mode", DataType::Utf8, false),
+        Field::new("comment", DataType::Utf8, true),
+    ]));
+    let modes = [
+        "DELIVER IN PERSON",
+        "COLLECT COD",
+        "TAKE BACK RETURN",
+        "NONE OF THE ABOVE, THANKS",
+    ];
+    let batch = RecordBatch::try_new(
+        schema.clone(),
+        vec![
+            Arc::new(Int64Array::from_iter_values(0..rows as i64)),
+            Arc::new(StringArray::from_iter_values((0..rows).map(|i| ["A", "N", "R"][i % 3]))),
+            Arc::new(StringArray::from_iter_values((0..rows).map(|i| modes[i % 4]))),
+            Arc::new(StringArray::from_iter((0..rows).map(|i| {
+                (i % 10 != 0).then(|| format!("comment {i} {}", "lorem ipsum ".repeat(i * 7 % 9)))
+            }))),
+        ],
+    )
+    .expect("batch");
+    let dir = std::env::temp_dir().join(format!("arrow-cuda-views-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("strings.parquet");
+    // One row group: every batch DataFusion reads shares its pages and dictionaries.
+    let properties = WriterProperties::builder()
+        .set_max_row_group_row_count(Some(rows))
+        .build();
+    let mut writer =
+        ArrowWriter::try_new(std::fs::File::create(&path).expect("create"), schema, Some(properties)).expect("writer");
+    writer.write(&batch).expect("write");
+    writer.close().expect("close");
+
+    common::each_device(|device, _| {
+        let seen: Arc<Mutex<Vec<Progress>>> = Arc::default();
+        let s = seen.clone();
+        let options = LoadOptions::new()
+            .with_device(device)
+            .with_progress(move |p| s.lock().unwrap().push(p));
+        let table = runtime()
+            .block_on(GpuTable::from_parquet(&path, &options))
+            .expect("from parquet");
+        // What DataFusion reads: the same batches, in the same partitions.
+        let read: Vec<RecordBatch> = runtime().block_on(async {
+            let ctx = SessionContext::new();
+            let df = ctx
+                .read_parquet(path.to_str().unwrap(), Default::default())
+                .await
+                .expect("read");
+            df.collect().await.expect("collect")
+        });
+        assert_eq!(
+            table.schema_ref().field(3).data_type(),
+            &DataType::Utf8View,
+            "DataFusion reads strings as views"
+        );
+        let needed: usize = read.iter().map(value_bytes).sum();
+        let within = |what: &str, bytes: usize| {
+            eprintln!("{what}: {bytes} bytes, the values need {needed}");
+            assert!(
+                bytes * 4 <= needed * 5,
+                "{what}: {bytes} bytes, more than 1.25 times the {needed} bytes the values need"
+            );
+        };
+        within("device memory", table.size_in_bytes());
+        let progress = seen.lock().unwrap().last().copied().expect("progress");
+        within("progress", progress.bytes as usize);
+        assert!(
+            progress.bytes as usize >= table.size_in_bytes(),
+            "progress counts every byte staged: {progress:?}"
+        );
+        let stats = table
+            .statistics_ref()
+            .total_byte_size
+            .get_value()
+            .copied()
+            .expect("bytes");
+        within("statistics", stats);
+        // Every value survives.
+        let back: Vec<RecordBatch> = table
+            .partitions()
+            .iter()
+            .flatten()
+            .map(|b| b.to_record_batch().expect("download"))
+            .collect();
+        let back = arrow_select::concat::concat_batches(table.schema_ref(), &back).expect("concat");
+        let read = arrow_select::concat::concat_batches(table.schema_ref(), &read).expect("concat");
+        assert_eq!(back, read);
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A table that does not fit is an error before anything is copied, not an abort; allocation
-/// failures become `ResourcesExhausted`.
+/// failures become `ResourcesExhausted`. The error names the table, the bytes it takes on the
+/// device and the bytes free there (here: the memory limit).
 #[test]
 fn out_of_memory_is_an_error() {
     common::each_device(|device, _| {
         let data = &tpch().orders;
+        let message = |err: DataFusionError| match err {
+            DataFusionError::ResourcesExhausted(m) => m,
+            other => panic!("expected ResourcesExhausted, got {other}"),
+        };
         let err = GpuTable::try_new(
             data.schema.clone(),
             data.partitions.clone(),
-            &LoadOptions::new().with_device(device).with_memory_limit(100_000),
+            &LoadOptions::new()
+                .with_name("orders")
+                .with_device(device)
+                .with_memory_limit(100_000),
         )
         .expect_err("must not fit");
-        assert!(
-            matches!(&err, DataFusionError::ResourcesExhausted(m) if m.contains("does not fit")),
-            "{err}"
+        // The whole table goes to one device: its share is the whole table.
+        let m = message(err);
+        let whole = m
+            .split("it takes ")
+            .nth(1)
+            .and_then(|rest| rest.split(' ').next())
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no size in: {m}"));
+        assert!(whole > 1_000_000, "{m}");
+        assert_eq!(
+            m,
+            format!(
+                "table `orders` does not fit on {device}: it takes {whole} bytes there ({whole} bytes in all), \
+                 and the memory limit is 100000 bytes"
+            )
         );
-        // Streaming loads check batch by batch.
+        // Streaming loads check batch by batch (one of 4,096 rows fits, not two), and free what they
+        // staged.
         let err = runtime()
             .block_on(GpuTable::from_provider(
                 Arc::new(mem_table(data)),
+                &LoadOptions::new()
+                    .with_name("orders")
+                    .with_device(device)
+                    .with_batch_rows(1)
+                    .with_memory_limit(1_000_000),
+            ))
+            .expect_err("must not fit");
+        let m = message(err);
+        assert!(
+            m.starts_with(&format!("table `orders` does not fit on {device}: it takes at least ")),
+            "{m}"
+        );
+        assert!(
+            m.ends_with(", and the memory limit is 1000000 bytes; what was staged is freed"),
+            "{m}"
+        );
+        // A file names the table by its path.
+        let dir = std::env::temp_dir().join(format!("arrow-cuda-oom-{}-{device}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("orders.parquet");
+        runtime().block_on(async {
+            let ctx = session();
+            ctx.register_table("t", Arc::new(mem_table(data))).unwrap();
+            ctx.table("t")
+                .await
+                .unwrap()
+                .write_parquet(path.to_str().unwrap(), Default::default(), None)
+                .await
+                .expect("write parquet")
+        });
+        let err = runtime()
+            .block_on(GpuTable::from_parquet(
+                &path,
                 &LoadOptions::new().with_device(device).with_memory_limit(200_000),
             ))
             .expect_err("must not fit");
-        assert!(matches!(err, DataFusionError::ResourcesExhausted(_)), "{err}");
+        let m = message(err);
+        assert!(
+            m.starts_with(&format!("table `{}` does not fit", path.display())),
+            "{m}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     });
     let e: DataFusionError = arrow_cuda::Error::OutOfMemory {
         device: Device::Cuda(0),

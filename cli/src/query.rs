@@ -148,6 +148,7 @@ pub(crate) fn stage(
     )?);
     let progress = bar.clone();
     let options = LoadOptions::new()
+        .with_name(name)
         .with_device(device)
         .with_progress(move |p| progress.set_position(p.bytes));
     let t = Instant::now();

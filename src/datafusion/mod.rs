@@ -3,8 +3,8 @@
 //! the projected columns travel to the host.
 //!
 //! [`GpuTable`] is a [`TableProvider`](::datafusion::catalog::TableProvider) whose partitions are lists of
-//! [`DeviceRecordBatch`](crate::array::DeviceRecordBatch)es, spread round-robin over the devices it was given (every visible GPU by
-//! default, the CPU device when there is none). Its scan is a [`GpuScan`], a
+//! [`DeviceRecordBatch`](crate::array::DeviceRecordBatch)es, on the first GPU by default (the CPU device when there is none), or
+//! spread round-robin over the devices [`LoadOptions::with_devices`] names. Its scan is a [`GpuScan`], a
 //! [`DataSource`](::datafusion::datasource::source::DataSource) under `DataSourceExec`, the way
 //! `MemTable` uses `MemorySourceConfig`.
 //!
@@ -114,7 +114,7 @@ mod stats;
 mod table;
 
 pub use nvrtc::gpu_kernels_available;
-pub use options::{DEFAULT_BATCH_ROWS, LoadOptions, Progress, ProgressFn, default_devices};
+pub use options::{DEFAULT_BATCH_ROWS, LoadOptions, Progress, ProgressFn, default_device};
 pub use predicate::supports_filter;
 pub use source::GpuScan;
 pub use stage::{DeviceStageExec, DeviceStageRule, with_device_stages};

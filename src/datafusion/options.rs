@@ -11,7 +11,8 @@ use crate::device::Device;
 pub struct Progress {
     /// Rows staged so far.
     pub rows: u64,
-    /// Bytes staged so far (the host size of the arrays' used ranges).
+    /// Bytes staged so far (the host size of the arrays' used ranges, view columns as staging
+    /// compacts them).
     pub bytes: u64,
     /// Input batches staged so far.
     pub batches: u64,
@@ -25,8 +26,16 @@ pub struct Progress {
 pub type ProgressFn = Arc<dyn Fn(Progress) + Send + Sync>;
 
 /// How a [`GpuTable`](super::GpuTable) is loaded and scanned.
+///
+/// # Devices
+///
+/// A table goes to one device unless told otherwise: the first GPU (CUDA device 0), or the CPU
+/// device on a machine without one ([`default_device`]). It is spread over several devices only
+/// when [`LoadOptions::with_devices`] names them, never over every visible GPU on its own: tables
+/// that join must share a device, and a split nobody asked for surprises.
 #[derive(Clone, Default)]
 pub struct LoadOptions {
+    pub(crate) name: Option<String>,
     pub(crate) devices: Option<Vec<Device>>,
     pub(crate) memory_limit: Option<u64>,
     pub(crate) progress: Option<ProgressFn>,
@@ -38,6 +47,7 @@ pub struct LoadOptions {
 impl fmt::Debug for LoadOptions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LoadOptions")
+            .field("name", &self.name)
             .field("devices", &self.devices)
             .field("memory_limit", &self.memory_limit)
             .field("progress", &self.progress.is_some())
@@ -49,14 +59,22 @@ impl fmt::Debug for LoadOptions {
 }
 
 impl LoadOptions {
-    /// Default options: every visible GPU (the CPU device when there is none), four streams per
-    /// device, the input's partitioning, no progress callback, no memory limit beyond the
-    /// devices' free memory.
+    /// Default options: the first GPU (the CPU device when there is none; see [`default_device`]),
+    /// four streams per device, the input's partitioning, no progress callback, no memory limit
+    /// beyond the device's free memory.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Places the table on these devices, partitions round-robin.
+    /// Names the table in errors (a table that does not fit, say). Loads from files name it by
+    /// their path unless given a name.
+    pub fn with_name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// Places the table on these devices, partitions round-robin (an empty list means the
+    /// default device).
     pub fn with_devices(mut self, devices: impl IntoIterator<Item = Device>) -> Self {
         self.devices = Some(devices.into_iter().collect());
         self
@@ -68,7 +86,9 @@ impl LoadOptions {
     }
 
     /// Refuses to stage more than `bytes` on any one device (on top of the device's free memory,
-    /// which is always checked for GPUs).
+    /// which is always checked for GPUs). A table that does not fit is a
+    /// `DataFusionError::ResourcesExhausted` naming the table, the bytes it takes and the bytes free,
+    /// and nothing of it stays staged.
     pub fn with_memory_limit(mut self, bytes: u64) -> Self {
         self.memory_limit = Some(bytes);
         self
@@ -106,7 +126,7 @@ impl LoadOptions {
     pub(crate) fn devices(&self) -> Vec<Device> {
         match &self.devices {
             Some(d) if !d.is_empty() => d.clone(),
-            _ => default_devices(),
+            _ => vec![default_device()],
         }
     }
 }
@@ -117,10 +137,30 @@ pub const DEFAULT_BATCH_ROWS: usize = 1 << 22;
 /// Input batches are also gathered only until they hold this many bytes.
 pub(crate) const MAX_GATHERED_BYTES: u64 = 1 << 30;
 
-/// Every visible CUDA device, or the CPU device when there is no GPU.
-pub fn default_devices() -> Vec<Device> {
-    match crate::device::cuda_device_count() {
-        Ok(n) if n > 0 => (0..n).map(Device::Cuda).collect(),
-        _ => vec![Device::Cpu],
+/// The device a table goes to unless [`LoadOptions::with_devices`] names others: the first GPU,
+/// or the CPU device when there is none (or no usable driver).
+pub fn default_device() -> Device {
+    first_device(crate::device::cuda_device_count().unwrap_or(0))
+}
+
+/// The first of `gpus` visible CUDA devices, or the CPU device when there are none.
+fn first_device(gpus: usize) -> Device {
+    if gpus > 0 { Device::Cuda(0) } else { Device::Cpu }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One device by default, however many GPUs are visible; the CPU device without one.
+    #[test]
+    fn the_default_is_the_first_gpu() {
+        assert_eq!(first_device(0), Device::Cpu);
+        assert_eq!(first_device(1), Device::Cuda(0));
+        assert_eq!(first_device(8), Device::Cuda(0));
+        assert_eq!(LoadOptions::new().devices(), vec![default_device()]);
+        assert_eq!(LoadOptions::new().with_devices([]).devices(), vec![default_device()]);
+        let two = [Device::Cuda(1), Device::Cuda(0)];
+        assert_eq!(LoadOptions::new().with_devices(two).devices(), two);
     }
 }

@@ -5,8 +5,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use ::datafusion::common::DataFusionError;
-use arrow_array::RecordBatch;
-use arrow_schema::SchemaRef;
+use arrow_array::cast::AsArray;
+use arrow_array::types::ByteViewType;
+use arrow_array::{Array, ArrayRef, GenericByteViewArray, RecordBatch, RecordBatchOptions};
+use arrow_data::ArrayData;
+use arrow_schema::{DataType, SchemaRef};
+use rayon::prelude::*;
 
 use super::error::DfResult;
 use super::lanes::DeviceLane;
@@ -29,26 +33,108 @@ pub(crate) fn redistribute(partitions: Vec<Vec<RecordBatch>>, n: Option<usize>) 
     out
 }
 
-/// The bytes of a batch that staging copies: the used ranges of its buffers, each 64-byte aligned.
+/// The bytes of a batch that staging copies: the used ranges of its buffers, each 64-byte aligned,
+/// and the data buffers of its view arrays as [`compact`] leaves them.
 pub(crate) fn host_bytes(batch: &RecordBatch) -> u64 {
     batch
         .columns()
         .iter()
         .map(|c| {
             let d = c.to_data();
-            (d.get_slice_memory_size().unwrap_or_else(|_| c.get_array_memory_size()) + 64 * (d.buffers().len() + 1))
-                as u64
+            // The slice size of a view array counts its views, not its data buffers.
+            let views = match view_bytes(c) {
+                Some((held, referenced)) => held.min(referenced),
+                None => 0,
+            };
+            let nested: usize = d.child_data().iter().map(nested_view_data).sum();
+            (d.get_slice_memory_size().unwrap_or_else(|_| c.get_array_memory_size())
+                + views
+                + nested
+                + 64 * (d.buffers().len() + 1)) as u64
         })
         .sum()
 }
 
+/// The bytes of the data buffers of the view arrays among `data` and its descendants: staging
+/// copies them whole.
+fn nested_view_data(data: &ArrayData) -> usize {
+    let own: usize = match data.data_type() {
+        DataType::Utf8View | DataType::BinaryView => data.buffers().iter().skip(1).map(|b| b.len()).sum(),
+        _ => 0,
+    };
+    own + data.child_data().iter().map(nested_view_data).sum::<usize>()
+}
+
+/// The bytes the data buffers of a view column hold (each buffer as often as the column lists it:
+/// staging copies every one whole) and the bytes its views reference (the values too long to be
+/// inlined); `None` for a column of another type.
+fn view_bytes(column: &ArrayRef) -> Option<(usize, usize)> {
+    fn of<T: ByteViewType + ?Sized>(a: &GenericByteViewArray<T>) -> (usize, usize) {
+        let held = a.data_buffers().iter().map(|b| b.len()).sum();
+        (held, a.total_buffer_bytes_used())
+    }
+    match column.data_type() {
+        DataType::Utf8View => Some(of(column.as_string_view())),
+        DataType::BinaryView => Some(of(column.as_binary_view())),
+        _ => None,
+    }
+}
+
+/// `batch` with each view column whose data buffers hold more bytes than its views reference
+/// compacted: its long values copied into new buffers of just their size (arrow's `gc`).
+///
+/// DataFusion's Parquet reader hands out string views into the decoded pages and dictionaries of a
+/// whole row group: every batch of the row group lists the same buffers, and each buffer holds the
+/// values of other batches too (and, in plain-encoded pages, their length prefixes). Staged as
+/// they are, those buffers were copied once per batch. A column whose views reference every byte
+/// of its buffers or more (a small dictionary shared by many rows) stays as it is.
+pub(crate) fn compact(batch: &RecordBatch) -> DfResult<RecordBatch> {
+    fn gc<T: ByteViewType + ?Sized>(a: &GenericByteViewArray<T>) -> ArrayRef {
+        Arc::new(a.gc())
+    }
+    let wasteful = |c: &ArrayRef| view_bytes(c).is_some_and(|(held, referenced)| held > referenced);
+    if !batch.columns().iter().any(wasteful) {
+        return Ok(batch.clone());
+    }
+    // Columns on every core: compaction copies every long value.
+    let columns: Vec<ArrayRef> = batch
+        .columns()
+        .par_iter()
+        .map(|c| match c.data_type() {
+            DataType::Utf8View if wasteful(c) => gc(c.as_string_view()),
+            DataType::BinaryView if wasteful(c) => gc(c.as_binary_view()),
+            _ => c.clone(),
+        })
+        .collect();
+    let options = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
+    Ok(RecordBatch::try_new_with_options(batch.schema(), columns, &options)?)
+}
+
+/// What a device can take of a table.
+#[derive(Clone, Copy, Debug)]
+struct Room {
+    /// The bytes the device could take when staging began: its free memory, or the memory limit
+    /// when that is lower; `None` on host memory without a limit.
+    free: Option<u64>,
+    /// Whether `free` is the memory limit.
+    limited: bool,
+    /// The bytes staged there so far.
+    staged: u64,
+}
+
 /// Copies batches to their devices one at a time, keeping budgets, statistics and progress.
 /// Consecutive batches of a partition are gathered into one device batch first.
+///
+/// Its users return on the first error, dropping the stager and with it every device batch staged
+/// so far: nothing of a table that did not fit stays on its devices (memory of a GPU's pool goes
+/// back to the pool, where the next load counts it as free).
 pub(crate) struct Stager {
+    /// The table's name, for errors.
+    name: Option<String>,
     schema: SchemaRef,
     devices: Vec<Device>,
     streams: HashMap<Device, Stream>,
-    room: HashMap<Device, u64>,
+    room: HashMap<Device, Room>,
     partitions: Vec<Vec<DeviceRecordBatch>>,
     partition_stats: Vec<StatsBuilder>,
     progress: Option<ProgressFn>,
@@ -76,18 +162,32 @@ impl Stager {
             .transpose()?
             .unwrap_or_default();
         for &d in &devices {
-            let mut r = options.memory_limit.unwrap_or(u64::MAX);
-            if let Device::Cuda(o) = d {
-                let info = free
-                    .iter()
-                    .find(|i| i.ordinal == o)
-                    .ok_or_else(|| Error::InvalidArgument(format!("CUDA device {o} does not exist")))?;
-                r = r.min(info.free_memory as u64);
-            }
-            room.insert(d, r);
+            let device_free = match d {
+                Device::Cuda(o) => {
+                    let info = free
+                        .iter()
+                        .find(|i| i.ordinal == o)
+                        .ok_or_else(|| Error::InvalidArgument(format!("CUDA device {o} does not exist")))?;
+                    // Memory freed into the pool (a dropped table's, say) is free for staging too.
+                    Some(info.free_memory as u64 + crate::device::pool_idle_memory(o)?)
+                }
+                _ => None,
+            };
+            let limit = options.memory_limit;
+            let limited = limit.is_some_and(|l| device_free.is_none_or(|f| l < f));
+            let free = if limited { limit } else { device_free };
+            room.insert(
+                d,
+                Room {
+                    free,
+                    limited,
+                    staged: 0,
+                },
+            );
             streams.insert(d, Stream::new(d)?);
         }
         Ok(Stager {
+            name: options.name.clone(),
             partitions: vec![Vec::new(); partitions.max(1)],
             partition_stats: (0..partitions.max(1)).map(|_| StatsBuilder::new(&schema)).collect(),
             schema,
@@ -112,14 +212,54 @@ impl Stager {
         self.devices[partition % self.devices.len()]
     }
 
+    /// Fails with [`Stager::no_room`] unless `device` has room for `bytes` more.
     pub(crate) fn check_room(&self, device: Device, bytes: u64) -> DfResult<()> {
-        let room = self.room.get(&device).copied().unwrap_or(u64::MAX);
-        if bytes > room {
-            return Err(DataFusionError::ResourcesExhausted(format!(
-                "the table does not fit on {device}: {bytes} bytes to stage, {room} bytes available"
-            )));
+        let room = self.room.get(&device);
+        match room.and_then(|r| Some((r.free?, r.staged))) {
+            Some((free, staged)) if staged.saturating_add(bytes) > free => Err(self.no_room(device, bytes, None)),
+            _ => Ok(()),
         }
-        Ok(())
+    }
+
+    /// The error of a table that does not fit on `device` with `bytes` more to stage there (`cause`:
+    /// the allocation that failed, if one did): it names the table, the bytes it takes there and
+    /// in all, and the device's free memory (or the memory limit).
+    fn no_room(&self, device: Device, bytes: u64, cause: Option<Error>) -> DataFusionError {
+        let room = self.room.get(&device).copied().unwrap_or(Room {
+            free: None,
+            limited: false,
+            staged: 0,
+        });
+        let table = match &self.name {
+            Some(name) => format!("table `{name}`"),
+            None => "the table".into(),
+        };
+        let total = self.done.total_bytes;
+        // Its share of the device is known only before anything is staged, from a known total.
+        let at_least = if total.is_none() || room.staged > 0 {
+            "at least "
+        } else {
+            ""
+        };
+        let mut m = format!(
+            "{table} does not fit on {device}: it takes {at_least}{} bytes there",
+            room.staged.saturating_add(bytes)
+        );
+        if let Some(total) = total {
+            m += &format!(" ({total} bytes in all)");
+        }
+        match room.free {
+            Some(free) if room.limited => m += &format!(", and the memory limit is {free} bytes"),
+            Some(free) => m += &format!(", and {free} bytes were free"),
+            None => {}
+        }
+        if let Some(cause) = cause {
+            m += &format!(" ({cause})");
+        }
+        if room.staged > 0 {
+            m += "; what was staged is freed";
+        }
+        DataFusionError::ResourcesExhausted(m)
     }
 
     /// Takes `batch` into `partition`, staging what the partition has gathered once it is large
@@ -132,14 +272,15 @@ impl Stager {
                 self.schema
             )));
         }
-        let bytes = host_bytes(batch);
+        let batch = compact(batch)?;
+        let bytes = host_bytes(&batch);
         let (_, rows, gathered_bytes) = &self.gathered[partition];
         if *rows > 0 && (rows + batch.num_rows() > self.batch_rows || gathered_bytes + bytes > MAX_GATHERED_BYTES) {
             self.flush(partition)?;
         }
         let g = &mut self.gathered[partition];
-        g.0.push(batch.clone());
         g.1 += batch.num_rows();
+        g.0.push(batch);
         g.2 += bytes;
         if g.1 >= self.batch_rows {
             self.flush(partition)?;
@@ -160,7 +301,10 @@ impl Stager {
         let stream = &self.streams[&device];
         // Statistics come from the host batch, before it is copied.
         self.partition_stats[partition].update(&batch);
-        let staged = crate::transfer::htod(&batch, device, stream)?;
+        let staged = crate::transfer::htod(&batch, device, stream).map_err(|e| match e {
+            Error::OutOfMemory { .. } => self.no_room(device, bytes, Some(e)),
+            e => e.into(),
+        })?;
         // Keep the table's schema (with its metadata) on every batch.
         let staged = DeviceRecordBatch::try_new(
             self.schema.clone(),
@@ -169,7 +313,7 @@ impl Stager {
             staged.ready().clone(),
         )?;
         if let Some(r) = self.room.get_mut(&device) {
-            *r = r.saturating_sub(bytes);
+            r.staged += bytes;
         }
         self.partitions[partition].push(staged);
         self.done.rows += rows as u64;

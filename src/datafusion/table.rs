@@ -1,6 +1,6 @@
 //! [`GpuTable`]: a DataFusion [`TableProvider`] whose columns live in device memory.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -35,7 +35,8 @@ pub(crate) struct TableData {
     pub(crate) stats: Statistics,
     /// The longest value of each string column, in bytes (`None` for other columns).
     pub(crate) longest_strings: Vec<Option<usize>>,
-    /// The host bytes of each column (as `get_array_memory_size` counts them), per partition.
+    /// The host bytes of each column as staged (view columns compacted), as
+    /// `get_array_memory_size` counts them, per partition.
     pub(crate) column_bytes: Vec<Vec<usize>>,
     pub(crate) lanes: HashMap<Device, Arc<DeviceLane>>,
 }
@@ -53,7 +54,13 @@ pub struct GpuTable {
 impl GpuTable {
     /// Stages `partitions` of host batches (all of `schema`) on the devices of `options`,
     /// partition `i` on device `i % devices`. Checks beforehand that every device has room for its
-    /// share and fails with [`DataFusionError::ResourcesExhausted`] when one has not.
+    /// share and fails with [`DataFusionError::ResourcesExhausted`] when one has not (naming the
+    /// table, the bytes it takes and the bytes free); the same error ends a load whose allocation
+    /// fails, and frees what was staged.
+    ///
+    /// View columns (`Utf8View`, `BinaryView`) whose data buffers hold more bytes than their views
+    /// reference (buffers shared between batches, as DataFusion's Parquet reader makes them) are
+    /// compacted first, so the table takes device memory in proportion to its values.
     pub fn try_new(schema: SchemaRef, partitions: Vec<Vec<RecordBatch>>, options: &LoadOptions) -> DfResult<Self> {
         let partitions = redistribute(partitions, options.partitions);
         let total_rows = partitions.iter().flatten().map(|b| b.num_rows() as u64).sum();
@@ -93,6 +100,7 @@ impl GpuTable {
     /// Reads Parquet files (a file, a directory or a glob, as `SessionContext::read_parquet`
     /// takes them) with DataFusion's reader and stages the batches as they arrive.
     pub async fn from_parquet(path: impl AsRef<Path>, options: &LoadOptions) -> DfResult<Self> {
+        let options = &named(options, path.as_ref());
         let ctx = SessionContext::new();
         let df = ctx
             .read_parquet(path_str(path.as_ref())?, ParquetReadOptions::default())
@@ -103,6 +111,7 @@ impl GpuTable {
     /// Reads CSV files with DataFusion's reader (`csv` says how: header, delimiter, schema...)
     /// and stages the batches as they arrive.
     pub async fn from_csv(path: impl AsRef<Path>, csv: CsvReadOptions<'_>, options: &LoadOptions) -> DfResult<Self> {
+        let options = &named(options, path.as_ref());
         let ctx = SessionContext::new();
         let df = ctx.read_csv(path_str(path.as_ref())?, csv).await?;
         Self::from_streams(df.execute_stream_partitioned().await?, options).await
@@ -162,13 +171,19 @@ impl GpuTable {
             .sum()
     }
 
-    /// The bytes of device memory the table holds.
+    /// The bytes of device memory the table holds: the size of every allocation its batches view,
+    /// each counted once (with the padding that aligns their buffers).
     pub fn size_in_bytes(&self) -> usize {
+        let mut seen = HashSet::new();
         self.data
             .partitions
             .iter()
             .flatten()
-            .map(DeviceRecordBatch::size_in_bytes)
+            .flat_map(|b| b.columns().iter())
+            .flat_map(|c| c.all_buffers())
+            .map(|b| b.parent().unwrap_or_else(|| b.clone()))
+            .filter(|whole| seen.insert((whole.device(), whole.address())))
+            .map(|whole| whole.len())
             .sum()
     }
 
@@ -182,6 +197,13 @@ impl GpuTable {
     pub fn scan_source(&self) -> GpuScan {
         GpuScan::new(self.data.clone())
     }
+}
+
+/// `options`, naming the table by `path` unless they name it.
+fn named(options: &LoadOptions, path: &Path) -> LoadOptions {
+    let mut options = options.clone();
+    options.name.get_or_insert_with(|| path.display().to_string());
+    options
 }
 
 fn path_str(p: &Path) -> DfResult<&str> {

@@ -63,4 +63,24 @@ driver_calls! {
         }
         .result()
     }
+
+    /// The bytes `pool` keeps without having handed them out: memory freed into it and not yet
+    /// returned to the driver (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT` less
+    /// `CU_MEMPOOL_ATTR_USED_MEM_CURRENT`).
+    ///
+    /// # Safety
+    /// `pool` is a live memory pool (a device's default pool).
+    pub(crate) unsafe fn mem_pool_idle_bytes(pool: CUmemoryPool) -> u64 = cuMemPoolGetAttribute {
+        let get = |attribute| {
+            let mut value = 0u64;
+            // SAFETY: a live pool (caller); both attributes write a `cuuint64_t` through the pointer,
+            // which lives for the call.
+            unsafe { cuMemPoolGetAttribute(pool, attribute, (&mut value as *mut u64).cast()) }
+                .result()
+                .map(|()| value)
+        };
+        let reserved = get(CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
+        let used = get(CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
+        Ok(reserved.saturating_sub(used))
+    }
 }

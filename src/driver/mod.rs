@@ -57,7 +57,9 @@ mod probe;
 mod symbols;
 
 pub(crate) use cudarc::driver::sys::{CUdevice_attribute, CUevent, CUresult, CUstream};
-pub(crate) use device::{default_mem_pool, device_count, driver_version, mem_pool_set_release_threshold};
+pub(crate) use device::{
+    default_mem_pool, device_count, driver_version, mem_pool_idle_bytes, mem_pool_set_release_threshold,
+};
 pub(crate) use event::{event_create_interprocess, event_destroy, event_record, event_synchronize, stream_wait_event};
 pub(crate) use ipc::{
     IPC_HANDLE_BYTES, ipc_close_mem_handle, ipc_get_event_handle, ipc_get_mem_handle, ipc_open_event_handle,
