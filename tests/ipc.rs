@@ -718,6 +718,145 @@ proptest! {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Memory lent to other processes.
+
+/// What a receiver holding a region's descriptor tries, to change its bytes: each must fail.
+fn write_attempts(fd: std::os::fd::BorrowedFd<'_>, size: usize) -> Vec<(&'static str, std::io::Result<()>)> {
+    use std::os::fd::AsRawFd;
+    let raw = fd.as_raw_fd();
+    let check = |r: i64| match r {
+        r if r < 0 => Err(std::io::Error::last_os_error()),
+        _ => Ok(()),
+    };
+    let mut out = Vec::new();
+    // SAFETY: writes one byte from a live local to a descriptor we hold.
+    out.push((
+        "pwrite",
+        check(unsafe { libc::pwrite(raw, [7u8].as_ptr().cast(), 1, 0) } as i64),
+    ));
+    // SAFETY: the descriptor is held; a mapping, if one is made, is unmapped below unused.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            raw,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        out.push(("mmap writable", Err(std::io::Error::last_os_error())));
+    } else {
+        // SAFETY: the mapping just made, of `size` bytes, never used.
+        unsafe { libc::munmap(p, size) };
+        out.push(("mmap writable", Ok(())));
+    }
+    // SAFETY: as above, read-only this time.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), size, libc::PROT_READ, libc::MAP_SHARED, raw, 0) };
+    assert_ne!(p, libc::MAP_FAILED, "a receiver maps the region read-only");
+    // SAFETY: changes the protection of our own mapping, unmapped right after.
+    out.push((
+        "mprotect",
+        check(unsafe { libc::mprotect(p, size, libc::PROT_READ | libc::PROT_WRITE) } as i64),
+    ));
+    // SAFETY: the mapping made above, unmapped once.
+    unsafe { libc::munmap(p, size) };
+    let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+    // SAFETY: fallocate on a descriptor we hold.
+    out.push((
+        "punch a hole",
+        check(unsafe { libc::fallocate(raw, punch, 0, 4096) } as i64),
+    ));
+    // A second open of the same file, for writing.
+    let reopened = std::fs::OpenOptions::new()
+        .write(true)
+        .open(format!("/proc/self/fd/{raw}"))
+        .and_then(|mut f| f.write_all(&[7]));
+    out.push(("reopen for writing", reopened));
+    out
+}
+
+/// A receiver of shared host memory gets it read-only: whatever it does with the descriptor, it
+/// cannot change the sender's bytes (the memfd is sealed with `F_SEAL_FUTURE_WRITE` once the
+/// sender's own mapping is made).
+#[test]
+fn receivers_of_shared_host_memory_cannot_write_it() {
+    let batch = small_batch(100);
+    let stream = Stream::cpu();
+    let on_device = upload(&batch, MemoryResource::SharedHost, &stream);
+    let received = through_bytes(&BatchDescriptor::describe(&on_device).unwrap());
+    let ipc::RegionHandle::Host(region) = &received.regions[0] else {
+        panic!("a CPU batch travels as shared memory")
+    };
+    for (what, result) in write_attempts(region.fd(), region.size()) {
+        let e = result.expect_err(what);
+        assert!(
+            matches!(e.raw_os_error(), Some(libc::EPERM | libc::EACCES)),
+            "{what}: {e}"
+        );
+    }
+    // The sender's bytes are as they were, and so is what the receiver reads.
+    check_batch("sender", &dtoh(&on_device, &stream).unwrap(), &batch);
+    let read = received.import(&batch.schema(), Event::completed(), ()).unwrap();
+    check_batch("receiver", &dtoh(&read, &stream).unwrap(), &batch);
+}
+
+/// An uploaded batch is trusted (its download skips validation) until its memory is handed to
+/// another process, which on a GPU can write it; a batch sent as a copy stays trusted.
+#[test]
+fn batches_lent_to_other_processes_are_no_longer_trusted() {
+    each_device(|device, stream| {
+        let batch = small_batch(100);
+        let trusted = |b: &DeviceRecordBatch| b.columns().iter().all(ipc::testing::is_trusted);
+        let described = upload(&batch, exportable(device), stream);
+        assert!(trusted(&described), "{device}: an upload is trusted");
+        let _descriptor = BatchDescriptor::describe(&described).unwrap();
+        assert!(!trusted(&described), "{device}: described for another process");
+        // A clone made before or after shares the memory, and so the distrust.
+        let slice = described.slice(1, 10).unwrap();
+        assert!(!trusted(&slice), "{device}: a view of lent memory");
+
+        let path = socket_path(&format!("trust-{}", device_name(device)));
+        let copied = upload(&batch, exportable(device), stream);
+        let lent = upload(&batch, exportable(device), stream);
+        let copying = SenderOptions {
+            zero_copy: false,
+            ..SenderOptions::default()
+        };
+        for (options, b, kept) in [(copying, &copied, true), (SenderOptions::default(), &lent, false)] {
+            let _ = std::fs::remove_file(&path);
+            let sender = Sender::bind(&path, batch.schema(), options).unwrap();
+            let peer = Peer::spawn("drain", &path, device, 1);
+            sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
+            assert_ne!(sender.send(b).unwrap(), 0);
+            assert_eq!(trusted(b), kept, "{device}: zero copy {}", !kept);
+            sender.finish().unwrap();
+            peer.passed();
+        }
+    });
+}
+
+/// What a receiver on a GPU can do through its read-write mapping (here: written through the
+/// sender's own mapping of shared host memory, the one mapping that stays writable): rewrite a
+/// lent batch's offsets. The sender's next download validates them and fails, rather than reading
+/// past its buffers.
+#[test]
+fn a_rewritten_lent_batch_fails_its_download() {
+    let batch = small_batch(100);
+    let stream = Stream::cpu();
+    let lent = upload(&batch, MemoryResource::SharedHost, &stream);
+    let _descriptor = BatchDescriptor::describe(&lent).unwrap();
+    let offsets = &lent.column(1).buffers()[0];
+    assert_eq!(offsets.len(), 101 * 4);
+    // SAFETY: the offsets' bytes are live shared memory, writable through the sender's mapping;
+    // nothing reads them while they are written (no reference to them is alive).
+    unsafe { std::ptr::write_unaligned((offsets.address() + 100 * 4) as *mut i32, 1 << 30) };
+    let e = dtoh(&lent, &stream).unwrap_err();
+    assert!(e.to_string().contains("offset"), "{e}");
+}
+
 fn tempfile_path(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("arrow-cuda-ipc-{}-{name}", std::process::id()))
 }
@@ -891,6 +1030,11 @@ fn peer() {
                 _ => ipc::testing::open_cuda_mappings(),
             };
             assert_eq!(open, 0, "closed with the last view");
+            say("done");
+        }
+        "drain" => {
+            let mut r = Receiver::connect(&socket, patient()).unwrap();
+            while r.recv().unwrap().is_some() {}
             say("done");
         }
         "hold" => {

@@ -34,7 +34,10 @@ pub struct SenderOptions {
     /// failing with [`std::io::ErrorKind::TimedOut`].
     pub send_timeout: Duration,
     /// Send batches whose memory is exportable as they are, without a copy. When false, or when a
-    /// batch is not exportable, it is copied into one message first.
+    /// batch is not exportable, it is copied into one message first. A batch lent as it is can be
+    /// written by its receivers on a GPU (CUDA IPC mappings are read-write), so its downloads in
+    /// this process validate every array from then on (see [`BatchDescriptor::describe`]); a
+    /// copied one stays as trusted as it was.
     pub zero_copy: bool,
     /// Where messages are written; by default memory another process can open
     /// ([`default_message_resource`]).
