@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use arrow_array::types::Int16Type;
 use arrow_array::{
-    Array, ArrayRef, DictionaryArray, Int16Array, Int64Array, ListArray, RecordBatch, StringArray, StructArray,
+    Array, ArrayRef, DictionaryArray, Int16Array, Int32Array, Int64Array, ListArray, RecordBatch, StringArray,
+    StructArray,
 };
 use arrow_cuda::ipc::{
     self, BatchDescriptor, BufferLocation, DeviceMessage, IpcMemHandle, Receiver, ReceiverOptions, Sender, SenderEvent,
@@ -26,7 +27,7 @@ use arrow_cuda::memory::SharedMemHandle;
 use arrow_cuda::transfer::{dtoh, htod_async};
 use arrow_cuda::{Device, DeviceBuffer, DeviceRecordBatch, Error, Event, MemoryResource, Stream};
 use arrow_ipc::writer::{DictionaryTracker, IpcDataGenerator, IpcWriteContext, IpcWriteOptions};
-use arrow_schema::{DataType, Field, Schema, SchemaRef};
+use arrow_schema::{DataType, Field, Fields, Schema, SchemaRef};
 use common::corpus::{ROWS, every_type_batch};
 use common::{check_batch, each_device};
 use proptest::prelude::*;
@@ -430,6 +431,31 @@ fn malformed_messages_are_errors() {
     let mut schema_message = ipc::encode_schema(&schema);
     schema_message.extend_from_slice(&[0; 64]);
     assert!(is_invalid_data(&read_host(&schema_message, &schema).unwrap_err()));
+}
+
+/// A message read with a schema whose types `DeviceArrayData::try_new` refuses (here a map whose
+/// entries have three fields, laid out as a list of such structs is) is refused on receipt, as an
+/// array assembled from the same parts by hand would be: decoding goes through the same checks.
+#[test]
+fn received_arrays_pass_the_checks_of_try_new() {
+    let entries = Fields::from(vec![
+        Field::new("key", DataType::Int32, false),
+        Field::new("value", DataType::Int32, true),
+        Field::new("extra", DataType::Int32, true),
+    ]);
+    let columns: Vec<ArrayRef> = (0..3)
+        .map(|i| Arc::new(Int32Array::from_iter_values((0..6).map(|x| x * 10 + i))) as ArrayRef)
+        .collect();
+    let structs = StructArray::new(entries.clone(), columns, None);
+    let entry = Arc::new(Field::new("entries", DataType::Struct(entries), false));
+    let offsets = arrow_buffer::OffsetBuffer::from_lengths([2, 0, 4]);
+    let list: ArrayRef = Arc::new(ListArray::new(entry.clone(), offsets, Arc::new(structs), None));
+    let batch = RecordBatch::try_from_iter([("m", list)]).unwrap();
+    let (bytes, _) = host_message(&batch);
+    read_host(&bytes, &batch.schema()).expect("the list reads");
+    let as_map = Arc::new(Schema::new(vec![Field::new("m", DataType::Map(entry, false), true)]));
+    let e = read_host(&bytes, &as_map).unwrap_err();
+    assert!(is_invalid_data(&e), "{e}");
 }
 
 proptest! {

@@ -29,5 +29,6 @@ mod sender;
 
 pub use access::private_socket_path;
 pub use peers::{SenderEvent, SenderStatus};
+pub(crate) use protocol::Frame;
 pub use receiver::{Receiver, ReceiverOptions};
 pub use sender::{Sender, SenderOptions};
