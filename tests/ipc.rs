@@ -1294,12 +1294,18 @@ fn connected(path: &std::path::Path) -> Receiver {
     .unwrap()
 }
 
+/// A receiver's acknowledgements give its credit back: with one byte of credit, each batch waits
+/// for the last to be released (its last view dropped), and the memory is the sender's again.
 #[test]
 fn acknowledgements_free_room_for_more() {
     let stream = Stream::cpu();
     let batch = small_batch(1000);
     let path = socket_path("acks");
-    let sender = Sender::bind(&path, batch.schema(), quick(1)).unwrap();
+    let options = SenderOptions {
+        send_timeout: Duration::from_secs(60),
+        ..quick(1)
+    };
+    let sender = Sender::bind(&path, batch.schema(), options).unwrap();
     let mut r = connected(&path);
     sender.wait_for_receivers(1, Duration::from_secs(10)).unwrap();
     let shared = upload(&batch, MemoryResource::SharedHost, &stream);
@@ -1309,11 +1315,6 @@ fn acknowledgements_free_room_for_more() {
     let got = r.recv().unwrap().unwrap();
     check_batch("received", &dtoh(&got, &stream).unwrap(), &batch);
     assert_eq!(sender.status().in_flight_batches, 1);
-    // Only one byte may be in flight: the next batch waits for room, and times out.
-    let other = upload(&batch, MemoryResource::SharedHost, &stream);
-    let e = sender.send(&other).unwrap_err();
-    assert_eq!(e.io_kind(), Some(std::io::ErrorKind::TimedOut), "{e}");
-    assert_eq!(sender.status().in_flight_batches, 1, "a timed-out send lends nothing");
     // A view of one column keeps the whole batch lent.
     let column = got.column(1).clone();
     drop(got);
@@ -1322,11 +1323,15 @@ fn acknowledgements_free_room_for_more() {
         "a view is still alive"
     );
     assert!(!whole.is_mutable());
-    drop(column);
-    sender.wait_idle(Duration::from_secs(10)).unwrap();
+    // Only one byte may be in flight: the next batch waits until the view drops.
+    let other = upload(&batch, MemoryResource::SharedHost, &stream);
+    std::thread::scope(|scope| {
+        let sending = scope.spawn(|| sender.send(&other));
+        drop(column);
+        assert_ne!(sending.join().unwrap().unwrap(), 0);
+    });
     assert!(whole.is_mutable(), "acknowledged memory is the sender's again");
-    // Now there is room; a batch in ordinary host memory goes as a copy, reclaimed the same way.
-    sender.send(&other).unwrap();
+    // A batch in ordinary host memory goes as a copy, reclaimed the same way.
     let plain = upload(&batch, MemoryResource::Host, &stream);
     let got = r.recv().unwrap().unwrap();
     drop(got);
@@ -1339,6 +1344,133 @@ fn acknowledgements_free_room_for_more() {
     sender.finish().unwrap();
     assert!(r.recv().unwrap().is_none());
     assert_eq!(sender.status().sent, 3);
+    assert!(
+        sender
+            .take_events()
+            .iter()
+            .all(|e| !matches!(e, SenderEvent::Dropped { .. }))
+    );
+}
+
+/// A receiver that never acknowledges holds up a send only until the send timeout: then it is
+/// dropped (its next receive fails) and the stream goes on to the others. What it holds stays lent
+/// until it lets go.
+#[test]
+fn a_receiver_that_never_acknowledges_is_dropped_and_the_others_go_on() {
+    let stream = Stream::cpu();
+    let batch = small_batch(1000);
+    let path = socket_path("silent");
+    let sender = Sender::bind(&path, batch.schema(), quick(1)).unwrap();
+    let mut silent = connected(&path);
+    let mut good = connected(&path);
+    sender.wait_for_receivers(2, Duration::from_secs(10)).unwrap();
+    let send = || {
+        sender
+            .send(&upload(&batch, MemoryResource::SharedHost, &stream))
+            .unwrap()
+    };
+    let lent = upload(&batch, MemoryResource::SharedHost, &stream);
+    let whole = lent.column(0).buffers()[0].parent().unwrap();
+    let first = sender.send(&lent).unwrap();
+    drop(lent);
+    let held = silent.recv().unwrap().unwrap();
+    drop(good.recv().unwrap().unwrap());
+    // The silent receiver has no credit left: this send waits for it, then drops it.
+    let second = send();
+    assert_ne!(second, 0);
+    let events = sender.take_events();
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, SenderEvent::Dropped { held: 1, reason, .. } if reason.contains("credit"))),
+        "{events:?}"
+    );
+    check_batch("good", &dtoh(&good.recv().unwrap().unwrap(), &stream).unwrap(), &batch);
+    // The others no longer wait for it.
+    for _ in 0..3 {
+        send();
+        drop(good.recv().unwrap().unwrap());
+    }
+    let e = silent.recv().unwrap_err();
+    assert_eq!(e.io_kind(), Some(std::io::ErrorKind::UnexpectedEof), "{e}");
+    // Its batch is still lent, and intact, until it lets go.
+    assert_eq!(sender.status().lost, 1);
+    assert!(!whole.is_mutable(), "the sender keeps what the dropped receiver holds");
+    check_batch("held", &dtoh(&held, &stream).unwrap(), &batch);
+    drop(held);
+    sender.wait_idle(Duration::from_secs(10)).unwrap();
+    assert!(whole.is_mutable(), "released once acknowledged");
+    assert!(first < second);
+}
+
+/// At most `max_receivers` connections at once: one more is told so and refused.
+#[test]
+fn connections_past_the_limit_are_refused() {
+    let batch = small_batch(10);
+    let path = socket_path("limit");
+    let options = SenderOptions {
+        max_receivers: 1,
+        ..SenderOptions::default()
+    };
+    let sender = Sender::bind(&path, batch.schema(), options).unwrap();
+    let first = connected(&path);
+    sender.wait_for_receivers(1, Duration::from_secs(10)).unwrap();
+    let e = Receiver::connect(&path, ReceiverOptions::default()).unwrap_err();
+    assert_eq!(e.io_kind(), Some(std::io::ErrorKind::PermissionDenied), "{e}");
+    assert!(e.to_string().contains("too many receivers"), "{e}");
+    let events = sender.take_events();
+    assert!(
+        events.iter().any(|e| matches!(e, SenderEvent::Refused { .. })),
+        "{events:?}"
+    );
+    // Once the first has gone, another may come (its connection closes a moment after the drop).
+    drop(first);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let again = loop {
+        match Receiver::connect(&path, ReceiverOptions::default()) {
+            Ok(r) => break r,
+            Err(e) if Instant::now() < deadline => assert!(e.to_string().contains("too many"), "{e}"),
+            Err(e) => panic!("no room after the first receiver left: {e}"),
+        }
+    };
+    assert_eq!(again.schema(), &batch.schema());
+}
+
+/// Greetings happen outside the sender's lock and off its accepting thread: a process that
+/// connects and never reads a greeting too large for the socket's buffer holds up nobody.
+#[test]
+fn a_process_that_never_reads_its_greeting_holds_up_nobody() {
+    let fields: Vec<Field> = (0..20_000)
+        .map(|i| Field::new(format!("a_column_with_a_long_name_{i:06}"), DataType::Int8, true))
+        .collect();
+    let schema = Arc::new(Schema::new(fields));
+    assert!(
+        ipc::encode_schema(&schema).len() > 1 << 20,
+        "larger than a socket's buffer"
+    );
+    let path = socket_path("greeting");
+    let options = SenderOptions {
+        send_timeout: Duration::from_secs(600),
+        ..SenderOptions::default()
+    };
+    let sender = Sender::bind(&path, schema.clone(), options).unwrap();
+    let mut stuck = UnixStream::connect(&path).unwrap();
+    // The greeting has started once its first bytes are there; the rest is never read.
+    let mut first = [0u8; 4];
+    stuck.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    stuck.read_exact(&mut first).unwrap();
+    let other = Receiver::connect(
+        &path,
+        ReceiverOptions {
+            connect_timeout: Duration::from_secs(30),
+            ..ReceiverOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(other.schema(), &schema);
+    sender.wait_for_receivers(1, Duration::from_secs(10)).unwrap();
+    assert_eq!(sender.status().receivers, 1, "the stuck one is not registered");
+    drop(stuck);
 }
 
 /// Frames go through the shared-memory ring unless they carry descriptors (CPU regions) or are too

@@ -14,6 +14,11 @@
 //!
 //! - a receiver that dies: its socket ends, the sender's reader thread for it notices at once and
 //!   reclaims everything it held ([`SenderEvent::Lost`], [`SenderStatus::lost`]);
+//! - a receiver that stops acknowledging or reading: it holds up sends for at most
+//!   [`SenderOptions::send_timeout`], out of its own credit or room, and is then dropped
+//!   ([`SenderEvent::Dropped`]); the others never wait for it again. Connections are limited
+//!   ([`SenderOptions::max_receivers`]) and each is greeted on its own thread, so one that never
+//!   reads its greeting holds up nobody;
 //! - a sender that dies: the receiver's next receive reads the end of the connection and fails
 //!   ([`std::io::ErrorKind::UnexpectedEof`]); a sender that goes silent makes a receive time out
 //!   ([`std::io::ErrorKind::TimedOut`], after [`ReceiverOptions::recv_timeout`]: 60 s by default);
