@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use arrow_array::types::Int16Type;
 use arrow_array::{
-    Array, ArrayRef, DictionaryArray, Int16Array, Int64Array, ListArray, RecordBatch, StringArray, StructArray,
+    Array, ArrayRef, DictionaryArray, Int16Array, Int32Array, Int64Array, ListArray, RecordBatch, StringArray,
+    StructArray,
 };
 use arrow_cuda::ipc::{
     self, BatchDescriptor, BufferLocation, DeviceMessage, IpcMemHandle, Receiver, ReceiverOptions, Sender, SenderEvent,
@@ -26,7 +27,7 @@ use arrow_cuda::memory::SharedMemHandle;
 use arrow_cuda::transfer::{dtoh, htod_async};
 use arrow_cuda::{Device, DeviceBuffer, DeviceRecordBatch, Error, Event, MemoryResource, Stream};
 use arrow_ipc::writer::{DictionaryTracker, IpcDataGenerator, IpcWriteContext, IpcWriteOptions};
-use arrow_schema::{DataType, Field, Schema, SchemaRef};
+use arrow_schema::{DataType, Field, Fields, Schema, SchemaRef};
 use common::corpus::{ROWS, every_type_batch};
 use common::{check_batch, each_device};
 use proptest::prelude::*;
@@ -432,6 +433,31 @@ fn malformed_messages_are_errors() {
     assert!(is_invalid_data(&read_host(&schema_message, &schema).unwrap_err()));
 }
 
+/// A message read with a schema whose types `DeviceArrayData::try_new` refuses (here a map whose
+/// entries have three fields, laid out as a list of such structs is) is refused on receipt, as an
+/// array assembled from the same parts by hand would be: decoding goes through the same checks.
+#[test]
+fn received_arrays_pass_the_checks_of_try_new() {
+    let entries = Fields::from(vec![
+        Field::new("key", DataType::Int32, false),
+        Field::new("value", DataType::Int32, true),
+        Field::new("extra", DataType::Int32, true),
+    ]);
+    let columns: Vec<ArrayRef> = (0..3)
+        .map(|i| Arc::new(Int32Array::from_iter_values((0..6).map(|x| x * 10 + i))) as ArrayRef)
+        .collect();
+    let structs = StructArray::new(entries.clone(), columns, None);
+    let entry = Arc::new(Field::new("entries", DataType::Struct(entries), false));
+    let offsets = arrow_buffer::OffsetBuffer::from_lengths([2, 0, 4]);
+    let list: ArrayRef = Arc::new(ListArray::new(entry.clone(), offsets, Arc::new(structs), None));
+    let batch = RecordBatch::try_from_iter([("m", list)]).unwrap();
+    let (bytes, _) = host_message(&batch);
+    read_host(&bytes, &batch.schema()).expect("the list reads");
+    let as_map = Arc::new(Schema::new(vec![Field::new("m", DataType::Map(entry, false), true)]));
+    let e = read_host(&bytes, &as_map).unwrap_err();
+    assert!(is_invalid_data(&e), "{e}");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
@@ -718,6 +744,145 @@ proptest! {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Memory lent to other processes.
+
+/// What a receiver holding a region's descriptor tries, to change its bytes: each must fail.
+fn write_attempts(fd: std::os::fd::BorrowedFd<'_>, size: usize) -> Vec<(&'static str, std::io::Result<()>)> {
+    use std::os::fd::AsRawFd;
+    let raw = fd.as_raw_fd();
+    let check = |r: i64| match r {
+        r if r < 0 => Err(std::io::Error::last_os_error()),
+        _ => Ok(()),
+    };
+    let mut out = Vec::new();
+    // SAFETY: writes one byte from a live local to a descriptor we hold.
+    out.push((
+        "pwrite",
+        check(unsafe { libc::pwrite(raw, [7u8].as_ptr().cast(), 1, 0) } as i64),
+    ));
+    // SAFETY: the descriptor is held; a mapping, if one is made, is unmapped below unused.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            raw,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        out.push(("mmap writable", Err(std::io::Error::last_os_error())));
+    } else {
+        // SAFETY: the mapping just made, of `size` bytes, never used.
+        unsafe { libc::munmap(p, size) };
+        out.push(("mmap writable", Ok(())));
+    }
+    // SAFETY: as above, read-only this time.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), size, libc::PROT_READ, libc::MAP_SHARED, raw, 0) };
+    assert_ne!(p, libc::MAP_FAILED, "a receiver maps the region read-only");
+    // SAFETY: changes the protection of our own mapping, unmapped right after.
+    out.push((
+        "mprotect",
+        check(unsafe { libc::mprotect(p, size, libc::PROT_READ | libc::PROT_WRITE) } as i64),
+    ));
+    // SAFETY: the mapping made above, unmapped once.
+    unsafe { libc::munmap(p, size) };
+    let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+    // SAFETY: fallocate on a descriptor we hold.
+    out.push((
+        "punch a hole",
+        check(unsafe { libc::fallocate(raw, punch, 0, 4096) } as i64),
+    ));
+    // A second open of the same file, for writing.
+    let reopened = std::fs::OpenOptions::new()
+        .write(true)
+        .open(format!("/proc/self/fd/{raw}"))
+        .and_then(|mut f| f.write_all(&[7]));
+    out.push(("reopen for writing", reopened));
+    out
+}
+
+/// A receiver of shared host memory gets it read-only: whatever it does with the descriptor, it
+/// cannot change the sender's bytes (the memfd is sealed with `F_SEAL_FUTURE_WRITE` once the
+/// sender's own mapping is made).
+#[test]
+fn receivers_of_shared_host_memory_cannot_write_it() {
+    let batch = small_batch(100);
+    let stream = Stream::cpu();
+    let on_device = upload(&batch, MemoryResource::SharedHost, &stream);
+    let received = through_bytes(&BatchDescriptor::describe(&on_device).unwrap());
+    let ipc::RegionHandle::Host(region) = &received.regions[0] else {
+        panic!("a CPU batch travels as shared memory")
+    };
+    for (what, result) in write_attempts(region.fd(), region.size()) {
+        let e = result.expect_err(what);
+        assert!(
+            matches!(e.raw_os_error(), Some(libc::EPERM | libc::EACCES)),
+            "{what}: {e}"
+        );
+    }
+    // The sender's bytes are as they were, and so is what the receiver reads.
+    check_batch("sender", &dtoh(&on_device, &stream).unwrap(), &batch);
+    let read = received.import(&batch.schema(), Event::completed(), ()).unwrap();
+    check_batch("receiver", &dtoh(&read, &stream).unwrap(), &batch);
+}
+
+/// An uploaded batch is trusted (its download skips validation) until its memory is handed to
+/// another process, which on a GPU can write it; a batch sent as a copy stays trusted.
+#[test]
+fn batches_lent_to_other_processes_are_no_longer_trusted() {
+    each_device(|device, stream| {
+        let batch = small_batch(100);
+        let trusted = |b: &DeviceRecordBatch| b.columns().iter().all(ipc::testing::is_trusted);
+        let described = upload(&batch, exportable(device), stream);
+        assert!(trusted(&described), "{device}: an upload is trusted");
+        let _descriptor = BatchDescriptor::describe(&described).unwrap();
+        assert!(!trusted(&described), "{device}: described for another process");
+        // A clone made before or after shares the memory, and so the distrust.
+        let slice = described.slice(1, 10).unwrap();
+        assert!(!trusted(&slice), "{device}: a view of lent memory");
+
+        let path = socket_path(&format!("trust-{}", device_name(device)));
+        let copied = upload(&batch, exportable(device), stream);
+        let lent = upload(&batch, exportable(device), stream);
+        let copying = SenderOptions {
+            zero_copy: false,
+            ..SenderOptions::default()
+        };
+        for (options, b, kept) in [(copying, &copied, true), (SenderOptions::default(), &lent, false)] {
+            let _ = std::fs::remove_file(&path);
+            let sender = Sender::bind(&path, batch.schema(), options).unwrap();
+            let peer = Peer::spawn("drain", &path, device, 1);
+            sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
+            assert_ne!(sender.send(b).unwrap(), 0);
+            assert_eq!(trusted(b), kept, "{device}: zero copy {}", !kept);
+            sender.finish().unwrap();
+            peer.passed();
+        }
+    });
+}
+
+/// What a receiver on a GPU can do through its read-write mapping (here: written through the
+/// sender's own mapping of shared host memory, the one mapping that stays writable): rewrite a
+/// lent batch's offsets. The sender's next download validates them and fails, rather than reading
+/// past its buffers.
+#[test]
+fn a_rewritten_lent_batch_fails_its_download() {
+    let batch = small_batch(100);
+    let stream = Stream::cpu();
+    let lent = upload(&batch, MemoryResource::SharedHost, &stream);
+    let _descriptor = BatchDescriptor::describe(&lent).unwrap();
+    let offsets = &lent.column(1).buffers()[0];
+    assert_eq!(offsets.len(), 101 * 4);
+    // SAFETY: the offsets' bytes are live shared memory, writable through the sender's mapping;
+    // nothing reads them while they are written (no reference to them is alive).
+    unsafe { std::ptr::write_unaligned((offsets.address() + 100 * 4) as *mut i32, 1 << 30) };
+    let e = dtoh(&lent, &stream).unwrap_err();
+    assert!(e.to_string().contains("offset"), "{e}");
+}
+
 fn tempfile_path(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("arrow-cuda-ipc-{}-{name}", std::process::id()))
 }
@@ -891,6 +1056,11 @@ fn peer() {
                 _ => ipc::testing::open_cuda_mappings(),
             };
             assert_eq!(open, 0, "closed with the last view");
+            say("done");
+        }
+        "drain" => {
+            let mut r = Receiver::connect(&socket, patient()).unwrap();
+            while r.recv().unwrap().is_some() {}
             say("done");
         }
         "hold" => {
@@ -1124,12 +1294,18 @@ fn connected(path: &std::path::Path) -> Receiver {
     .unwrap()
 }
 
+/// A receiver's acknowledgements give its credit back: with one byte of credit, each batch waits
+/// for the last to be released (its last view dropped), and the memory is the sender's again.
 #[test]
 fn acknowledgements_free_room_for_more() {
     let stream = Stream::cpu();
     let batch = small_batch(1000);
     let path = socket_path("acks");
-    let sender = Sender::bind(&path, batch.schema(), quick(1)).unwrap();
+    let options = SenderOptions {
+        send_timeout: Duration::from_secs(60),
+        ..quick(1)
+    };
+    let sender = Sender::bind(&path, batch.schema(), options).unwrap();
     let mut r = connected(&path);
     sender.wait_for_receivers(1, Duration::from_secs(10)).unwrap();
     let shared = upload(&batch, MemoryResource::SharedHost, &stream);
@@ -1139,11 +1315,6 @@ fn acknowledgements_free_room_for_more() {
     let got = r.recv().unwrap().unwrap();
     check_batch("received", &dtoh(&got, &stream).unwrap(), &batch);
     assert_eq!(sender.status().in_flight_batches, 1);
-    // Only one byte may be in flight: the next batch waits for room, and times out.
-    let other = upload(&batch, MemoryResource::SharedHost, &stream);
-    let e = sender.send(&other).unwrap_err();
-    assert_eq!(e.io_kind(), Some(std::io::ErrorKind::TimedOut), "{e}");
-    assert_eq!(sender.status().in_flight_batches, 1, "a timed-out send lends nothing");
     // A view of one column keeps the whole batch lent.
     let column = got.column(1).clone();
     drop(got);
@@ -1152,11 +1323,15 @@ fn acknowledgements_free_room_for_more() {
         "a view is still alive"
     );
     assert!(!whole.is_mutable());
-    drop(column);
-    sender.wait_idle(Duration::from_secs(10)).unwrap();
+    // Only one byte may be in flight: the next batch waits until the view drops.
+    let other = upload(&batch, MemoryResource::SharedHost, &stream);
+    std::thread::scope(|scope| {
+        let sending = scope.spawn(|| sender.send(&other));
+        drop(column);
+        assert_ne!(sending.join().unwrap().unwrap(), 0);
+    });
     assert!(whole.is_mutable(), "acknowledged memory is the sender's again");
-    // Now there is room; a batch in ordinary host memory goes as a copy, reclaimed the same way.
-    sender.send(&other).unwrap();
+    // A batch in ordinary host memory goes as a copy, reclaimed the same way.
     let plain = upload(&batch, MemoryResource::Host, &stream);
     let got = r.recv().unwrap().unwrap();
     drop(got);
@@ -1169,6 +1344,133 @@ fn acknowledgements_free_room_for_more() {
     sender.finish().unwrap();
     assert!(r.recv().unwrap().is_none());
     assert_eq!(sender.status().sent, 3);
+    assert!(
+        sender
+            .take_events()
+            .iter()
+            .all(|e| !matches!(e, SenderEvent::Dropped { .. }))
+    );
+}
+
+/// A receiver that never acknowledges holds up a send only until the send timeout: then it is
+/// dropped (its next receive fails) and the stream goes on to the others. What it holds stays lent
+/// until it lets go.
+#[test]
+fn a_receiver_that_never_acknowledges_is_dropped_and_the_others_go_on() {
+    let stream = Stream::cpu();
+    let batch = small_batch(1000);
+    let path = socket_path("silent");
+    let sender = Sender::bind(&path, batch.schema(), quick(1)).unwrap();
+    let mut silent = connected(&path);
+    let mut good = connected(&path);
+    sender.wait_for_receivers(2, Duration::from_secs(10)).unwrap();
+    let send = || {
+        sender
+            .send(&upload(&batch, MemoryResource::SharedHost, &stream))
+            .unwrap()
+    };
+    let lent = upload(&batch, MemoryResource::SharedHost, &stream);
+    let whole = lent.column(0).buffers()[0].parent().unwrap();
+    let first = sender.send(&lent).unwrap();
+    drop(lent);
+    let held = silent.recv().unwrap().unwrap();
+    drop(good.recv().unwrap().unwrap());
+    // The silent receiver has no credit left: this send waits for it, then drops it.
+    let second = send();
+    assert_ne!(second, 0);
+    let events = sender.take_events();
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, SenderEvent::Dropped { held: 1, reason, .. } if reason.contains("credit"))),
+        "{events:?}"
+    );
+    check_batch("good", &dtoh(&good.recv().unwrap().unwrap(), &stream).unwrap(), &batch);
+    // The others no longer wait for it.
+    for _ in 0..3 {
+        send();
+        drop(good.recv().unwrap().unwrap());
+    }
+    let e = silent.recv().unwrap_err();
+    assert_eq!(e.io_kind(), Some(std::io::ErrorKind::UnexpectedEof), "{e}");
+    // Its batch is still lent, and intact, until it lets go.
+    assert_eq!(sender.status().lost, 1);
+    assert!(!whole.is_mutable(), "the sender keeps what the dropped receiver holds");
+    check_batch("held", &dtoh(&held, &stream).unwrap(), &batch);
+    drop(held);
+    sender.wait_idle(Duration::from_secs(10)).unwrap();
+    assert!(whole.is_mutable(), "released once acknowledged");
+    assert!(first < second);
+}
+
+/// At most `max_receivers` connections at once: one more is told so and refused.
+#[test]
+fn connections_past_the_limit_are_refused() {
+    let batch = small_batch(10);
+    let path = socket_path("limit");
+    let options = SenderOptions {
+        max_receivers: 1,
+        ..SenderOptions::default()
+    };
+    let sender = Sender::bind(&path, batch.schema(), options).unwrap();
+    let first = connected(&path);
+    sender.wait_for_receivers(1, Duration::from_secs(10)).unwrap();
+    let e = Receiver::connect(&path, ReceiverOptions::default()).unwrap_err();
+    assert_eq!(e.io_kind(), Some(std::io::ErrorKind::PermissionDenied), "{e}");
+    assert!(e.to_string().contains("too many receivers"), "{e}");
+    let events = sender.take_events();
+    assert!(
+        events.iter().any(|e| matches!(e, SenderEvent::Refused { .. })),
+        "{events:?}"
+    );
+    // Once the first has gone, another may come (its connection closes a moment after the drop).
+    drop(first);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let again = loop {
+        match Receiver::connect(&path, ReceiverOptions::default()) {
+            Ok(r) => break r,
+            Err(e) if Instant::now() < deadline => assert!(e.to_string().contains("too many"), "{e}"),
+            Err(e) => panic!("no room after the first receiver left: {e}"),
+        }
+    };
+    assert_eq!(again.schema(), &batch.schema());
+}
+
+/// Greetings happen outside the sender's lock and off its accepting thread: a process that
+/// connects and never reads a greeting too large for the socket's buffer holds up nobody.
+#[test]
+fn a_process_that_never_reads_its_greeting_holds_up_nobody() {
+    let fields: Vec<Field> = (0..20_000)
+        .map(|i| Field::new(format!("a_column_with_a_long_name_{i:06}"), DataType::Int8, true))
+        .collect();
+    let schema = Arc::new(Schema::new(fields));
+    assert!(
+        ipc::encode_schema(&schema).len() > 1 << 20,
+        "larger than a socket's buffer"
+    );
+    let path = socket_path("greeting");
+    let options = SenderOptions {
+        send_timeout: Duration::from_secs(600),
+        ..SenderOptions::default()
+    };
+    let sender = Sender::bind(&path, schema.clone(), options).unwrap();
+    let mut stuck = UnixStream::connect(&path).unwrap();
+    // The greeting has started once its first bytes are there; the rest is never read.
+    let mut first = [0u8; 4];
+    stuck.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    stuck.read_exact(&mut first).unwrap();
+    let other = Receiver::connect(
+        &path,
+        ReceiverOptions {
+            connect_timeout: Duration::from_secs(30),
+            ..ReceiverOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(other.schema(), &schema);
+    sender.wait_for_receivers(1, Duration::from_secs(10)).unwrap();
+    assert_eq!(sender.status().receivers, 1, "the stuck one is not registered");
+    drop(stuck);
 }
 
 /// Frames go through the shared-memory ring unless they carry descriptors (CPU regions) or are too

@@ -32,7 +32,8 @@ pub struct DeviceArrayData {
     /// The bytes were written by this crate from an arrow-rs array (which arrow-rs had validated)
     /// and cannot have changed since: buffers are immutable while shared, and the array holds
     /// views of them. Downloads of such arrays skip arrow-rs's validation. Arrays assembled from
-    /// parts, imported or received are not trusted.
+    /// parts, imported or received are not trusted, and neither is an array whose memory was
+    /// handed to another process ([`DeviceArrayData::is_trusted`]).
     pub(crate) trusted: bool,
 }
 
@@ -194,6 +195,15 @@ impl DeviceArrayData {
                 .chain(self.buffers.iter())
                 .chain(self.children.iter().flat_map(|c| c.all_buffers())),
         )
+    }
+
+    /// Whether a download may skip validating the array: its bytes were written by this crate from
+    /// a valid arrow-rs array, and none of its buffers (children included) lies in memory that was
+    /// ever exported to another process, which could have rewritten it since (a CUDA IPC mapping is
+    /// always writable). Exported memory stays untrusted for good: the other process may keep
+    /// writing until the allocation is freed.
+    pub(crate) fn is_trusted(&self) -> bool {
+        self.trusted && !self.all_buffers().any(DeviceBuffer::is_exported)
     }
 
     /// The total number of bytes of all buffers.

@@ -9,6 +9,9 @@
 //! children's lengths. What depends on the data (string and list offsets, view indices, union type
 //! ids, dictionary keys) is checked when the batch is copied to the host ([`crate::transfer::dtoh`]
 //! validates every array); device code that reads a received batch must treat those as untrusted.
+//! Every array built here then passes the checks of [`DeviceArrayData::try_new`] too (one device,
+//! the buffers and children of its type, sizes that hold its elements), as a second line: a
+//! descriptor that lies about a layout is an error whichever check sees it first.
 //!
 //! Dictionaries come first, one `DictionaryBatch` message each ([`dictionary`]); the batch's
 //! dictionary-encoded arrays then take their values from them by id ([`crate::ipc::layout`] says
@@ -124,6 +127,9 @@ pub(crate) fn batch(
     let mut d = Decoder::new(header, device, resolve, first_buffer, 0, dictionaries);
     let columns = d.arrays(schema.fields().iter().map(AsRef::as_ref), 0)?;
     d.finish()?;
+    for c in &columns {
+        c.check()?;
+    }
     DeviceRecordBatch::try_new(schema.clone(), columns, num_rows, ready)
 }
 
@@ -150,6 +156,7 @@ pub(crate) fn dictionary(
         .pop()
         .expect("one array");
     d.finish()?;
+    array.check()?;
     if array.len() != len {
         return Err(invalid(format!(
             "dictionary {id} says {len} values and its field node {}",

@@ -98,6 +98,11 @@ impl BatchDescriptor {
     /// on the CPU), and no array may have an offset or an unknown null count
     /// ([`Error::Unsupported`] otherwise; write a message instead). The caller must keep the batch
     /// alive and unchanged until the receivers are done with it.
+    ///
+    /// Whoever opens the regions can write them on a GPU (CUDA IPC maps memory read-write; shared
+    /// host memory is sealed against a receiver's writes), so from this call on the batch's memory
+    /// is untrusted in this process too: its downloads ([`crate::transfer::dtoh`]) validate every
+    /// array, as they do for received batches.
     pub fn describe(batch: &DeviceRecordBatch) -> Result<BatchDescriptor> {
         match Route::of(batch)? {
             Route::Lend(located) => located.export(),
@@ -491,6 +496,10 @@ impl Located<'_> {
             regions,
             locations,
         } = self;
+        // Every buffer the receivers can reach (and, on a GPU, write) is untrusted from now on.
+        for source in layouts.iter().flat_map(|l| &l.buffers).filter_map(|b| b.source) {
+            source.mark_exported();
+        }
         let regions = regions
             .into_iter()
             .map(|r| match (device, r.shared) {

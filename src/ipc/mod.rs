@@ -22,9 +22,12 @@
 //! A CUDA IPC memory handle is a capability: any process of the same user (and root) that learns
 //! its 64 bytes can map the whole allocation it names, read it and write it, for as long as the
 //! exporter keeps it; the driver does not ask how the handle was obtained. Shared host memory on
-//! the CPU device travels as a file descriptor, which is the same capability. So whoever receives a batch's handles holds its
-//! memory, and a process that poses as a sender can feed a receiver any data. The channel
-//! therefore trusts exactly the users it is told to:
+//! the CPU device travels as a file descriptor, which is the same capability for reading (the
+//! memfd is sealed against writes by anyone but its creator). So whoever receives a batch's
+//! handles can read its memory, on a GPU write it too, and a process that poses as a sender can
+//! feed a receiver any data. Received batches are validated when copied to the host, and a batch
+//! whose memory was handed out is validated from then on in the sender too (its bytes may have
+//! changed). The channel trusts exactly the users it is told to:
 //!
 //! - each end asks the kernel who the other is (`SO_PEERCRED`) and, unless
 //!   [`SenderOptions::allowed_uids`] / [`ReceiverOptions::allowed_uids`] name other users, accepts

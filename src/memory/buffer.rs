@@ -126,6 +126,18 @@ impl DeviceBuffer {
         self.alloc.ipc_handle(export)
     }
 
+    /// Records that the allocation this buffer views was handed to another process, which may write
+    /// it from then on.
+    pub(crate) fn mark_exported(&self) {
+        self.alloc.mark_exported();
+    }
+
+    /// Whether the allocation this buffer views was ever handed to another process (a CUDA IPC
+    /// handle or a memfd made for it): its bytes may have changed since they were written.
+    pub(crate) fn is_exported(&self) -> bool {
+        self.alloc.is_exported()
+    }
+
     /// Whether two buffers view the same allocation.
     pub fn shares_allocation(&self, other: &DeviceBuffer) -> bool {
         Arc::ptr_eq(&self.alloc, &other.alloc)

@@ -3,6 +3,7 @@
 use std::alloc::Layout;
 use std::any::Any;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::CudaContext;
@@ -81,6 +82,7 @@ impl MemoryResource {
                 resource: self,
                 release: Release::Nothing,
                 ipc_handle: OnceLock::new(),
+                exported: AtomicBool::new(false),
             });
         }
         let ctx = device.context()?;
@@ -146,6 +148,7 @@ impl MemoryResource {
             resource: self,
             release,
             ipc_handle: OnceLock::new(),
+            exported: AtomicBool::new(false),
         })
     }
 }
@@ -170,6 +173,9 @@ pub(crate) struct Allocation {
     /// bytes for each `cuIpcGetMemHandle` of one allocation, and a peer that caches mappings by
     /// handle would then open it again every time.
     ipc_handle: OnceLock<[u8; 64]>,
+    /// A handle of the allocation (CUDA IPC or a memfd) was made for another process, which may
+    /// then write it (a CUDA IPC mapping is always read-write): what was valid in it may not be.
+    exported: AtomicBool,
 }
 
 impl Allocation {
@@ -184,6 +190,7 @@ impl Allocation {
             resource: MemoryResource::Foreign(device),
             release: Release::Owner(owner),
             ipc_handle: OnceLock::new(),
+            exported: AtomicBool::new(false),
         }
     }
 
@@ -203,6 +210,7 @@ impl Allocation {
             resource,
             release: Release::Owner(owner),
             ipc_handle: OnceLock::new(),
+            exported: AtomicBool::new(false),
         }
     }
 
@@ -217,7 +225,18 @@ impl Allocation {
             return Ok(*h);
         }
         let h = export()?;
+        self.mark_exported();
         Ok(*self.ipc_handle.get_or_init(|| h))
+    }
+
+    /// Records that a handle of the allocation was made for another process.
+    pub(crate) fn mark_exported(&self) {
+        self.exported.store(true, Ordering::Release);
+    }
+
+    /// Whether a handle of the allocation was ever made for another process.
+    pub(crate) fn is_exported(&self) -> bool {
+        self.exported.load(Ordering::Acquire)
     }
 
     pub(crate) fn size(&self) -> usize {

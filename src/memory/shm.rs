@@ -1,10 +1,15 @@
 //! Shared host memory: what stands in for CUDA IPC on the CPU device.
 //!
 //! [`MemoryResource::SharedHost`](crate::memory::MemoryResource::SharedHost) allocations are `memfd`s, sized
-//! with `ftruncate`, sealed against shrinking and growing, and mapped `MAP_SHARED`. Their "handle"
-//! is the file descriptor plus the size ([`SharedMemHandle`]); it crosses a Unix socket with
-//! `SCM_RIGHTS`, and the peer maps it (read-only). The seals are what make a received region safe to
-//! read: a sender that could shrink the file would turn the receiver's reads into `SIGBUS`.
+//! with `ftruncate`, mapped `MAP_SHARED` for reading and writing by their creator, then sealed against
+//! shrinking, growing and any further write access (`F_SEAL_FUTURE_WRITE`). Their "handle" is the
+//! file descriptor plus the size ([`SharedMemHandle`]); it crosses a Unix socket with `SCM_RIGHTS`,
+//! and the peer maps it read-only. The seals are what make a region safe to share both ways: a
+//! creator that could shrink the file would turn the receiver's reads into `SIGBUS`, and a receiver
+//! holding the descriptor can neither `write` it, nor map it writable, nor `mprotect` its mapping
+//! writable, nor punch holes in it (the kernel refuses each with `EPERM`), so it cannot change the
+//! bytes of the creator's batches under them. Only the creator's own mapping, made before the seal,
+//! writes.
 //!
 //! Every live region, created or opened, is registered by address, so the IPC layer finds the
 //! region (and its descriptor) behind any [`DeviceBuffer`] that views it, including buffers
@@ -107,22 +112,48 @@ impl Drop for SharedRegion {
 
 #[cfg(target_os = "linux")]
 fn create(size: usize) -> Result<Arc<SharedRegion>> {
-    let fd = sealed_memfd(size)?;
+    let fd = memfd(size)?;
     let address = map(fd.as_fd(), size, libc::PROT_READ | libc::PROT_WRITE)?;
-    let region = Arc::new(SharedRegion {
+    // From here on the region owns the mapping (and unmaps it if sealing fails).
+    let region = SharedRegion {
         fd,
         address,
         size,
         opened: None,
-    });
+    };
+    // Sealed after this mapping is made: it stays writable, and no other one ever is.
+    seal(region.fd.as_fd(), SEALS | libc::F_SEAL_FUTURE_WRITE)?;
+    let region = Arc::new(region);
     register(&region);
     Ok(region)
 }
 
-/// A new memfd of `size` zero bytes, sealed against shrinking and growing: a peer that maps it can
-/// read all of it for as long as it is mapped.
+/// The seals of every shared memfd: its size is fixed, and the seals too.
+const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
+/// A new memfd of `size` zero bytes, sealed against shrinking and growing but writable through any
+/// mapping: a peer that maps it can read all of it for as long as it is mapped. For memory both
+/// ends write (the channel's ring); regions of batches are sealed against writes too.
 #[cfg(target_os = "linux")]
 pub(crate) fn sealed_memfd(size: usize) -> Result<OwnedFd> {
+    let fd = memfd(size)?;
+    seal(fd.as_fd(), SEALS)?;
+    Ok(fd)
+}
+
+/// Adds `seals` to a memfd made by [`memfd`].
+#[cfg(target_os = "linux")]
+fn seal(fd: BorrowedFd<'_>, seals: libc::c_int) -> Result<()> {
+    // SAFETY: a valid memfd created with MFD_ALLOW_SEALING.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(os_error("sealing a memfd"));
+    }
+    Ok(())
+}
+
+/// A new memfd of `size` zero bytes that allows sealing, not sealed yet.
+#[cfg(target_os = "linux")]
+fn memfd(size: usize) -> Result<OwnedFd> {
     if size == 0 {
         return Err(Error::InvalidArgument("a shared region needs at least one byte".into()));
     }
@@ -148,11 +179,6 @@ pub(crate) fn sealed_memfd(size: usize) -> Result<OwnedFd> {
             },
             _ => Error::io("ftruncate of a memfd", e),
         });
-    }
-    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-    // SAFETY: a valid memfd created with MFD_ALLOW_SEALING.
-    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
-        return Err(os_error("sealing a memfd"));
     }
     Ok(fd)
 }
@@ -187,14 +213,18 @@ pub struct SharedMemHandle {
 impl SharedMemHandle {
     /// The handle of the region that holds `buffer` (memory of
     /// [`MemoryResource::SharedHost`](crate::memory::MemoryResource::SharedHost), or a region received from a
-    /// peer), and the buffer's offset in it. The handle covers the whole region.
+    /// peer), and the buffer's offset in it. The handle covers the whole region. The peer can map it
+    /// read-only only (the memfd is sealed against writes); still, from this call on downloads of
+    /// arrays in the region validate them, as for any memory handed to another process.
     pub fn export(buffer: &DeviceBuffer) -> Result<(SharedMemHandle, usize)> {
         let (region, offset) = SharedRegion::find(buffer).ok_or_else(|| {
             Error::Unsupported(format!(
                 "{buffer:?} is not shared memory; allocate it from MemoryResource::SharedHost to send it without a copy"
             ))
         })?;
-        Ok((region.handle()?, offset))
+        let handle = region.handle()?;
+        buffer.mark_exported();
+        Ok((handle, offset))
     }
 
     /// A handle from a received descriptor and the size the peer announced.

@@ -186,6 +186,6 @@ fn host_layout(a: &DeviceArrayData, place: &mut impl Iterator<Item = Range<usize
         nulls,
         buffers,
         children: a.children.iter().map(|c| host_layout(c, place)).collect(),
-        trusted: a.trusted,
+        trusted: a.is_trusted(),
     }
 }

@@ -14,9 +14,18 @@
 //!
 //! - a receiver that dies: its socket ends, the sender's reader thread for it notices at once and
 //!   reclaims everything it held ([`SenderEvent::Lost`], [`SenderStatus::lost`]);
+//! - a receiver that stops acknowledging or reading: it holds up sends for at most
+//!   [`SenderOptions::send_timeout`], out of its own credit or room, and is then dropped
+//!   ([`SenderEvent::Dropped`]); the others never wait for it again. Connections are limited
+//!   ([`SenderOptions::max_receivers`]) and each is greeted on its own thread, so one that never
+//!   reads its greeting holds up nobody;
 //! - a sender that dies: the receiver's next receive reads the end of the connection and fails
 //!   ([`std::io::ErrorKind::UnexpectedEof`]); a sender that goes silent makes a receive time out
-//!   ([`std::io::ErrorKind::TimedOut`], after [`ReceiverOptions::recv_timeout`]: 60 s by default);
+//!   ([`std::io::ErrorKind::TimedOut`], after [`ReceiverOptions::recv_timeout`]: 60 s by default).
+//!   Batches still held from a dead sender: on the CPU they stay valid until dropped (shared memory
+//!   lives as long as any process maps it). On a GPU the sender's death frees its memory, which
+//!   CUDA leaves undefined for a process that still has it open: a receiver must drop batches of
+//!   a sender that died without reading them again;
 //! - truncated, oversized or corrupt frames: errors on either side, never a crash; a corrupt batch is
 //!   acknowledged so its memory is reclaimed.
 
@@ -29,5 +38,6 @@ mod sender;
 
 pub use access::private_socket_path;
 pub use peers::{SenderEvent, SenderStatus};
+pub(crate) use protocol::Frame;
 pub use receiver::{Receiver, ReceiverOptions};
 pub use sender::{Sender, SenderOptions};

@@ -1,6 +1,14 @@
 //! A sender's side of its receivers: who is connected, which batches each holds, and the threads
 //! that accept receivers and read their acknowledgements. A batch lent to receivers is kept (with
 //! its interprocess event) until the last of them acknowledges it or goes away.
+//!
+//! No receiver can hold up the others for long. Each has its own credit (the body bytes it may
+//! hold unacknowledged); a send waits for a receiver out of credit, or for room in its ring or
+//! socket, at most the send timeout, then drops that receiver: nothing more is sent to it and its
+//! connection is shut for writing, so its next receive fails. What it holds stays lent until it
+//! acknowledges it or its connection ends (memory a receiver may still map is never freed under
+//! it). Each connection is greeted and read on a thread of its own, outside the state's lock, and
+//! connections past the limit are refused at once.
 
 use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
@@ -19,6 +27,7 @@ use crate::ipc::wire::FrameReader;
 
 /// Something that happened to a sender's receivers.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum SenderEvent {
     /// A receiver connected.
     Joined {
@@ -37,6 +46,19 @@ pub enum SenderEvent {
         /// Why, with the process's user id.
         reason: String,
     },
+    /// A receiver was dropped: it held up a send past
+    /// [`SenderOptions::send_timeout`](crate::ipc::SenderOptions::send_timeout), out of credit (it
+    /// did not acknowledge batches) or not reading its frames. Nothing more is sent to it, and its
+    /// next receive fails; the batches it holds stay lent until it acknowledges them or its
+    /// connection ends.
+    Dropped {
+        /// The receiver's number.
+        receiver: u64,
+        /// How many batches it held.
+        held: usize,
+        /// What happened.
+        reason: String,
+    },
     /// A receiver's connection ended while it held batches, failed, or broke the protocol; what it
     /// held was reclaimed.
     Lost {
@@ -52,13 +74,13 @@ pub enum SenderEvent {
 /// A snapshot of a sender's state.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SenderStatus {
-    /// Receivers connected now (detached ones included until they close).
+    /// Receivers connected now (detached and dropped ones included until they close).
     pub receivers: usize,
     /// Receivers that joined so far.
     pub joined: u64,
     /// Receivers that left cleanly.
     pub left: u64,
-    /// Receivers lost (see [`SenderEvent::Lost`]).
+    /// Receivers lost (see [`SenderEvent::Lost`]) or dropped ([`SenderEvent::Dropped`]).
     pub lost: u64,
     /// Batches sent to at least one receiver.
     pub sent: u64,
@@ -71,7 +93,12 @@ pub struct SenderStatus {
 /// A connected receiver.
 pub(super) struct Peer {
     pub(super) link: Arc<Link>,
+    /// It asked for nothing more.
     detached: bool,
+    /// It held up a send and was dropped: nothing more is sent to it.
+    dropped: bool,
+    /// The body bytes of the batches it holds: its use of its credit.
+    held: u64,
 }
 
 /// A batch lent to receivers.
@@ -90,6 +117,8 @@ pub(super) struct State {
     pub(super) in_flight: HashMap<u64, InFlight>,
     pub(super) in_flight_bytes: u64,
     next_peer: u64,
+    /// Connections accepted and not yet closed (being greeted, or receivers).
+    connections: usize,
     pub(super) status: SenderStatus,
     pub(super) events: Vec<SenderEvent>,
     /// The last frame, once sent (`End` or `Abort`): late receivers get it after `Hello`.
@@ -99,6 +128,60 @@ pub(super) struct State {
 }
 
 impl State {
+    /// Lends `batch` (in flight already) to `peer`, which takes its bytes from its credit.
+    pub(super) fn charge(&mut self, peer: u64, bytes: u64) {
+        if let Some(p) = self.peers.get_mut(&peer) {
+            p.held += bytes;
+        }
+    }
+
+    /// `peer` is done with `batch`: its credit comes back, and the batch is released once every
+    /// receiver is done with it.
+    fn release(&mut self, peer: u64, batch: u64) {
+        let Some(f) = self.in_flight.get_mut(&batch) else {
+            return;
+        };
+        if !f.pending.remove(&peer) {
+            return;
+        }
+        let (bytes, last) = (f.bytes, f.pending.is_empty());
+        if let Some(p) = self.peers.get_mut(&peer) {
+            p.held = p.held.saturating_sub(bytes);
+        }
+        if last {
+            self.complete(batch);
+        }
+    }
+
+    /// Drops a receiver that held up a send: it gets nothing more and its connection is shut for
+    /// writing (its next receive fails); what it holds stays lent until it acknowledges it or its
+    /// connection ends.
+    pub(super) fn drop_peer(&mut self, peer: u64, reason: String) {
+        let Some(p) = self.peers.get_mut(&peer) else { return };
+        if p.dropped {
+            return;
+        }
+        p.dropped = true;
+        let _ = p.link.socket.shutdown(std::net::Shutdown::Write);
+        let held = self.in_flight.values().filter(|f| f.pending.contains(&peer)).count();
+        self.status.lost += 1;
+        self.events.push(SenderEvent::Dropped {
+            receiver: peer,
+            held,
+            reason,
+        });
+    }
+
+    /// The receivers that hold more than `credit` bytes if lent `bytes` more (a receiver that
+    /// holds nothing takes a batch of any size).
+    pub(super) fn out_of_credit(&self, bytes: u64, credit: u64) -> Vec<u64> {
+        self.peers
+            .iter()
+            .filter(|(_, p)| !p.detached && !p.dropped && p.held > 0 && p.held.saturating_add(bytes) > credit)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
     /// Releases a batch every receiver is done with: its memory is freed (or given back to its
     /// owner) before the lock is released, so a status that no longer counts it means it is gone;
     /// its event goes back to the pool.
@@ -129,17 +212,21 @@ pub(super) struct Shared {
     write_timeout: Duration,
     /// The users whose processes may connect (`None`: this process's own).
     allowed_uids: Option<Vec<u32>>,
+    /// The most connections at once.
+    max_receivers: usize,
 }
 
 impl Shared {
     /// Nothing connected yet: receivers will be greeted with `hello`, their frames may be up to
-    /// `max_frame` bytes, a write to one may block for `write_timeout`, and only processes of
-    /// `allowed_uids` (`None`: this process's user) are accepted.
+    /// `max_frame` bytes, a write to one may block for `write_timeout`, only processes of
+    /// `allowed_uids` (`None`: this process's user) are accepted, and at most `max_receivers` at
+    /// once.
     pub(super) fn new(
         hello: Frame,
         max_frame: usize,
         write_timeout: Duration,
         allowed_uids: Option<Vec<u32>>,
+        max_receivers: usize,
     ) -> Shared {
         Shared {
             state: Mutex::new(State::default()),
@@ -149,6 +236,7 @@ impl Shared {
             max_frame,
             write_timeout,
             allowed_uids,
+            max_receivers,
         }
     }
 
@@ -156,18 +244,51 @@ impl Shared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Greets a new receiver, hands it its ring and starts reading its acknowledgements.
-    fn add_peer(self: &Arc<Self>, socket: UnixStream) {
+    /// Takes a new connection: refused at once past the connection limit, else greeted and read on
+    /// a thread of its own, so that a process slow to take its greeting holds up nobody.
+    fn accept(self: &Arc<Self>, socket: UnixStream) {
+        let admitted = {
+            let mut st = self.lock();
+            let room = st.connections < self.max_receivers;
+            st.connections += usize::from(room);
+            room
+        };
+        if !admitted {
+            let reason = format!("too many receivers (at most {} at once)", self.max_receivers);
+            return self.refuse(socket, reason);
+        }
+        let shared = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("arrow-cuda-ipc-peer".into())
+            .spawn(move || {
+                shared.serve(socket);
+                shared.lock().connections -= 1;
+                shared.changed.notify_all();
+            });
+        if spawned.is_err() {
+            self.lock().connections -= 1;
+        }
+    }
+
+    /// Tells a process that it is refused and why, without waiting for it, and records it.
+    fn refuse(&self, socket: UnixStream, reason: String) {
+        // A fresh socket's buffer takes this small frame; a full one is not waited for.
+        if socket.set_nonblocking(true).is_ok() {
+            let _ = Link::new(socket).send(&Frame::Abort(format!("refused: {reason}")));
+        }
+        self.lock().events.push(SenderEvent::Refused { reason });
+        self.changed.notify_all();
+    }
+
+    /// Greets a new receiver, hands it its ring and reads its acknowledgements until its
+    /// connection ends. Only the registration takes the state's lock, never the greeting.
+    fn serve(&self, socket: UnixStream) {
         if socket.set_nonblocking(false).is_err() || socket.set_write_timeout(Some(self.write_timeout)).is_err() {
             return;
         }
         if let Err(e) = check_peer(&socket, self.allowed_uids.as_deref()) {
-            let reason = e.to_string();
             // The refused process learns why, and nothing of the stream.
-            let _ = Link::new(socket).send(&Frame::Abort(format!("refused: {reason}")));
-            self.lock().events.push(SenderEvent::Refused { reason });
-            self.changed.notify_all();
-            return;
+            return self.refuse(socket, e.to_string());
         }
         let Ok(reader) = socket.try_clone() else { return };
         let Ok(ring) = RingWriter::create() else {
@@ -175,34 +296,38 @@ impl Shared {
         };
         let Ok(handover) = Frame::ring(&ring) else { return };
         let link = Arc::new(Link::new(socket));
-        let id = {
+        if link.send(&self.hello).is_err() || link.send(&handover).is_err() {
+            return;
+        }
+        link.attach(ring);
+        // Registered after the greeting: batches lent from now on go to it too. A stream that
+        // ended before is ended for it here; one that ends after sends it its end (`close_with`
+        // sees it registered).
+        let (id, last) = {
             let mut st = self.lock();
-            // Under the lock, so that a concurrent finish cannot slip between the greeting and the
-            // registration; a fresh socket's buffer takes these small frames without blocking.
-            if link.send(&self.hello).is_err() || link.send(&handover).is_err() {
-                return;
-            }
-            link.attach(ring);
-            if let Some(last) = &st.last
-                && link.send(last).is_err()
-            {
-                return;
-            }
             let id = st.next_peer;
             st.next_peer += 1;
-            st.peers.insert(id, Peer { link, detached: false });
+            let peer = Peer {
+                link: link.clone(),
+                detached: false,
+                dropped: false,
+                held: 0,
+            };
+            st.peers.insert(id, peer);
             st.status.joined += 1;
             st.events.push(SenderEvent::Joined { receiver: id });
-            id
+            let last = match &st.last {
+                Some(Frame::End) => Some(Frame::End),
+                Some(Frame::Abort(reason)) => Some(Frame::Abort(reason.clone())),
+                _ => None,
+            };
+            (id, last)
         };
         self.changed.notify_all();
-        let shared = self.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("arrow-cuda-ipc-peer-{id}"))
-            .spawn(move || shared.read_peer(id, reader));
-        if let Err(e) = spawned {
-            self.disconnect(id, Some(format!("could not start its reader thread: {e}")));
+        if let Some(last) = last {
+            self.broadcast(&[(id, link)], &last);
         }
+        self.read_peer(id, reader);
     }
 
     /// Reads one receiver's frames until its connection ends.
@@ -224,16 +349,8 @@ impl Shared {
     }
 
     fn ack(&self, peer: u64, batch: u64) {
-        let mut st = self.lock();
-        let last = st
-            .in_flight
-            .get_mut(&batch)
-            .is_some_and(|f| f.pending.remove(&peer) && f.pending.is_empty());
-        if last {
-            st.complete(batch);
-            drop(st);
-            self.changed.notify_all();
-        }
+        self.lock().release(peer, batch);
+        self.changed.notify_all();
     }
 
     fn detach(&self, peer: u64) {
@@ -256,16 +373,13 @@ impl Shared {
                 .map(|(id, _)| *id)
                 .collect();
             for id in &held {
-                let last = st
-                    .in_flight
-                    .get_mut(id)
-                    .is_some_and(|f| f.pending.remove(&peer) && f.pending.is_empty());
-                if last {
-                    st.complete(*id);
-                }
+                // `peer` is gone from `peers`: only the batches are released.
+                st.release(peer, *id);
             }
             let clean = held.is_empty() && reason.is_none() && (p.detached || st.last.is_some());
-            if clean {
+            if p.dropped {
+                // Counted and reported when it was dropped.
+            } else if clean {
                 st.status.left += 1;
                 st.events.push(SenderEvent::Left { receiver: peer });
             } else {
@@ -281,11 +395,13 @@ impl Shared {
         self.changed.notify_all();
     }
 
-    /// Sends `frame` to `peers`; a receiver whose socket fails is disconnected.
+    /// Sends `frame` to `peers`; a receiver that takes no frame within the write timeout (or
+    /// whose socket fails) is dropped.
     pub(super) fn broadcast(&self, peers: &[(u64, Arc<Link>)], frame: &Frame) {
         for (id, link) in peers {
             if let Err(e) = link.send(frame) {
-                self.disconnect(*id, Some(format!("sending to it failed: {e}")));
+                self.lock().drop_peer(*id, format!("sending to it failed: {e}"));
+                self.changed.notify_all();
             }
         }
     }
@@ -294,7 +410,7 @@ impl Shared {
     pub(super) fn active(st: &State) -> Vec<(u64, Arc<Link>)> {
         st.peers
             .iter()
-            .filter(|(_, p)| !p.detached)
+            .filter(|(_, p)| !p.detached && !p.dropped)
             .map(|(id, p)| (*id, p.link.clone()))
             .collect()
     }
@@ -312,7 +428,7 @@ pub(super) fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
         // SAFETY: one valid pollfd for the call.
         unsafe { libc::poll(&mut poll, 1, 50) };
         match listener.accept() {
-            Ok((socket, _)) => shared.add_peer(socket),
+            Ok((socket, _)) => shared.accept(socket),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {}
             Err(_) => std::thread::sleep(Duration::from_millis(50)),
         }

@@ -20,11 +20,17 @@
 //! checking that it stays within the ring. The receiver copies an entry out of shared memory before
 //! it reads it, and checks its length against what was published and against its frame limit. A
 //! peer that breaks these rules is an error, never a read out of bounds.
+//!
+//! Every access to the shared bytes is atomic (relaxed loads and stores of aligned words, of bytes
+//! at the unaligned edges), never a plain read or write: the other process may write them at any
+//! moment (a broken or hostile one, even while they are copied), and a plain access racing with a
+//! write is undefined behaviour for the compiler, which may assume the bytes do not change under
+//! it. With atomic accesses such a race only garbles the copy, which is then checked.
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -95,10 +101,10 @@ impl Shared {
     fn copy_in(&self, pos: u64, bytes: &[u8]) {
         let mut from = bytes;
         for (at, n) in self.pieces(pos, bytes.len()) {
-            // SAFETY: `at + n <= capacity` bytes of the mapped ring. The receiver reads these bytes
-            // only after the tail that publishes them, and a receiver that reads them early only
-            // copies them (it never forms a reference to shared memory).
-            unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), self.address.add(HEADER + at), n) };
+            // SAFETY: `at + n <= capacity` bytes of the mapped ring, which lives as long as `self`.
+            // The receiver reads these bytes only after the tail that publishes them, and only
+            // atomically.
+            unsafe { store(self.address.add(HEADER + at), &from[..n]) };
             from = &from[n..];
         }
     }
@@ -107,12 +113,65 @@ impl Shared {
     fn copy_out(&self, pos: u64, out: &mut [u8]) {
         let mut to = out;
         for (at, n) in self.pieces(pos, to.len()) {
-            // SAFETY: `at + n <= capacity` bytes of the mapped ring into private memory. A sender
-            // that wrote them while they are copied corrupts only the copy, which is checked.
-            unsafe { std::ptr::copy_nonoverlapping(self.address.add(HEADER + at), to.as_mut_ptr(), n) };
+            // SAFETY: `at + n <= capacity` bytes of the mapped ring, which lives as long as `self`,
+            // into private memory. A sender that writes them meanwhile garbles only the copy,
+            // which is checked.
+            unsafe { load(self.address.add(HEADER + at), &mut to[..n]) };
             to = &mut to[n..];
         }
     }
+}
+
+/// Copies `out.len()` bytes of shared memory from `from` through relaxed atomic loads: aligned
+/// 8-byte words, and single bytes before the first and after the last.
+///
+/// # Safety
+/// `from..from + out.len()` is mapped memory that stays mapped during the call and that every
+/// other party reaches only atomically.
+unsafe fn load(from: *const u8, out: &mut [u8]) {
+    let head = from.align_offset(8).min(out.len());
+    let words = (out.len() - head) / 8;
+    let (first, rest) = out.split_at_mut(head);
+    let (middle, last) = rest.split_at_mut(8 * words);
+    let byte = |i: usize| {
+        // SAFETY: byte `i` of the range (caller), reached atomically by everyone.
+        unsafe { AtomicU8::from_ptr(from.add(i).cast_mut()) }.load(Ordering::Relaxed)
+    };
+    first.iter_mut().enumerate().for_each(|(i, b)| *b = byte(i));
+    for (w, chunk) in middle.chunks_exact_mut(8).enumerate() {
+        // SAFETY: an 8-byte aligned word of the range (`head` aligns it).
+        let word = unsafe { AtomicU64::from_ptr(from.add(head + 8 * w).cast_mut().cast()) };
+        chunk.copy_from_slice(&word.load(Ordering::Relaxed).to_ne_bytes());
+    }
+    let end = head + 8 * words;
+    last.iter_mut().enumerate().for_each(|(i, b)| *b = byte(end + i));
+}
+
+/// Copies `bytes` into shared memory at `to` through relaxed atomic stores, as [`load`] reads.
+///
+/// # Safety
+/// `to..to + bytes.len()` is mapped writable memory that stays mapped during the call and that
+/// every other party reaches only atomically.
+unsafe fn store(to: *mut u8, bytes: &[u8]) {
+    let head = to.align_offset(8).min(bytes.len());
+    let words = (bytes.len() - head) / 8;
+    let (first, rest) = bytes.split_at(head);
+    let (middle, last) = rest.split_at(8 * words);
+    let byte = |i: usize, b: u8| {
+        // SAFETY: byte `i` of the range (caller), reached atomically by everyone.
+        unsafe { AtomicU8::from_ptr(to.add(i)) }.store(b, Ordering::Relaxed)
+    };
+    first.iter().enumerate().for_each(|(i, b)| byte(i, *b));
+    for (w, chunk) in middle.chunks_exact(8).enumerate() {
+        // SAFETY: an 8-byte aligned word of the range (`head` aligns it).
+        let word = unsafe { AtomicU64::from_ptr(to.add(head + 8 * w).cast()) };
+        word.store(
+            u64::from_ne_bytes(chunk.try_into().expect("8 bytes")),
+            Ordering::Relaxed,
+        );
+    }
+    let end = head + 8 * words;
+    last.iter().enumerate().for_each(|(i, b)| byte(end + i, *b));
 }
 
 impl Drop for Shared {
@@ -472,6 +531,32 @@ mod tests {
             r.sleep(peer.as_fd(), Some(Duration::from_secs(10))).unwrap(),
             Some(Woken::Socket)
         );
+    }
+
+    /// The atomic copies move every byte, at every alignment of either end and every length.
+    #[test]
+    fn atomic_copies_move_every_byte() {
+        let src: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(37) ^ 0x5a).collect();
+        let mut shared = vec![0u64; 16];
+        for at in 0..16 {
+            for len in 0..40 {
+                shared.iter_mut().for_each(|w| *w = 0);
+                let base = shared.as_mut_ptr().cast::<u8>();
+                // SAFETY: `at + len < 128` bytes of `shared`, reached only here.
+                unsafe { store(base.add(at), &src[3..3 + len]) };
+                let mut out = vec![0xffu8; len + 5];
+                // SAFETY: as above.
+                unsafe { load(base.add(at), &mut out[5..]) };
+                assert_eq!(&out[5..], &src[3..3 + len], "at {at}, {len} bytes");
+                // Nothing outside the range was written.
+                // SAFETY: as above, the whole of `shared`.
+                let all = unsafe { std::slice::from_raw_parts(base, 128) };
+                assert!(
+                    all[..at].iter().chain(&all[at + len..]).all(|&b| b == 0),
+                    "at {at}, {len} bytes"
+                );
+            }
+        }
     }
 
     #[test]

@@ -27,14 +27,21 @@ use crate::memory::MemoryResource;
 /// How a [`Sender`] behaves.
 #[derive(Clone, Debug)]
 pub struct SenderOptions {
-    /// The most body bytes lent to receivers at once: [`Sender::send`] waits for acknowledgements
-    /// to free room (a single larger batch is sent when nothing else is in flight).
+    /// Each receiver's credit: the most body bytes lent to one receiver and not yet acknowledged
+    /// by it. [`Sender::send`] waits for a receiver's acknowledgements to free room (a receiver
+    /// that holds nothing takes a batch of any size). Receivers get the same batches, so the
+    /// sender keeps at most this much per receiver.
     pub max_in_flight_bytes: u64,
-    /// How long [`Sender::send`] waits for room, and how long one socket write may block, before
-    /// failing with [`std::io::ErrorKind::TimedOut`].
+    /// How long one receiver may hold up [`Sender::send`]: out of credit, or not taking its frames
+    /// (its ring and socket full). Past it that receiver is dropped ([`SenderEvent::Dropped`]:
+    /// nothing more is sent to it and its next receive fails) and the send goes on to the others,
+    /// so a receiver that stops acknowledging delays the stream once, by at most this much.
     pub send_timeout: Duration,
     /// Send batches whose memory is exportable as they are, without a copy. When false, or when a
-    /// batch is not exportable, it is copied into one message first.
+    /// batch is not exportable, it is copied into one message first. A batch lent as it is can be
+    /// written by its receivers on a GPU (CUDA IPC mappings are read-write), so its downloads in
+    /// this process validate every array from then on (see [`BatchDescriptor::describe`]); a
+    /// copied one stays as trusted as it was.
     pub zero_copy: bool,
     /// Where messages are written; by default memory another process can open
     /// ([`default_message_resource`]).
@@ -47,6 +54,10 @@ pub struct SenderOptions {
     /// can open the memory of the batches it is sent: see the [`crate::ipc`] docs before allowing
     /// other users.
     pub allowed_uids: Option<Vec<u32>>,
+    /// The most connections at once (receivers, and processes being greeted); one past it is told
+    /// so and disconnected ([`SenderEvent::Refused`]). Each receiver costs a thread, a ring of
+    /// 1 MiB of shared memory and an eventfd.
+    pub max_receivers: usize,
 }
 
 impl Default for SenderOptions {
@@ -58,6 +69,7 @@ impl Default for SenderOptions {
             message_resource: None,
             max_frame_bytes: 1 << 20,
             allowed_uids: None,
+            max_receivers: 64,
         }
     }
 }
@@ -119,6 +131,7 @@ impl Sender {
             options.max_frame_bytes,
             options.send_timeout,
             options.allowed_uids.clone(),
+            options.max_receivers,
         ));
         let accepting = shared.clone();
         let accept = std::thread::Builder::new()
@@ -209,8 +222,9 @@ impl Sender {
     ///
     /// With [`SenderOptions::zero_copy`], a batch whose memory is exportable travels as it is and is
     /// kept alive (a clone of it) until every receiver is done; otherwise it is first copied into one
-    /// message. Blocks while the bytes in flight would pass [`SenderOptions::max_in_flight_bytes`],
-    /// for at most [`SenderOptions::send_timeout`]. For CUDA batches still being written, an IPC
+    /// message. Blocks while a receiver has no credit for it ([`SenderOptions::max_in_flight_bytes`]
+    /// unacknowledged), for at most [`SenderOptions::send_timeout`], after which that receiver is
+    /// dropped ([`SenderEvent::Dropped`]) and the batch goes to the others. For CUDA batches still being written, an IPC
     /// event recorded after the batch's ready event (and after the copy, if any) orders the
     /// receivers' work after it.
     pub fn send(&self, batch: &DeviceRecordBatch) -> Result<u64> {
@@ -230,7 +244,7 @@ impl Sender {
         let estimate = described
             .as_ref()
             .map_or_else(|| batch.size_in_bytes() as u64, |d| d.body_bytes());
-        self.wait_for_room(estimate)?;
+        self.wait_for_room(estimate);
         let stream = self.stream(device)?;
         let (descriptor, lease, ready): (BatchDescriptor, Box<dyn Any + Send>, Event) = match described {
             Some(d) => (d, Box::new(batch.clone()), batch.ready().clone()),
@@ -311,6 +325,9 @@ impl Sender {
                 };
             }
             let pending = peers.iter().map(|(id, _)| *id).collect();
+            for (peer, _) in &peers {
+                st.charge(*peer, bytes);
+            }
             st.in_flight.insert(
                 id,
                 InFlight {
@@ -328,11 +345,24 @@ impl Sender {
         Ok(id)
     }
 
-    fn wait_for_room(&self, bytes: u64) -> Result<()> {
-        let max = self.options.max_in_flight_bytes;
-        self.wait_until(self.options.send_timeout, "room among the bytes in flight", |st| {
-            st.in_flight.is_empty() || st.in_flight_bytes.saturating_add(bytes) <= max
-        })
+    /// Waits until every receiver has credit for `bytes` more; those still without it after
+    /// [`SenderOptions::send_timeout`] are dropped.
+    fn wait_for_room(&self, bytes: u64) {
+        let credit = self.options.max_in_flight_bytes;
+        let timeout = self.options.send_timeout;
+        if self
+            .wait_until(timeout, "credit", |st| st.out_of_credit(bytes, credit).is_empty())
+            .is_ok()
+        {
+            return;
+        }
+        let mut st = self.shared.lock();
+        for peer in st.out_of_credit(bytes, credit) {
+            let reason = format!("it held its credit of {credit} bytes unacknowledged for {timeout:?}");
+            st.drop_peer(peer, reason);
+        }
+        drop(st);
+        self.shared.changed.notify_all();
     }
 
     /// An interprocess event for a batch: the one released longest ago, once the pool holds
