@@ -10,7 +10,7 @@ use std::sync::{Arc, OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLockWrite
 
 use arrow_array::{
     ArrayRef, Date32Array, Decimal128Array, DictionaryArray, Float64Array, Int8Array, Int32Array, Int64Array,
-    RecordBatch, StringArray,
+    LargeStringArray, RecordBatch, StringArray, StringViewArray,
 };
 use arrow_cuda::datafusion::{DeviceStageRule, GpuTable, LoadOptions};
 use arrow_cuda::{Device, DeviceBuffer, Error, MemoryResource, Stream};
@@ -795,5 +795,54 @@ fn dictionary_group_keys() {
         }
         // Answered from the table's statistics, which count null values as nulls.
         assert_same(&gpu, &mem, "select count(di), count(ds) from t", false);
+    });
+}
+
+/// `MIN` and `MAX` of strings (`Utf8`, `LargeUtf8`, `Utf8View`) and of decimals wider than 18
+/// digits, kept on the device as references to their rows: few groups (accumulated in shared
+/// memory) and many, nulls, empty strings, values longer than a view's inline 12 bytes, several
+/// batches and partitions.
+#[test]
+fn min_and_max_of_strings_and_wide_decimals() {
+    let _gpu = gpu_shared();
+    let batch = |b: usize| {
+        let n = 20_000;
+        let text = |i: usize| {
+            (!i.is_multiple_of(19)).then(|| match i * 7919 % 5 {
+                0 => String::new(),
+                1 => format!("{}", i * 31 % 977),
+                2 => format!("a longer value than twelve bytes {}", i % 101),
+                3 => "ü".repeat(i % 7),
+                _ => format!("z{}", (i + b) % 13),
+            })
+        };
+        let s: ArrayRef = Arc::new(StringArray::from_iter((0..n).map(text)));
+        let l: ArrayRef = Arc::new(LargeStringArray::from_iter((0..n).map(|i| text(i * 3 + b))));
+        let v: ArrayRef = Arc::new(StringViewArray::from_iter((0..n).map(|i| text(i * 5 + 2 * b))));
+        let d: ArrayRef = Arc::new(
+            Decimal128Array::from_iter(
+                (0..n).map(|i| (i % 23 != 0).then(|| (i as i128 - 9_000) * 10i128.pow(20) + (i * b) as i128 % 997)),
+            )
+            .with_precision_and_scale(30, 3)
+            .unwrap(),
+        );
+        let k: ArrayRef = Arc::new(Int64Array::from_iter_values((0..n).map(|i| (i * 13 + b) as i64)));
+        RecordBatch::try_from_iter([("s", s), ("l", l), ("v", v), ("d", d), ("k", k)]).unwrap()
+    };
+    let batches: Vec<RecordBatch> = (0..3).map(batch).collect();
+    let data = Data {
+        schema: batches[0].schema(),
+        partitions: vec![batches[..1].to_vec(), batches[1..].to_vec()],
+    };
+    common::each_device(|device, _| {
+        let (gpu, mem) = sessions(&[("t", &data)], device);
+        for sql in [
+            "select min(s), max(s), min(l), max(l), min(v), max(v), min(d), max(d) from t where k > 100",
+            "select k % 7, min(s), max(v), min(d), max(l), count(*) from t group by k % 7",
+            "select k % 5000, max(s), min(v), max(d) from t group by k % 5000",
+            "select k % 3, min(s) filter (where k > 50000), max(d) from t where k < 0 group by k % 3",
+        ] {
+            assert_same(&gpu, &mem, sql, true);
+        }
     });
 }

@@ -180,6 +180,49 @@ fn run(
     Ok(Filtered::Device(out))
 }
 
+/// The elements `rows` (indices into its buffers, its offset included) of `a`, an array on a CUDA
+/// device, gathered there and copied to the host.
+pub(crate) fn gather_to_host(a: &DeviceArrayData, rows: &[u32], stream: &Stream) -> Result<arrow_array::ArrayRef> {
+    let device = a.device();
+    let stream = crate::memory::stream_for(stream, device, device)?;
+    let cuda = stream
+        .cuda()
+        .cloned()
+        .ok_or_else(|| Error::Unsupported("a device gather needs a CUDA stream".into()))?;
+    if !compactable(a.data_type()) {
+        return Err(Error::Unsupported(format!("gathering {} on the device", a.data_type())));
+    }
+    let scratch = Scratch {
+        resource: MemoryResource::default_for(device),
+        stream: stream.clone(),
+    };
+    let relative: Vec<u8> = rows
+        .iter()
+        .map(|&r| {
+            (r as usize)
+                .checked_sub(a.offset())
+                .filter(|&r| r < a.len())
+                .map(|r| r as u32)
+                .ok_or_else(|| Error::InvalidArgument(format!("element {r} outside the array")))
+        })
+        .collect::<Result<Vec<u32>>>()?
+        .iter()
+        .flat_map(|r| r.to_le_bytes())
+        .collect();
+    let idx = DeviceBuffer::from_host(&relative, scratch.resource, &stream)?;
+    let ctx = cuda.context().clone();
+    let column = compact(&ctx, &cuda, &scratch, a, &idx, rows.len())?;
+    let schema = Arc::new(arrow_schema::Schema::new(vec![arrow_schema::Field::new(
+        "v",
+        a.data_type().clone(),
+        true,
+    )]));
+    let batch = DeviceRecordBatch::try_new(schema, vec![column], rows.len(), stream.record()?)?;
+    let host = crate::transfer::dtoh(&batch, &stream)?;
+    stream.synchronize()?;
+    Ok(host.column(0).clone())
+}
+
 /// Counts the nonzero selection bytes: returns the exclusive prefix sums of the tiles (with the
 /// total at the end) and the total.
 fn scan_u8(
@@ -364,7 +407,7 @@ fn compact(
     // Gathered values, bits and views are copies of a valid array's: the result is as valid as
     // the input, and its download needs no validation. New string offsets are computed here, so
     // those arrays are validated when downloaded.
-    out.trusted = a.trusted && !offsets_computed;
+    out.trusted = a.is_trusted() && !offsets_computed;
     Ok(out)
 }
 

@@ -83,8 +83,11 @@
 //!   found while running makes the stage give its work back), and dictionary columns of those
 //!   (a dictionary key groups by its value, so batches with different dictionaries agree);
 //! - `COUNT`, `SUM` and `AVG` of integers, decimals (exact, 128-bit) and floats, `MIN` and `MAX`
-//!   of integers, dates, decimals of at most 18 digits and floats, each with an optional
-//!   `FILTER (WHERE ...)`. Float minima and maxima follow IEEE 754's total order, as arrow's `min`
+//!   of integers, dates, decimals and floats, and of string columns (`Utf8`, `LargeUtf8`,
+//!   `Utf8View`; compared byte by byte, as arrow compares them), each with an optional
+//!   `FILTER (WHERE ...)`. The minimum or maximum of a string column or of a decimal wider than 18
+//!   digits is kept as a reference to the row that holds it (a compare-and-swap loop on the
+//!   device), and only the winning values are gathered and copied when the stage finishes. Float minima and maxima follow IEEE 754's total order, as arrow's `min`
 //!   and `max` kernels do (NaN above every number, -0 below +0); DataFusion's grouped accumulator
 //!   resolves NaN and the two zeros by arrival order, so only those cases can differ.
 //!

@@ -11,6 +11,8 @@ typedef __int128 i128;
 #define FLAG_LONG_KEY 2u
 #define FLAG_OVERFLOW 4u
 #define FLAG_DIV_ZERO 8u
+/* A row-reference slot (a MIN or MAX kept as `batch << 32 | element`) without a row yet. */
+#define NO_ROW 0xFFFFFFFFFFFFFFFFull
 
 __device__ __forceinline__ u64 mix64(u64 x) {
     x ^= x >> 30; x *= 0xbf58476d1ce4e5b9ull;

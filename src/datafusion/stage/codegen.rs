@@ -126,6 +126,12 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
             Acc::MaxI64 => format!("max_i64({}, (long long){});", slot(1), v.v),
             Acc::MinF64 => format!("min_i64({}, ordered_f64((double){}));", slot(1), v.v),
             Acc::MaxF64 => format!("max_i64({}, ordered_f64((double){}));", slot(1), v.v),
+            Acc::MinRow | Acc::MaxRow => {
+                let c = spec
+                    .row_column()
+                    .ok_or_else(|| Error::Unsupported("a row-reference aggregate of an expression".into()))?;
+                format!("row_update{a}({}, ((u64)batch << 32) | e{c}, refs);", slot(1))
+            }
         };
         g.body.push_str(&format!(
             "    if ({fk} && {}) {{ add_u64({}, 1ull); {update} }}\n    }}\n",
@@ -136,7 +142,12 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
     let nslots = slots.len();
     let mut flush = String::new();
     for (s, kind) in slots.iter().enumerate() {
+        let row_update = first
+            .iter()
+            .rposition(|&f| f <= s)
+            .map(|a| format!("row_update{a}(p, x, refs)"));
         let (test, merge) = match kind {
+            SlotKind::MinRow | SlotKind::MaxRow => ("x != NO_ROW", row_update.as_deref().unwrap_or("")),
             SlotKind::Add => ("x != 0", "atomicAdd((unsigned long long*)p, x)"),
             SlotKind::AddF64 => ("x != 0", "atomicAdd((double*)p, __longlong_as_double((long long)x))"),
             SlotKind::Min => (
@@ -157,9 +168,10 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
         .enumerate()
         .map(|(s, k)| format!("        if (s == {s}) v = {}ull;\n", k.init()))
         .collect();
+    source.push_str(&row_functions(plan)?);
     source.push_str(&format!(
         "extern \"C\" __global__ void stage_accumulate(u64 n, const u32* row_group, u64* acc, u64 stride, u64 groups, \
-         u64 shared, u32* flags, const unsigned char* lit{params}) {{\n\
+         u64 shared, u32* flags, const unsigned char* lit, const u64* refs, u64 batch{params}) {{\n\
          \x20   extern __shared__ u64 sh[];\n\
          \x20   const u64 nslots = {nslots};\n\
          \x20   if (shared) {{\n\
@@ -186,6 +198,64 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
     ));
     let literals = g.literal_buffer()?;
     Ok(StageSource { source, literals })
+}
+
+/// For each row-reference aggregate `a`, `row_update<a>(slot, row, refs)`: replaces the row in
+/// `slot` with `row` while `row`'s value is less (`MIN`) or greater (`MAX`) than the slot's, with
+/// a compare-and-swap loop. `refs` holds, per batch of the device and per row-reference
+/// aggregate (in plan order), the column's values and data buffers (see `DeviceStage`).
+fn row_functions(plan: &StagePlan) -> Result<String> {
+    let rows: Vec<usize> = (0..plan.aggs.len())
+        .filter(|&a| plan.aggs[a].row_column().is_some())
+        .collect();
+    let mut out = String::new();
+    for (k, &a) in rows.iter().enumerate() {
+        let spec = &plan.aggs[a];
+        let c = spec.row_column().expect("a row-reference aggregate");
+        let dt = plan.table.schema.field(c).data_type();
+        let nrows = rows.len();
+        // The value of row `r` as `(p, l)` bytes or `v`, an `i128`.
+        let read = |r: &str| -> Result<String> {
+            let t =
+                format!("const u64* t{r} = refs + (({r} >> 32) * {nrows} + {k}) * 2; u64 e{r} = {r} & 0xFFFFFFFFull;");
+            Ok(match dt {
+                DataType::Utf8 => format!(
+                    "{t} const int* o{r} = (const int*)t{r}[0]; const unsigned char* p{r} = (const unsigned char*)t{r}[1] + o{r}[e{r}]; \
+                     u64 l{r} = (u64)(o{r}[e{r} + 1] - o{r}[e{r}]);"
+                ),
+                DataType::LargeUtf8 => format!(
+                    "{t} const long long* o{r} = (const long long*)t{r}[0]; \
+                     const unsigned char* p{r} = (const unsigned char*)t{r}[1] + o{r}[e{r}]; u64 l{r} = (u64)(o{r}[e{r} + 1] - o{r}[e{r}]);"
+                ),
+                DataType::Utf8View => format!(
+                    "{t} const unsigned char* w{r} = (const unsigned char*)t{r}[0] + 16 * e{r}; u64 l{r} = *(const u32*)w{r}; \
+                     const unsigned char* p{r} = l{r} <= 12 ? w{r} + 4 : \
+                     (const unsigned char*)(((const u64*)t{r}[1])[*(const u32*)(w{r} + 8)]) + *(const u32*)(w{r} + 12);"
+                ),
+                DataType::Decimal128(..) => {
+                    format!("{t} i128 v{r} = *(const i128*)((const unsigned char*)t{r}[0] + 16 * e{r});")
+                }
+                other => return Err(Error::Unsupported(format!("MIN or MAX of {other}"))),
+            })
+        };
+        let cmp = if matches!(dt, DataType::Decimal128(..)) {
+            "(vx < vy ? -1 : (vx > vy ? 1 : 0))"
+        } else {
+            "str_cmp(px, lx, py, ly)"
+        };
+        let better = if spec.acc == Acc::MinRow { "< 0" } else { "> 0" };
+        out.push_str(&format!(
+            "__device__ __forceinline__ int row_cmp{a}(u64 x, u64 y, const u64* refs) {{\n    {}\n    {}\n    return {cmp};\n}}\n\
+             __device__ void row_update{a}(u64* p, u64 row, const u64* refs) {{\n\
+             \x20   u64 x = row, cur = *(volatile u64*)p;\n\
+             \x20   while (cur == NO_ROW || row_cmp{a}(x, cur, refs) {better}) {{\n\
+             \x20       u64 prev = atomicCAS((unsigned long long*)p, cur, x);\n\
+             \x20       if (prev == cur) return;\n        cur = prev;\n    }}\n}}\n",
+            read("x")?,
+            read("y")?,
+        ));
+    }
+    Ok(out)
 }
 
 /// Writes the `words` key words of `val` at `kw[at..]`, and its null bit `j`. A string's bytes fill

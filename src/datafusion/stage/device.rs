@@ -13,12 +13,17 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaFunction, CudaStream};
 
-use super::super::device_filter::column_args;
+use std::collections::BTreeMap;
+
+use arrow_array::{Array, ArrayRef, new_null_array};
+use arrow_select::interleave::interleave;
+
+use super::super::device_filter::{column_args, gather_to_host};
 use super::super::nvrtc::{BLOCK, function, launch, launch_shared};
 use super::codegen::StageSource;
-use super::layout::{Groups, StagePlan};
+use super::layout::{Groups, NO_ROW, StagePlan};
 use super::{Outcome, StageResult};
-use crate::array::DeviceRecordBatch;
+use crate::array::{DeviceArrayData, DeviceRecordBatch};
 use crate::device::{Device, Stream};
 use crate::error::Error;
 use crate::memory::{DeviceBuffer, MemoryResource, StridedView};
@@ -71,18 +76,28 @@ pub(crate) struct DeviceStage<'p> {
     pending: Vec<DeviceBuffer>,
     /// Time spent compiling (or finding compiled) kernels.
     pub(crate) compile_time: Duration,
+    /// For row-reference aggregates (`MIN`/`MAX` of strings and wide decimals): per batch and per
+    /// such aggregate, the column's values and data buffer addresses (a view column's data is a
+    /// table of its buffers' addresses, in `_row_tables`, which only keeps them alive), and the
+    /// columns, gathered at the end.
+    refs: DeviceBuffer,
+    _row_tables: Vec<DeviceBuffer>,
+    row_columns: Vec<Vec<DeviceArrayData>>,
+    /// The index of the next batch among the device's batches.
+    batch: u64,
 }
 
 impl<'p> DeviceStage<'p> {
-    /// Prepares a stage of `plan` over `rows` rows on `device` (CUDA), compiling its kernels once
-    /// per context.
+    /// Prepares a stage of `plan` over `batches` on `device` (CUDA), compiling its kernels once
+    /// per context; [`add`](Self::add) must then be given the same batches in the same order.
     pub(crate) fn new(
         plan: &'p StagePlan,
         source: &StageSource,
         device: Device,
         stream: &Stream,
-        rows: u64,
+        batches: &[&DeviceRecordBatch],
     ) -> StageResult<Self> {
+        let rows = batches.iter().map(|b| b.num_rows() as u64).sum::<u64>();
         let stream = crate::memory::stream_for(stream, device, device)?;
         let cuda = stream
             .cuda()
@@ -113,7 +128,36 @@ impl<'p> DeviceStage<'p> {
         };
         let alloc = |len: u64| DeviceBuffer::alloc(resource, (len as usize).max(1), &stream);
         let zeroed = |len: u64| DeviceBuffer::zeroed(resource, (len as usize).max(1), &stream);
+        let row_cols: Vec<usize> = plan.aggs.iter().filter_map(|a| a.row_column()).collect();
+        let mut refs = Vec::new();
+        let mut row_tables = Vec::new();
+        let mut row_columns = Vec::new();
+        for b in batches {
+            let columns: Vec<DeviceArrayData> = row_cols.iter().map(|&c| b.column(c).clone()).collect();
+            for a in &columns {
+                let values = a.buffers().first().map_or(0, DeviceBuffer::address);
+                let data = if *a.data_type() == arrow_schema::DataType::Utf8View {
+                    let table: Vec<u8> = a.buffers()[1..]
+                        .iter()
+                        .flat_map(|b| b.address().to_le_bytes())
+                        .collect();
+                    let t = DeviceBuffer::from_host(&table, resource, &stream)?;
+                    let address = t.address();
+                    row_tables.push(t);
+                    address
+                } else {
+                    a.buffers().get(1).map_or(0, DeviceBuffer::address)
+                };
+                refs.extend([values, data]);
+            }
+            row_columns.push(columns);
+        }
+        let refs: Vec<u8> = refs.iter().flat_map(|x| x.to_le_bytes()).collect();
         let mut s = DeviceStage {
+            refs: DeviceBuffer::from_host(&refs, resource, &stream)?,
+            _row_tables: row_tables,
+            row_columns,
+            batch: 0,
             lit: DeviceBuffer::from_host(&source.literals, resource, &stream)?,
             state: zeroed(slots_n * 4)?,
             keys: alloc(slots_n * nw * 8)?,
@@ -234,12 +278,21 @@ impl<'p> DeviceStage<'p> {
 
     /// Adds the rows of `batch` (on this stage's device).
     pub(crate) fn add(&mut self, batch: &DeviceRecordBatch) -> StageResult<()> {
+        let index = self.batch;
+        self.batch += 1;
         let n = batch.num_rows() as u64;
         if n == 0 {
             return Ok(());
         }
         if n > u32::MAX as u64 {
             return Err(Outcome::GiveBack(format!("a batch of {n} rows")));
+        }
+        // A row reference holds the element's index in 32 bits.
+        if self.row_columns[index as usize]
+            .iter()
+            .any(|a| (a.offset() + a.len()) as u64 > u32::MAX as u64)
+        {
+            return Err(Outcome::GiveBack("a column of more than 2^32 elements".into()));
         }
         self.stream.wait(batch.ready())?;
         let mut cols = Vec::new();
@@ -285,6 +338,8 @@ impl<'p> DeviceStage<'p> {
             shared as u64,
             self.flags_address(),
             self.lit.address(),
+            self.refs.address(),
+            index,
         ];
         args.extend_from_slice(&cols);
         let grid = n.div_ceil(BLOCK as u64).min(MAX_BLOCKS);
@@ -309,7 +364,69 @@ impl<'p> DeviceStage<'p> {
         let acc =
             StridedView::<u64>::with_strides(self.acc.clone(), &[nslots, count], &[self.max_groups as isize * 8, 8])?
                 .copy_to_host(&self.stream)?;
-        let copied = ((keys.len() + acc.len()) * 8) as u64;
-        Ok((Groups { count, keys, acc }, copied))
+        let mut copied = ((keys.len() + acc.len()) * 8) as u64;
+        let extremes = self.extremes(count, &acc, &mut copied)?;
+        Ok((
+            Groups {
+                count,
+                keys,
+                acc,
+                extremes,
+            },
+            copied,
+        ))
+    }
+
+    /// The values of each row-reference aggregate's groups (null for a group without one),
+    /// gathered on the device batch by batch; adds the bytes copied to `copied`.
+    fn extremes(&self, count: usize, acc: &[u64], copied: &mut u64) -> StageResult<Vec<Option<ArrayRef>>> {
+        let (_, first) = self.plan.slot_layout();
+        let mut k = 0;
+        let mut out = Vec::with_capacity(self.plan.aggs.len());
+        for (a, spec) in self.plan.aggs.iter().enumerate() {
+            let Some(c) = spec.row_column() else {
+                out.push(None);
+                continue;
+            };
+            let s = first[a];
+            let row = |g: usize| {
+                (acc[s * count + g] > 0)
+                    .then(|| acc[(s + 1) * count + g])
+                    .filter(|&r| r != NO_ROW)
+            };
+            let mut per_batch: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+            for r in (0..count).filter_map(row) {
+                per_batch.entry(r >> 32).or_default().push(r as u32);
+            }
+            let dt = self.plan.table.schema.field(c).data_type();
+            let mut sources = vec![new_null_array(dt, 1)];
+            let mut at = BTreeMap::new();
+            for (b, mut rows) in per_batch {
+                rows.sort_unstable();
+                rows.dedup();
+                let column = self
+                    .row_columns
+                    .get(b as usize)
+                    .and_then(|cs| cs.get(k))
+                    .ok_or_else(|| Error::InvalidData(format!("a row reference to batch {b}")))?;
+                let values = gather_to_host(column, &rows, &self.stream)?;
+                *copied += values.get_array_memory_size() as u64;
+                at.insert(b, (sources.len(), rows));
+                sources.push(values);
+            }
+            let indices: Vec<(usize, usize)> = (0..count)
+                .map(|g| match row(g) {
+                    None => (0, 0),
+                    Some(r) => {
+                        let (source, rows) = &at[&(r >> 32)];
+                        (*source, rows.binary_search(&(r as u32)).unwrap_or(0))
+                    }
+                })
+                .collect();
+            let sources: Vec<&dyn Array> = sources.iter().map(|a| a.as_ref()).collect();
+            out.push(Some(interleave(&sources, &indices)?));
+            k += 1;
+        }
+        Ok(out)
     }
 }

@@ -16,7 +16,7 @@ use ::datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use ::datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties, SendableRecordBatchStream,
 };
-use arrow_array::RecordBatch;
+use arrow_array::{RecordBatch, new_null_array};
 use arrow_schema::SchemaRef;
 use futures::future::{BoxFuture, FutureExt, Shared};
 use futures::stream::BoxStream;
@@ -252,14 +252,14 @@ async fn run(plan: Arc<StagePlan>, metrics: &Metrics) -> StageResult<Vec<RecordB
                 metrics.rows_in.add(b.num_rows());
                 stage.add(b, stream)?;
             }
-            stage.finish()
+            stage.finish()?
         } else {
             let source = plan
                 .source
                 .as_ref()
                 .ok_or_else(|| Outcome::GiveBack("no kernels were generated".into()))?;
-            let rows = batches.clone().map(|b| b.num_rows() as u64).sum();
-            let mut stage = DeviceStage::new(&plan, source, device, stream, rows)?;
+            let batches: Vec<_> = batches.collect();
+            let mut stage = DeviceStage::new(&plan, source, device, stream, &batches)?;
             metrics.compile_time.add_duration(stage.compile_time);
             for b in batches {
                 metrics.rows_in.add(b.num_rows());
@@ -276,6 +276,11 @@ async fn run(plan: Arc<StagePlan>, metrics: &Metrics) -> StageResult<Vec<RecordB
                 count: 1,
                 keys: vec![],
                 acc: slots.iter().map(|s| s.init()).collect(),
+                extremes: plan
+                    .aggs
+                    .iter()
+                    .map(|a| a.row_column().map(|_| new_null_array(a.state[0].data_type(), 1)))
+                    .collect(),
             }
         } else {
             groups

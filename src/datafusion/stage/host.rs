@@ -3,10 +3,12 @@
 //! accumulators are filled in the same layout as the device kernels fill them, so the plan
 //! rewrite, the key encoding and the partial state are proven in CI without a GPU.
 
+use std::cmp::Ordering;
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use ::datafusion::arrow::compute::cast;
+use ::datafusion::common::ScalarValue;
 use ::datafusion::common::tree_node::{Transformed, TreeNode};
 use ::datafusion::physical_expr::PhysicalExpr;
 use ::datafusion::physical_expr::expressions::Column;
@@ -15,7 +17,7 @@ use arrow_array::types::{
     Date32Type, Date64Type, Decimal128Type, Float32Type, Float64Type, Int8Type, Int16Type, Int32Type, Int64Type,
     UInt8Type, UInt16Type, UInt32Type,
 };
-use arrow_array::{Array, ArrayRef, BooleanArray, RecordBatch};
+use arrow_array::{Array, ArrayRef, BooleanArray, RecordBatch, new_empty_array};
 use arrow_schema::DataType;
 
 use super::layout::{Acc, Groups, SlotKind, StagePlan, ordered_f64, string_capacity};
@@ -39,6 +41,9 @@ pub(crate) struct HostStage<'p> {
     keys_out: Vec<u64>,
     /// Per slot, per group.
     acc: Vec<Vec<u64>>,
+    /// Per aggregate, per group: the extreme value of a row-reference aggregate (empty for
+    /// other aggregates).
+    extremes: Vec<Vec<Option<ScalarValue>>>,
 }
 
 /// `expr` over the columns `columns` (ascending table indices) instead of the whole table.
@@ -136,6 +141,7 @@ impl<'p> HostStage<'p> {
                 .map(|a| a.filter.as_ref().map(|f| remap(f, cols)).transpose())
                 .collect::<StageResult<_>>()?,
             acc: vec![Vec::new(); slots.len()],
+            extremes: vec![Vec::new(); plan.aggs.len()],
             slots,
             first,
             nw,
@@ -156,6 +162,11 @@ impl<'p> HostStage<'p> {
         self.keys_out.extend_from_slice(words);
         for (s, kind) in self.slots.iter().enumerate() {
             self.acc[s].push(kind.init());
+        }
+        for (a, spec) in self.plan.aggs.iter().enumerate() {
+            if spec.row_column().is_some() {
+                self.extremes[a].push(None);
+            }
         }
         g
     }
@@ -195,6 +206,25 @@ impl<'p> HostStage<'p> {
             let nulls = arg.logical_nulls();
             let valid = |r: usize| fk[r] && nulls.as_ref().is_none_or(|n| n.is_valid(r));
             match spec.acc {
+                Acc::MinRow | Acc::MaxRow => {
+                    for r in (0..m).filter(|&r| valid(r)) {
+                        let g = groups[r];
+                        self.acc[s][g] += 1;
+                        let x = ScalarValue::try_from_array(&arg, r)?;
+                        let best = &mut self.extremes[a][g];
+                        let replace = best.as_ref().is_none_or(|b| {
+                            let order = x.partial_cmp(b);
+                            if spec.acc == Acc::MinRow {
+                                order == Some(Ordering::Less)
+                            } else {
+                                order == Some(Ordering::Greater)
+                            }
+                        });
+                        if replace {
+                            *best = Some(x);
+                        }
+                    }
+                }
                 Acc::Count => {
                     for r in (0..m).filter(|&r| valid(r)) {
                         self.acc[s][groups[r]] += 1;
@@ -307,12 +337,31 @@ impl<'p> HostStage<'p> {
     }
 
     /// What was accumulated.
-    pub(crate) fn finish(self) -> Groups {
+    pub(crate) fn finish(self) -> StageResult<Groups> {
         let count = self.index.len();
-        Groups {
+        let extremes = self
+            .plan
+            .aggs
+            .iter()
+            .zip(self.extremes)
+            .map(|(spec, values)| {
+                let Some(c) = spec.row_column() else {
+                    return Ok(None);
+                };
+                let dt = self.plan.table.schema.field(c).data_type();
+                if values.is_empty() {
+                    return Ok(Some(new_empty_array(dt)));
+                }
+                let null = ScalarValue::try_from(dt)?;
+                let values = values.into_iter().map(|v| v.unwrap_or_else(|| null.clone()));
+                Ok(Some(ScalarValue::iter_to_array(values)?))
+            })
+            .collect::<StageResult<_>>()?;
+        Ok(Groups {
             count,
             keys: self.keys_out,
             acc: self.acc.into_iter().flatten().collect(),
-        }
+            extremes,
+        })
     }
 }

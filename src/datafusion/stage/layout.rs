@@ -47,6 +47,11 @@ pub(crate) enum Acc {
     MinF64,
     /// The maximum of floats, in IEEE 754's total order.
     MaxF64,
+    /// The minimum of a string or wide decimal column, kept as a reference to the row that
+    /// holds it (see [`SlotKind::MinRow`]); the values are gathered when the stage finishes.
+    MinRow,
+    /// The maximum of a string or wide decimal column, kept as a row reference.
+    MaxRow,
 }
 
 /// A float's bits as a signed integer that orders as `f64::total_cmp` does (negative values with
@@ -69,7 +74,15 @@ pub(crate) enum SlotKind {
     Min,
     /// Signed maximum; starts at `i64::MIN`.
     Max,
+    /// The row holding the least value so far, `batch << 32 | element` (the batch's index among
+    /// the device's batches, the element's index in its column's buffers); starts at [`NO_ROW`].
+    MinRow,
+    /// The row holding the greatest value so far; starts at [`NO_ROW`].
+    MaxRow,
 }
+
+/// A row-reference slot without a row yet.
+pub(crate) const NO_ROW: u64 = u64::MAX;
 
 impl SlotKind {
     /// The slot's initial value, as stored.
@@ -78,6 +91,7 @@ impl SlotKind {
             SlotKind::Add | SlotKind::AddF64 => 0,
             SlotKind::Min => i64::MAX as u64,
             SlotKind::Max => i64::MIN as u64,
+            SlotKind::MinRow | SlotKind::MaxRow => NO_ROW,
         }
     }
 }
@@ -106,7 +120,16 @@ impl AggSpec {
             Acc::Float => &[SlotKind::Add, SlotKind::AddF64],
             Acc::MinI64 | Acc::MinF64 => &[SlotKind::Add, SlotKind::Min],
             Acc::MaxI64 | Acc::MaxF64 => &[SlotKind::Add, SlotKind::Max],
+            Acc::MinRow => &[SlotKind::Add, SlotKind::MinRow],
+            Acc::MaxRow => &[SlotKind::Add, SlotKind::MaxRow],
         }
+    }
+
+    /// The table column a row-reference aggregate reads.
+    pub(crate) fn row_column(&self) -> Option<usize> {
+        matches!(self.acc, Acc::MinRow | Acc::MaxRow)
+            .then(|| self.arg.downcast_ref::<Column>().map(Column::index))
+            .flatten()
     }
 }
 
@@ -226,10 +249,13 @@ fn integer(v: &ScalarValue) -> Option<i64> {
 }
 
 /// What a stage accumulated on one device (or on the host): `count` groups, their key words
-/// (`count * words`, group-major) and their accumulators (`slots * count`, slot-major).
+/// (`count * words`, group-major), their accumulators (`slots * count`, slot-major) and, for each
+/// row-reference aggregate, its values (one per group, null without one).
 #[derive(Debug, Default)]
 pub(crate) struct Groups {
     pub(crate) count: usize,
     pub(crate) keys: Vec<u64>,
     pub(crate) acc: Vec<u64>,
+    /// Per aggregate: the values of a row-reference aggregate, else `None`.
+    pub(crate) extremes: Vec<Option<arrow_array::ArrayRef>>,
 }

@@ -66,6 +66,10 @@ fn int_column(dt: &DataType, values: impl Iterator<Item = Option<i128>>) -> Resu
 /// Whether a stage can produce a state field of this type for this accumulator.
 pub(crate) fn state_type_supported(acc: Acc, field: usize, dt: &DataType) -> bool {
     match (acc, field) {
+        (Acc::MinRow | Acc::MaxRow, _) => matches!(
+            dt,
+            DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View | DataType::Decimal128(..)
+        ),
         (_, 0) if matches!(dt, DataType::Int64 | DataType::UInt64) => true,
         (Acc::Float, _) => *dt == DataType::Float64,
         (Acc::MinF64 | Acc::MaxF64, _) => matches!(dt, DataType::Float32 | DataType::Float64),
@@ -216,6 +220,19 @@ pub(crate) fn state_batch(plan: &StagePlan, groups: &Groups) -> Result<RecordBat
                         dt,
                         (0..n).map(|g| (count(g) > 0).then_some(groups.acc[(s + 1) * n + g] as i64 as i128)),
                     )?,
+                    Acc::MinRow | Acc::MaxRow => {
+                        let values = groups
+                            .extremes
+                            .get(a)
+                            .cloned()
+                            .flatten()
+                            .ok_or_else(|| Error::InvalidData(format!("no values of {}", spec.name)))?;
+                        if values.data_type() == dt {
+                            values
+                        } else {
+                            cast(&values, dt)?
+                        }
+                    }
                     Acc::Count => return Err(Error::InvalidData("a COUNT with a value state".into())),
                 }
             };

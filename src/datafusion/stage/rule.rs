@@ -279,22 +279,30 @@ impl DeviceStageRule {
                     | DataType::UInt16
                     | DataType::UInt32
             );
-            let acc = match (kind, &dt) {
-                (AggKind::Count, _) => Acc::Count,
-                (AggKind::Sum | AggKind::Avg, DataType::Decimal128(_, s)) if *s >= 0 => Acc::Int128,
-                (AggKind::Sum | AggKind::Avg, _) if int => Acc::Int128,
-                (AggKind::Sum | AggKind::Avg, DataType::Float32 | DataType::Float64) => Acc::Float,
-                (AggKind::Min, DataType::Date32 | DataType::Date64) => Acc::MinI64,
-                (AggKind::Max, DataType::Date32 | DataType::Date64) => Acc::MaxI64,
-                // Decimals of at most 18 digits fit the 64-bit minimum and maximum.
-                (AggKind::Min, DataType::Decimal128(p, s)) if *p <= 18 && *s >= 0 => Acc::MinI64,
-                (AggKind::Max, DataType::Decimal128(p, s)) if *p <= 18 && *s >= 0 => Acc::MaxI64,
-                (AggKind::Min, DataType::Float32 | DataType::Float64) => Acc::MinF64,
-                (AggKind::Max, DataType::Float32 | DataType::Float64) => Acc::MaxF64,
-                (AggKind::Min, _) if int => Acc::MinI64,
-                (AggKind::Max, _) if int => Acc::MaxI64,
-                (k, dt) => return Err(format!("{k:?} of {dt}")),
-            };
+            let acc =
+                match (kind, &dt) {
+                    (AggKind::Count, _) => Acc::Count,
+                    (AggKind::Sum | AggKind::Avg, DataType::Decimal128(_, s)) if *s >= 0 => Acc::Int128,
+                    (AggKind::Sum | AggKind::Avg, _) if int => Acc::Int128,
+                    (AggKind::Sum | AggKind::Avg, DataType::Float32 | DataType::Float64) => Acc::Float,
+                    (AggKind::Min, DataType::Date32 | DataType::Date64) => Acc::MinI64,
+                    (AggKind::Max, DataType::Date32 | DataType::Date64) => Acc::MaxI64,
+                    // Decimals of at most 18 digits fit the 64-bit minimum and maximum.
+                    (AggKind::Min, DataType::Decimal128(p, s)) if *p <= 18 && *s >= 0 => Acc::MinI64,
+                    (AggKind::Max, DataType::Decimal128(p, s)) if *p <= 18 && *s >= 0 => Acc::MaxI64,
+                    (AggKind::Min, DataType::Float32 | DataType::Float64) => Acc::MinF64,
+                    (AggKind::Max, DataType::Float32 | DataType::Float64) => Acc::MaxF64,
+                    (AggKind::Min, _) if int => Acc::MinI64,
+                    (AggKind::Max, _) if int => Acc::MaxI64,
+                    // Strings and wider decimals: the row holding the extreme, of a column.
+                    (
+                        AggKind::Min | AggKind::Max,
+                        DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View | DataType::Decimal128(..),
+                    ) if substitute(&arg, &below.outputs)?.downcast_ref::<Column>().is_some() => {
+                        if kind == AggKind::Min { Acc::MinRow } else { Acc::MaxRow }
+                    }
+                    (k, dt) => return Err(format!("{k:?} of {dt}")),
+                };
             let state = a.state_fields().map_err(|e| e.to_string())?;
             let expected = if kind == AggKind::Avg { 2 } else { 1 };
             if state.len() != expected
