@@ -112,11 +112,7 @@ impl DeviceStageExec {
                 let emit = self.emitter();
                 async move {
                     match run(plan, &metrics).await.and_then(|states| Ok(emit(states)?)) {
-                        Ok(partitions) => {
-                            let rows = partitions.iter().flatten().map(RecordBatch::num_rows).sum();
-                            metrics.output_rows.add(rows);
-                            Ok(Produced::Partitions(Arc::new(partitions)))
-                        }
+                        Ok(partitions) => Ok(Produced::Partitions(Arc::new(partitions))),
                         Err(Outcome::GiveBack(why)) => {
                             log::info!("arrow-cuda: a device stage gives its work back to DataFusion: {why}");
                             metrics.given_back.add(1);
@@ -131,27 +127,32 @@ impl DeviceStageExec {
             .clone()
     }
 
-    /// What turns the stage's state batches (one per device) into each partition's batches.
+    /// What splits the stage's state batches (one per device) into each partition's: a share of
+    /// the groups each, or, for final rows partitioned by the hash of the keys, the groups of
+    /// that partition (each partition then merges its own, in parallel).
     fn emitter(&self) -> impl FnOnce(Vec<RecordBatch>) -> DfResult<Vec<Vec<RecordBatch>>> + Send + 'static {
         let partitioning = self.properties.partitioning.clone();
-        let last = match &self.output {
-            Output::Partial => None,
-            Output::Final { aggr, schema } => Some((aggr.clone(), schema.clone(), self.plan.keys.len())),
-        };
-        move |states| match last {
-            None => Ok(shares(&states, partitioning.partition_count())),
-            Some((aggr, schema, keys)) => {
-                let batch = final_batch(&aggr, keys, &schema, &states)?;
-                match partitioning {
-                    Partitioning::Hash(..) => {
-                        let mut out = vec![Vec::new(); partitioning.partition_count()];
-                        BatchPartitioner::try_new(partitioning, Time::new(), 0, 1)?.partition(batch, |p, b| {
+        let last = matches!(self.output, Output::Final { .. });
+        move |states| {
+            let n = partitioning.partition_count();
+            match partitioning {
+                _ if !last => Ok(shares(&states, n)),
+                Partitioning::Hash(..) => {
+                    let mut out = vec![Vec::new(); n];
+                    let mut split = BatchPartitioner::try_new(partitioning, Time::new(), 0, 1)?;
+                    for batch in states {
+                        split.partition(batch, |p, b| {
                             out[p].push(b);
                             Ok(())
                         })?;
-                        Ok(out)
                     }
-                    _ => Ok(shares(&[batch], partitioning.partition_count())),
+                    Ok(out)
+                }
+                // One partition merges every group.
+                _ => {
+                    let mut out = vec![Vec::new(); n];
+                    out[0] = states;
+                    Ok(out)
                 }
             }
         }
@@ -208,7 +209,6 @@ fn shares(batches: &[RecordBatch], n: usize) -> Vec<Vec<RecordBatch>> {
 /// The stage's metrics for one execution.
 struct Metrics {
     rows_in: Count,
-    output_rows: Count,
     device_time: Time,
     compile_time: Time,
     bytes_to_host: Count,
@@ -220,7 +220,6 @@ impl Metrics {
     fn new(set: &ExecutionPlanMetricsSet) -> Self {
         Metrics {
             rows_in: MetricBuilder::new(set).counter("rows_in", 0),
-            output_rows: MetricBuilder::new(set).output_rows(0),
             device_time: MetricBuilder::new(set).elapsed_compute(0),
             compile_time: MetricBuilder::new(set).subset_time("kernel_compile_time", 0),
             bytes_to_host: MetricBuilder::new(set).counter("bytes_to_host", 0),
@@ -337,10 +336,22 @@ impl ExecutionPlan for DeviceStageExec {
         }
         let run = self.shared_run();
         let original = self.original.clone();
+        let rows = MetricBuilder::new(&self.metrics).output_rows(partition);
+        let last = match &self.output {
+            Output::Partial => None,
+            Output::Final { aggr, schema } => Some((aggr.clone(), schema.clone(), self.plan.keys.len())),
+        };
         let fut = async move {
             let stream: BoxStream<'static, DfResult<RecordBatch>> = match run.await.map_err(DataFusionError::Shared)? {
                 Produced::Partitions(batches) => {
-                    futures::stream::iter(batches[partition].clone().into_iter().map(Ok)).boxed()
+                    let states = &batches[partition];
+                    let out = match last {
+                        None => states.clone(),
+                        Some((_, _, keys)) if keys > 0 && states.iter().all(|b| b.num_rows() == 0) => vec![],
+                        Some((aggr, schema, keys)) => vec![final_batch(&aggr, keys, &schema, states)?],
+                    };
+                    out.iter().for_each(|b| rows.add(b.num_rows()));
+                    futures::stream::iter(out.into_iter().map(Ok)).boxed()
                 }
                 Produced::GivenBack => original.execute(partition, context)?.boxed(),
             };

@@ -249,8 +249,9 @@ pub(crate) fn state_batch(plan: &StagePlan, groups: &Groups) -> Result<RecordBat
 
 /// The final rows (`schema`: the `keys` group columns, then one value per aggregate) of partial
 /// state batches, merged as DataFusion's `Final` aggregate merges them: the keys interned by
-/// DataFusion's group values, each aggregate's state merged and evaluated by its own groups
-/// accumulator, so results are DataFusion's to the bit.
+/// DataFusion's group values (a single batch's are a device's groups, each once, and need no
+/// interning), each aggregate's state merged and evaluated by its own groups accumulator, so
+/// results are DataFusion's to the bit.
 pub(crate) fn final_batch(
     aggr: &[Arc<AggregateFunctionExpr>],
     keys: usize,
@@ -261,6 +262,9 @@ pub(crate) fn final_batch(
     let (groups, mut columns) = if keys == 0 {
         indices.extend(states.iter().map(|b| vec![0; b.num_rows()]));
         (1, vec![])
+    } else if let [state] = states {
+        indices.push((0..state.num_rows()).collect());
+        (state.num_rows(), state.columns()[..keys].to_vec())
     } else {
         let key_schema = Arc::new(Schema::new(schema.fields()[..keys].to_vec()));
         let mut values = new_group_values(key_schema, &GroupOrdering::None)?;
