@@ -33,21 +33,8 @@ use arrow_cuda::transfer::htod_array;
 use arrow_schema::Schema;
 use common::c_schema::CSchema;
 use common::corpus::{every_type, every_type_batch};
+use common::fuzz::config;
 use proptest::prelude::*;
-
-/// Cases per target: 256, or `PROPTEST_CASES`.
-fn config() -> ProptestConfig {
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(256);
-    ProptestConfig {
-        cases,
-        // Each case builds C structs; shrinking a failure needs no more than this.
-        max_shrink_iters: 4096,
-        ..ProptestConfig::default()
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Schemas.

@@ -28,21 +28,9 @@ use arrow_cuda::ipc::{self, BatchDescriptor};
 use arrow_cuda::transfer::{dtoh, htod_async};
 use arrow_cuda::{DeviceBuffer, DeviceRecordBatch, Event, MemoryResource, Stream};
 use common::corpus::every_type_batch;
+use common::fuzz::config;
 use proptest::prelude::*;
 use proptest::sample::Index;
-
-/// Cases per target: 256, or `PROPTEST_CASES`.
-fn config() -> ProptestConfig {
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(256);
-    ProptestConfig {
-        cases,
-        max_shrink_iters: 4096,
-        ..ProptestConfig::default()
-    }
-}
 
 /// The first `rows` rows of the corpus, with every type.
 fn batch(rows: usize) -> RecordBatch {

@@ -3,6 +3,7 @@
 
 pub mod c_schema;
 pub mod corpus;
+pub mod fuzz;
 
 use arrow_array::RecordBatch;
 use arrow_cuda::{Device, Stream};
