@@ -915,8 +915,11 @@ fn device_stream_batch(i: usize, device: Device, stream: &Stream) -> DeviceRecor
     }
 }
 
+/// A socket path of this process, unique to each call (tests run in parallel).
 fn socket_path(name: &str) -> PathBuf {
-    let path = std::env::temp_dir().join(format!("acipc-{}-{name}.sock", std::process::id()));
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = std::env::temp_dir().join(format!("acipc-{}-{n}-{name}.sock", std::process::id()));
     let _ = std::fs::remove_file(&path);
     path
 }

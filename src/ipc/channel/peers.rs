@@ -272,12 +272,14 @@ impl Shared {
 
     /// Tells a process that it is refused and why, without waiting for it, and records it.
     fn refuse(&self, socket: UnixStream, reason: String) {
-        // A fresh socket's buffer takes this small frame; a full one is not waited for.
-        if socket.set_nonblocking(true).is_ok() {
-            let _ = Link::new(socket).send(&Frame::Abort(format!("refused: {reason}")));
-        }
+        // Recorded before the process can learn it, so that the sender's events say so by then.
+        let frame = Frame::Abort(format!("refused: {reason}"));
         self.lock().events.push(SenderEvent::Refused { reason });
         self.changed.notify_all();
+        // A fresh socket's buffer takes this small frame; a full one is not waited for.
+        if socket.set_nonblocking(true).is_ok() {
+            let _ = Link::new(socket).send(&frame);
+        }
     }
 
     /// Greets a new receiver, hands it its ring and reads its acknowledgements until its
