@@ -217,6 +217,34 @@ fn explain_shows_exact_pushdown() {
     });
 }
 
+/// `EXPLAIN ANALYZE` shows what a GPU table scan copied to the host and where its time went.
+#[test]
+fn explain_analyze_shows_scan_metrics() {
+    common::each_device(|device, _| {
+        let (gpu, mem) = tpch_sessions(device);
+        let sql = "select l_orderkey, l_quantity from lineitem where l_orderkey < 200";
+        let n: usize = query(&mem, sql).iter().map(RecordBatch::num_rows).sum();
+        assert!((1..1000).contains(&n), "{n} rows");
+        let text = pretty_format_batches(&query(&gpu, &format!("explain analyze {sql}")))
+            .unwrap()
+            .to_string();
+        let scan = text.lines().find(|l| l.contains("GpuTableScan")).expect("a scan");
+        assert!(scan.contains(&format!("output_rows={n},")), "{scan}");
+        // An `Int64` and a `Decimal128` column: 24 bytes a row (no nulls), shown as DataFusion
+        // shows counts.
+        let bytes = 24 * n;
+        let shown = if bytes < 1000 {
+            bytes.to_string()
+        } else {
+            format!("{:.2} K", bytes as f64 / 1000.0)
+        };
+        assert!(scan.contains(&format!("bytes_to_host={shown},")), "{scan}");
+        for metric in ["elapsed_compute=", "copy_time="] {
+            assert!(scan.contains(metric), "{metric}: {scan}");
+        }
+    });
+}
+
 /// `supports_filter` over the kinds of predicates and types.
 #[test]
 fn filter_support_by_expression() {

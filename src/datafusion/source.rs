@@ -11,7 +11,7 @@ use ::datafusion::execution::TaskContext;
 use ::datafusion::logical_expr::Expr;
 use ::datafusion::physical_expr::projection::ProjectionExprs;
 use ::datafusion::physical_expr::{EquivalenceProperties, Partitioning, PhysicalExpr};
-use ::datafusion::physical_plan::metrics::ExecutionPlanMetricsSet;
+use ::datafusion::physical_plan::metrics::{Count, ExecutionPlanMetricsSet, MetricBuilder, Time};
 use ::datafusion::physical_plan::projection::{all_alias_free_columns, new_projections_for_columns};
 use ::datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use ::datafusion::physical_plan::{DisplayFormatType, SendableRecordBatchStream};
@@ -37,6 +37,8 @@ pub struct GpuScan {
     filters: Vec<Expr>,
     predicate: Option<Arc<Predicate>>,
     fetch: Option<usize>,
+    /// Rows and bytes copied to the host, and where the time went (see [`ScanMetrics`]).
+    metrics: ExecutionPlanMetricsSet,
 }
 
 impl fmt::Debug for GpuScan {
@@ -59,6 +61,7 @@ impl GpuScan {
             filters: vec![],
             predicate: None,
             fetch: None,
+            metrics: ExecutionPlanMetricsSet::new(),
         }
     }
 
@@ -133,10 +136,12 @@ impl DataSource for GpuScan {
         // operators work best on batches of the session's batch size, so each host batch is handed
         // on in slices of that many rows (no copy).
         let batch_size = context.session_config().batch_size().max(1);
+        let metrics = ScanMetrics::new(&self.metrics, partition);
         let state = (batches.into_iter(), self.fetch, VecDeque::new());
         let stream = futures::stream::unfold(state, move |(mut batches, mut remaining, mut ready)| {
             let lane = lane.clone();
             let plan = plan.clone();
+            let metrics = metrics.clone();
             async move {
                 loop {
                     if let Some(out) = ready.pop_front() {
@@ -149,11 +154,18 @@ impl DataSource for GpuScan {
                     // The stream is held while the device works; the host waits for the copy and
                     // validates the arrays without it.
                     let result = match lane.acquire().await {
-                        Ok(lease) => scan_batch(&batch, &plan, remaining, lease.stream()),
+                        Ok(lease) => {
+                            let _device = metrics.device_time.timer();
+                            scan_batch(&batch, &plan, remaining, lease.stream())
+                        }
                         Err(e) => Err(e),
                     };
-                    match result.and_then(|s| s.map(|s| s.finish(&plan)).transpose()) {
+                    let copying = metrics.copy_time.timer();
+                    let finished = result.and_then(|s| s.map(|s| s.finish(&plan)).transpose());
+                    copying.done();
+                    match finished {
                         Ok(Some(out)) => {
+                            metrics.record(&out);
                             remaining = remaining.map(|r| r.saturating_sub(out.num_rows()));
                             ready.extend(slices(&out, batch_size));
                         }
@@ -253,7 +265,7 @@ impl DataSource for GpuScan {
     }
 
     fn metrics(&self) -> ExecutionPlanMetricsSet {
-        ExecutionPlanMetricsSet::new()
+        self.metrics.clone()
     }
 
     fn try_swapping_with_projection(&self, projection: &ProjectionExprs) -> DfResult<Option<Arc<dyn DataSource>>> {
@@ -304,6 +316,43 @@ impl Scanned {
             batch.columns().to_vec(),
             &options,
         )?)
+    }
+}
+
+/// A scan partition's metrics, in `EXPLAIN ANALYZE`.
+#[derive(Clone)]
+struct ScanMetrics {
+    output_rows: Count,
+    /// The bytes of the batches copied to the host (their buffers' used ranges).
+    bytes_to_host: Count,
+    /// Filtering and compacting on the device and issuing the copies (`elapsed_compute`).
+    device_time: Time,
+    /// Waiting for the copies to the host and building arrow arrays of them.
+    copy_time: Time,
+}
+
+impl ScanMetrics {
+    fn new(set: &ExecutionPlanMetricsSet, partition: usize) -> Self {
+        ScanMetrics {
+            output_rows: MetricBuilder::new(set).output_rows(partition),
+            bytes_to_host: MetricBuilder::new(set).counter("bytes_to_host", partition),
+            device_time: MetricBuilder::new(set).elapsed_compute(partition),
+            copy_time: MetricBuilder::new(set).subset_time("copy_time", partition),
+        }
+    }
+
+    fn record(&self, batch: &RecordBatch) {
+        self.output_rows.add(batch.num_rows());
+        let bytes = batch
+            .columns()
+            .iter()
+            .map(|c| {
+                c.to_data()
+                    .get_slice_memory_size()
+                    .unwrap_or_else(|_| c.get_array_memory_size())
+            })
+            .sum();
+        self.bytes_to_host.add(bytes);
     }
 }
 
