@@ -9,7 +9,9 @@
 //!
 //! The scale factor comes from `ARROW_CUDA_BENCH_SF` (default 10), the sweep's rows from
 //! `ARROW_CUDA_BENCH_ROWS` (default 100,000,000), the streams per device from
-//! `ARROW_CUDA_BENCH_STREAMS` (default 4, the library's default). `target_partitions` is the number of cores.
+//! `ARROW_CUDA_BENCH_STREAMS` (default 4, the library's default); `ARROW_CUDA_BENCH_EXPLAIN=q9,q18`
+//! prints the `EXPLAIN ANALYZE` of those queries on the GPU tables after their timings.
+//! `target_partitions` is the number of cores.
 //! Without a GPU it prints `skipped: no CUDA device` and exits.
 //!
 //! Run with `cargo bench --bench datafusion --features datafusion`.
@@ -52,7 +54,22 @@ fn mem(p: &Partitions) -> MemTable {
     MemTable::try_new(p.0.clone(), p.1.clone()).expect("memtable")
 }
 
-/// Best of five runs after one warm-up.
+/// The plan of one more run of `sql`, with its metrics.
+fn explain_analyze(rt: &tokio::runtime::Runtime, ctx: &SessionContext, sql: &str) -> String {
+    rt.block_on(async {
+        let batches = ctx
+            .sql(&format!("explain analyze {sql}"))
+            .await
+            .expect("plan")
+            .collect()
+            .await
+            .expect("run");
+        datafusion::arrow::util::pretty::pretty_format_batches(&batches)
+            .expect("format")
+            .to_string()
+    })
+}
+
 /// The best of `runs` runs of `sql` after a warm-up: the whole query, and the part of it spent
 /// planning (SQL to physical plan, device stages placed).
 fn time(rt: &tokio::runtime::Runtime, ctx: &SessionContext, sql: &str, runs: usize) -> (Duration, Duration) {
@@ -178,6 +195,12 @@ fn main() {
 
 /// All 22 TPC-H queries over the eight tables: device stages beside `MemTable`.
 fn all_queries(rt: &tokio::runtime::Runtime, sf: f64, cores: usize, config: &dyn Fn() -> SessionConfig) {
+    // Queries whose `EXPLAIN ANALYZE` is printed after their timing, e.g. `q9,q18`.
+    let explain: Vec<String> = env("ARROW_CUDA_BENCH_EXPLAIN", String::new())
+        .split(',')
+        .filter(|q| !q.is_empty())
+        .map(str::to_string)
+        .collect();
     let t = Instant::now();
     let tables = tpch::tables(sf, cores, tpch::BATCH_SIZE).expect("generate");
     println!("generated the 8 TPC-H tables at SF {sf} in {:.1?}", t.elapsed());
@@ -218,6 +241,12 @@ fn all_queries(rt: &tokio::runtime::Runtime, sf: f64, cores: usize, config: &dyn
         });
         let (s, _) = time(rt, &stage_ctx, sql, 3);
         let (m, _) = time(rt, &mem_ctx, sql, 3);
+        if explain.iter().any(|q| q == name) {
+            println!(
+                "EXPLAIN ANALYZE of TPC-H {name} on the GPU tables:\n{}",
+                explain_analyze(rt, &stage_ctx, sql)
+            );
+        }
         total_s += s;
         total_m += m;
         log_ratio += (m.as_secs_f64() / s.as_secs_f64()).ln();
