@@ -51,9 +51,10 @@
 //!
 //! [`DeviceStageRule`] is a DataFusion physical optimizer rule. Installed with
 //! [`with_device_stages`], it finds each aggregation whose input is a [`GpuScan`] through
-//! projections, filters and round-robin repartitioning, and replaces it with one
-//! [`DeviceStageExec`]. The stage evaluates the scan's pushed-down predicate, the filters, the
-//! computed projections, the group keys and the aggregates on the device in one or two passes over
+//! projections, filters, repartitioning and hash joins (the scan on their probe side), and replaces
+//! it with one [`DeviceStageExec`]. The stage evaluates the scan's pushed-down predicate, the
+//! filters, the joins, the computed projections, the group keys and the aggregates on the device
+//! in one or two passes over
 //! the columns (see `stage/codegen.rs`), keeps its groups and accumulators in device memory, and
 //! copies only the groups' partial state to the host (a batch with exactly the schema of
 //! DataFusion's partial aggregate). Where the stage covers the whole aggregation (a `Final`
@@ -90,6 +91,24 @@
 //!   device), and only the winning values are gathered and copied when the stage finishes. Float minima and maxima follow IEEE 754's total order, as arrow's `min`
 //!   and `max` kernels do (NaN above every number, -0 below +0); DataFusion's grouped accumulator
 //!   resolves NaN and the two zeros by arrival order, so only those cases can differ.
+//!
+//! ## Joins
+//!
+//! A hash join whose probe side (DataFusion's right input) leads to the stage's scan becomes a
+//! step of the stage; its build side stays a DataFusion plan (the stage node's child, shown under
+//! it in `EXPLAIN`), which the stage runs to completion before its own pass. The build rows are
+//! copied to the device and hashed there by their key words (an open-addressing table, each row
+//! in a slot of its own, twice as many slots as rows); every table row that reaches the join
+//! finds its first match (the first for which the join filter holds, where there is one) in the
+//! same thread that then evaluates the rest of the stage, reading the match's columns where the
+//! build side lives. Inner joins keep the rows with a match, right outer joins every row (the
+//! build columns null without a match), right semi and anti joins (`IN`, `EXISTS`, `NOT EXISTS`)
+//! the rows with or without one. Where the stage reads a match's columns, the match must be the
+//! only one: a build side with duplicate keys there makes the stage give its work back, and the
+//! rule does not place such a join where statistics say the build side has more rows than the
+//! table (it cannot then be the unique side of the key). Keys are integers, dates and decimals,
+//! one or several columns; nulls never match (`NOT IN`, whose null rule DataFusion plans as a
+//! null-aware anti join, stays with DataFusion, as do left, full and mark joins).
 //!
 //! Anything else stays with DataFusion, unchanged. Without NVRTC or a GPU the rule leaves every
 //! plan alone and logs one line saying why.

@@ -54,8 +54,12 @@ fn kind_of(dt: &DataType) -> Result<ValueKind> {
     })
 }
 
-pub(crate) struct Codegen<'a> {
-    batch: &'a DeviceRecordBatch,
+pub(crate) struct Codegen {
+    /// The type of each column.
+    types: Vec<DataType>,
+    /// Per column read at another row than the kernel's row `i`: the variable holding that row
+    /// (a stage's hash join match, `NO_MATCH` without one).
+    rows: Vec<Option<String>>,
     /// The statements emitted so far.
     pub(crate) body: String,
     next: usize,
@@ -65,11 +69,17 @@ pub(crate) struct Codegen<'a> {
     string_slots: Vec<usize>,
 }
 
-impl<'a> Codegen<'a> {
+impl Codegen {
     /// A generator for kernels over `batch`'s columns (only their types are read).
-    pub(crate) fn new(batch: &'a DeviceRecordBatch) -> Self {
+    pub(crate) fn new(batch: &DeviceRecordBatch) -> Self {
+        Self::over(batch.columns().iter().map(|c| c.data_type().clone()).collect())
+    }
+
+    /// A generator for kernels over columns of these types.
+    pub(crate) fn over(types: Vec<DataType>) -> Self {
         Codegen {
-            batch,
+            rows: vec![None; types.len()],
+            types,
             body: String::new(),
             next: 0,
             slots: vec![],
@@ -89,8 +99,12 @@ impl<'a> Codegen<'a> {
     /// column's element is its key's value element (0 under a null key), in the values' buffers
     /// `c<c>_dv`, `c<c>_dd` and `c<c>_dn`; `c<c>_kv` says whether the key is valid.
     pub(crate) fn column_decl(&self, c: usize) -> Result<String> {
-        let DataType::Dictionary(key, _) = self.batch.column(c).data_type() else {
-            return Ok(format!("    u64 e{c} = c{c}_o + i;\n"));
+        let row = match &self.rows[c] {
+            Some(j) => format!("({j} == NO_MATCH ? 0 : (u64){j})"),
+            None => "i".to_string(),
+        };
+        let DataType::Dictionary(key, _) = &self.types[c] else {
+            return Ok(format!("    u64 e{c} = c{c}_o + {row};\n"));
         };
         let k = match key.as_ref() {
             DataType::Int8 => "signed char",
@@ -107,14 +121,20 @@ impl<'a> Codegen<'a> {
             "    const u64* t{c} = (const u64*)c{c}_d; const unsigned char* c{c}_dv = (const unsigned char*)t{c}[0]; \
              const unsigned char* c{c}_dd = (const unsigned char*)t{c}[1]; \
              const unsigned char* c{c}_dn = (const unsigned char*)t{c}[2];\n\
-             \x20   bool c{c}_kv = valid(c{c}_n, c{c}_o + i); \
-             u64 e{c} = c{c}_kv ? t{c}[3] + (u64)((const {k}*)c{c}_v)[c{c}_o + i] : 0;\n"
+             \x20   bool c{c}_kv = valid(c{c}_n, c{c}_o + {row}); \
+             u64 e{c} = c{c}_kv ? t{c}[3] + (u64)((const {k}*)c{c}_v)[c{c}_o + {row}] : 0;\n"
         ))
+    }
+
+    /// Reads column `c` at the row in variable `row` (see [`column_decl`](Self::column_decl)):
+    /// element 0 and null where it holds `NO_MATCH`; `None`: at the kernel's row `i`.
+    pub(crate) fn read_at(&mut self, c: usize, row: Option<&str>) {
+        self.rows[c] = row.map(str::to_string);
     }
 
     /// The type of column `c`'s values (a dictionary's value type).
     pub(crate) fn value_type(&self, c: usize) -> &DataType {
-        match self.batch.column(c).data_type() {
+        match &self.types[c] {
             DataType::Dictionary(_, v) => v,
             dt => dt,
         }
@@ -123,7 +143,7 @@ impl<'a> Codegen<'a> {
     /// The C names of column `c`'s values and data buffers, and the C expression of element
     /// `e<c>`'s validity (a dictionary's key and value validity).
     pub(crate) fn column_names(&self, c: usize) -> (String, String, String) {
-        if matches!(self.batch.column(c).data_type(), DataType::Dictionary(..)) {
+        let (v, d, valid) = if matches!(self.types[c], DataType::Dictionary(..)) {
             (
                 format!("c{c}_dv"),
                 format!("c{c}_dd"),
@@ -131,6 +151,10 @@ impl<'a> Codegen<'a> {
             )
         } else {
             (format!("c{c}_v"), format!("c{c}_d"), format!("valid(c{c}_n, e{c})"))
+        };
+        match &self.rows[c] {
+            Some(j) => (v, d, format!("({j} != NO_MATCH && {valid})")),
+            None => (v, d, valid),
         }
     }
 
@@ -175,14 +199,14 @@ impl<'a> Codegen<'a> {
     }
 
     fn kind(&self, col: usize) -> Result<ValueKind> {
-        kind_of(self.batch.column(col).data_type())
+        kind_of(&self.types[col])
     }
 
     /// A C expression of column `col`'s value at element `e` in the domain it is compared in.
     fn load(&self, col: usize) -> Result<String> {
         use DataType::*;
         let v = format!("c{col}_v");
-        Ok(match self.batch.column(col).data_type() {
+        Ok(match &self.types[col] {
             Int8 => format!("(long long)((const signed char*){v})[e{col}]"),
             Int16 => format!("(long long)((const short*){v})[e{col}]"),
             Int32 | Date32 => format!("(long long)((const int*){v})[e{col}]"),

@@ -156,6 +156,42 @@ __device__ __forceinline__ void civil_from_days(long long z, long long* y, long 
     *m = mp < 10 ? mp + 3 : mp - 9;
     *y = yoe + era * 400 + (*m <= 2);
 }
+/* Hash joins. The build side's rows sit in an open-addressing table of `mask + 1` slots, each the
+   row + 1 (0: empty) with the row's key words beside it; rows with equal keys take a slot each, so
+   a probe walks the slots from the key's home to the first empty one. The table has at least
+   twice as many slots as rows, so it never fills. */
+#define NO_MATCH 0xFFFFFFFFu
+#define NO_SLOT 0xFFFFFFFFFFFFFFFFull
+#define FLAG_DUPLICATE_KEY 16u
+__device__ __forceinline__ u64 key_hash(const u64* kw, int nw) {
+    u64 h = 0x9e3779b97f4a7c15ull;
+    for (int j = 0; j < nw; j++) h = mix64(h ^ kw[j]);
+    return h;
+}
+__device__ __forceinline__ void join_insert(const u64* kw, int nw, u32 row, u32* slots, u64* keys, u64 mask) {
+    u64 s = key_hash(kw, nw) & mask;
+    while (atomicCAS(&slots[s], 0u, row + 1) != 0u) s = (s + 1) & mask;
+    for (int j = 0; j < nw; j++) keys[s * nw + j] = kw[j];
+}
+/* The first slot at or after `s` (walking from the key's home) whose key words are `kw`, or
+   NO_SLOT at an empty one. */
+__device__ __forceinline__ u64 join_next(const u64* kw, int nw, const u32* slots, const u64* keys, u64 mask, u64 s) {
+    for (;; s = (s + 1) & mask) {
+        if (slots[s] == 0) return NO_SLOT;
+        bool eq = true;
+        for (int j = 0; j < nw; j++) eq = eq && keys[s * nw + j] == kw[j];
+        if (eq) return s;
+    }
+}
+/* Raises FLAG_DUPLICATE_KEY when two rows of a built table have equal keys: each row looks for an
+   equal key between its key's home and its own slot. */
+extern "C" __global__ void join_unique(u64 mask, const u32* slots, const u64* keys, u64 nw, u32* flags) {
+    u64 s = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (s > mask || slots[s] == 0) return;
+    const u64* kw = keys + s * nw;
+    u64 t = join_next(kw, (int)nw, slots, keys, mask, key_hash(kw, (int)nw) & mask);
+    if (t != s) atomicOr(flags, FLAG_DUPLICATE_KEY);
+}
 /* Inserts groups 0..count, whose key words are in `group_keys`, into an empty table (when it grows). */
 extern "C" __global__ void stage_rehash(const u64* group_keys, u64 nw, u64 count, u32* state, u64* keys, u64 mask) {
     u64 id = (u64)blockIdx.x * blockDim.x + threadIdx.x;

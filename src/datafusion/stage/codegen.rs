@@ -17,11 +17,17 @@
 //! Every scalar parameter is a `u64`. The literal buffer holds the predicate's and the expressions'
 //! literals, so the source depends only on the plan's shape and types.
 
-use arrow_schema::DataType;
+use std::sync::Arc;
+
+use ::datafusion::physical_expr::PhysicalExpr;
+use ::datafusion::physical_expr::expressions::Column;
+use arrow_schema::{DataType, Schema};
 
 use super::super::predicate_codegen::{Codegen, PREDICATE_PRELUDE};
 use super::expr::{ExprCompiler, Val};
-use super::layout::{Acc, SlotKind, StagePlan, key_value_type, string_capacity};
+use super::layout::{
+    Acc, JoinKind, JoinStep, SlotKind, StagePlan, Step, join_key_layout, key_value_type, string_capacity,
+};
 use crate::array::DeviceRecordBatch;
 use crate::error::{Error, Result};
 
@@ -29,7 +35,7 @@ use crate::error::{Error, Result};
 const STAGE_PRELUDE: &str = include_str!("../kernels/stage.cu");
 
 /// A stage's kernels and their literal buffer.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct StageSource {
     pub(crate) source: String,
     pub(crate) literals: Vec<u8>,
@@ -37,47 +43,48 @@ pub(crate) struct StageSource {
 
 /// Generates the kernels of `plan` for batches shaped like `batch` (the table's schema).
 pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<StageSource> {
-    let schema = batch.schema();
-    let mut g = Codegen::new(batch);
+    let schema = plan.columns_schema();
+    let width = batch.num_columns();
+    let types = batch
+        .columns()
+        .iter()
+        .map(|c| c.data_type().clone())
+        .chain(schema.fields().iter().skip(width).map(|f| f.data_type().clone()))
+        .collect();
+    let mut g = Codegen::over(types);
     let (key_offsets, nw) = plan.key_layout();
     let (slots, first) = plan.slot_layout();
+    let built: Vec<usize> = plan.stage_columns().into_iter().filter(|&c| c >= width).collect();
     let decls: String = plan.columns.iter().map(|&c| g.column_decl(c)).collect::<Result<_>>()?;
-    let params: String = plan.columns.iter().map(|&c| Codegen::column_params(c)).collect();
-
-    // The rows kept: the scan's predicate and the filters above it.
-    let keep = |g: &mut Codegen| -> Result<String> {
-        let mut terms = Vec::new();
-        if let Some(p) = &plan.predicate {
-            let (v, k) = g.emit(p)?;
-            terms.push(format!("({k} && {v})"));
-        }
-        for f in &plan.filters {
-            let mut c = ExprCompiler::new(g, schema);
-            let val = c.compile(f)?;
-            if val.dt != DataType::Boolean {
-                return Err(Error::Unsupported("a filter that is not boolean".into()));
-            }
-            terms.push(format!("({} && {})", val.k, val.v));
-        }
-        Ok(if terms.is_empty() {
-            "true".into()
-        } else {
-            terms.join(" && ")
-        })
-    };
+    let joins: Vec<&JoinStep> = plan.joins().collect();
+    let params: String = plan
+        .columns
+        .iter()
+        .chain(&built)
+        .map(|&c| Codegen::column_params(c))
+        .chain((0..joins.len()).map(|k| format!(", const u32* jt{k}, const u64* jk{k}, u64 jm{k}")))
+        .collect();
 
     let mut source = String::from(PREDICATE_PRELUDE);
     source.push_str(STAGE_PRELUDE);
+    for (k, j) in joins.iter().enumerate() {
+        source.push_str(&build_kernel(&mut g, &schema, j, k)?);
+    }
+    // Each join's columns are read at its match from here on.
+    for (k, j) in joins.iter().enumerate() {
+        for &c in built.iter().filter(|&&c| join_of(&joins, c) == Some(j.base)) {
+            g.read_at(c, Some(&format!("j{k}")));
+        }
+    }
 
     // stage_groups
     if nw > 0 {
         g.body.clear();
-        let kept = keep(&mut g)?;
-        g.body
-            .push_str(&format!("    if (!({kept})) {{ row_group[i] = NO_GROUP; }} else {{\n"));
+        g.body.push_str("    u32 rg = NO_GROUP;\n");
+        let open = emit_rows(&mut g, plan, &schema, &built)?;
         g.body.push_str(&format!("    u64 kw[{nw}]; u64 nulls = 0;\n"));
         for (j, (key, dt)) in plan.keys.iter().zip(&plan.key_types).enumerate() {
-            let val = ExprCompiler::new(&mut g, schema).compile(key)?;
+            let val = ExprCompiler::new(&mut g, &schema).compile(key)?;
             if &val.dt != key_value_type(dt) {
                 return Err(Error::Unsupported(format!("group key of type {} for {dt}", val.dt)));
             }
@@ -85,11 +92,16 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
         }
         g.body.push_str(&format!("    kw[{}] = nulls;\n", nw - 1));
         g.body.push_str(&format!(
-            "    row_group[i] = group_of(kw, {nw}, state, keys, mask, group_keys, count, (u32)max_groups, flags);\n    }}\n"
+            "    rg = group_of(kw, {nw}, state, keys, mask, group_keys, count, (u32)max_groups, flags);\n"
         ));
+        for k in 0..joins.len() {
+            g.body.push_str(&format!("    jrows[(u64){k} * n + i] = j{k};\n"));
+        }
+        g.body.push_str(&"    }\n".repeat(open));
+        g.body.push_str("    row_group[i] = rg;\n");
         source.push_str(&format!(
             "extern \"C\" __global__ void stage_groups(u64 n, u32* row_group, u32* state, u64* keys, u64 mask, \
-             u64* group_keys, u32* count, u64 max_groups, u32* flags, const unsigned char* lit{params}) {{\n\
+             u64* group_keys, u32* count, u64 max_groups, u32* flags, const unsigned char* lit, u32* jrows{params}) {{\n\
              \x20   u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;\n    if (i >= n) return;\n\
              \x20   bool ovf = false, dz = false;\n{decls}{}\
              \x20   if (ovf) atomicOr(flags, FLAG_OVERFLOW);\n    if (dz) atomicOr(flags, FLAG_DIV_ZERO);\n}}\n",
@@ -99,24 +111,32 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
 
     // stage_accumulate
     g.body.clear();
-    let group = if nw > 0 {
-        "u32 g = row_group[i];\n    if (g != NO_GROUP) {\n".to_string()
+    let open = if nw > 0 {
+        g.body.push_str("    u32 g = row_group[i];\n    if (g != NO_GROUP) {\n");
+        for k in 0..joins.len() {
+            g.body.push_str(&format!("    u32 j{k} = jrows[(u64){k} * n + i];\n"));
+        }
+        for &c in &built {
+            let decl = g.column_decl(c)?;
+            g.body.push_str(&decl);
+        }
+        1
     } else {
-        let kept = keep(&mut g)?;
-        let pre = std::mem::take(&mut g.body);
-        format!("{pre}    u32 g = 0;\n    if ({kept}) {{\n")
+        let open = emit_rows(&mut g, plan, &schema, &built)?;
+        g.body.push_str("    u32 g = 0;\n");
+        open
     };
     for (a, spec) in plan.aggs.iter().enumerate() {
         let s0 = first[a];
         g.body.push_str("    {\n");
         let fk = match &spec.filter {
             Some(f) => {
-                let v = ExprCompiler::new(&mut g, schema).compile(f)?;
+                let v = ExprCompiler::new(&mut g, &schema).compile(f)?;
                 format!("({} && {})", v.k, v.v)
             }
             None => "true".into(),
         };
-        let v = ExprCompiler::new(&mut g, schema).compile(&spec.arg)?;
+        let v = ExprCompiler::new(&mut g, &schema).compile(&spec.arg)?;
         let slot = |s: usize| format!("base + (u64){} * st + g", s0 + s);
         let update = match spec.acc {
             Acc::Count => String::new(),
@@ -171,7 +191,7 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
     source.push_str(&row_functions(plan)?);
     source.push_str(&format!(
         "extern \"C\" __global__ void stage_accumulate(u64 n, const u32* row_group, u64* acc, u64 stride, u64 groups, \
-         u64 shared, u32* flags, const unsigned char* lit, const u64* refs, u64 batch{params}) {{\n\
+         u64 shared, u32* flags, const unsigned char* lit, const u64* refs, u64 batch, const u32* jrows{params}) {{\n\
          \x20   extern __shared__ u64 sh[];\n\
          \x20   const u64 nslots = {nslots};\n\
          \x20   if (shared) {{\n\
@@ -181,13 +201,14 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
          \x20   u64* base = shared ? sh : acc;\n    u64 st = shared ? groups : stride;\n\
          \x20   bool ovf = false, dz = false;\n\
          \x20   for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {{\n\
-         {decls}    {group}{}    }}\n    }}\n\
+         {decls}{}{}    }}\n\
          \x20   if (ovf) atomicOr(flags, FLAG_OVERFLOW);\n    if (dz) atomicOr(flags, FLAG_DIV_ZERO);\n\
          \x20   if (shared) {{\n        __syncthreads();\n\
          \x20       for (u64 t = threadIdx.x; t < nslots * groups; t += blockDim.x) {{\n\
          \x20           u64 s = t / groups, gg = t % groups; u64 x = sh[t];\n{flush}\
          \x20       }}\n    }}\n}}\n",
-        g.body
+        g.body,
+        "    }\n".repeat(open)
     ));
 
     source.push_str(&format!(
@@ -198,6 +219,138 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
     ));
     let literals = g.literal_buffer()?;
     Ok(StageSource { source, literals })
+}
+
+/// The base column of the join whose build side stage column `c` belongs to.
+fn join_of(joins: &[&JoinStep], c: usize) -> Option<usize> {
+    joins.iter().map(|j| j.base).filter(|&b| b <= c).max()
+}
+
+/// `join<k>_build(n, slots, keys, mask, lit, columns...)`: one thread per build row inserts the
+/// row into join `k`'s table under its key words; rows with a null key never match and stay out.
+fn build_kernel(g: &mut Codegen, schema: &Schema, j: &JoinStep, k: usize) -> Result<String> {
+    let columns: Vec<usize> = {
+        let mut c: Vec<usize> = j.keys.iter().map(|&key| j.base + key).collect();
+        c.sort_unstable();
+        c.dedup();
+        c
+    };
+    let types: Vec<DataType> = j
+        .keys
+        .iter()
+        .map(|&key| schema.field(j.base + key).data_type().clone())
+        .collect();
+    let (words, offsets, nw) =
+        join_key_layout(&types).ok_or_else(|| Error::Unsupported(format!("join keys of {types:?}")))?;
+    g.body.clear();
+    g.body.push_str(&format!("    u64 kw[{nw}]; u64 nulls = 0;\n"));
+    for (i, &key) in j.keys.iter().enumerate() {
+        let column: Arc<dyn PhysicalExpr> = Arc::new(Column::new(schema.field(j.base + key).name(), j.base + key));
+        let val = ExprCompiler::new(g, schema).compile(&column)?;
+        encode_key(&mut g.body, &val, offsets[i], words[i], i)?;
+    }
+    let decls: String = columns.iter().map(|&c| g.column_decl(c)).collect::<Result<_>>()?;
+    let params: String = columns.iter().map(|&c| Codegen::column_params(c)).collect();
+    Ok(format!(
+        "extern \"C\" __global__ void join{k}_build(u64 n, u32* slots, u64* keys, u64 mask, u32* flags, \
+         const unsigned char* lit{params}) {{\n\
+         \x20   u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;\n    if (i >= n) return;\n\
+         \x20   bool ovf = false, dz = false;\n{decls}{}\
+         \x20   if (nulls == 0) join_insert(kw, {nw}, (u32)i, slots, keys, mask);\n}}\n",
+        g.body
+    ))
+}
+
+/// Emits the row pipeline: the scan's predicate, then the filters and hash joins in plan order,
+/// each opening the block of the rows it keeps (closed by the caller: the count is returned), so
+/// nothing is evaluated for a row an earlier step dropped. A join leaves its match in `j<k>`
+/// (`NO_MATCH` without one) and declares the build columns the stage reads (`built`).
+fn emit_rows(g: &mut Codegen, plan: &StagePlan, schema: &Schema, built: &[usize]) -> Result<usize> {
+    let mut open = 0;
+    if let Some(p) = &plan.predicate {
+        let (v, k) = g.emit(p)?;
+        g.body.push_str(&format!("    if ({k} && {v}) {{\n"));
+        open += 1;
+    }
+    let joins: Vec<&JoinStep> = plan.joins().collect();
+    let mut k = 0;
+    for step in &plan.steps {
+        match step {
+            Step::Filter(f) => {
+                let val = ExprCompiler::new(g, schema).compile(f)?;
+                if val.dt != DataType::Boolean {
+                    return Err(Error::Unsupported("a filter that is not boolean".into()));
+                }
+                g.body.push_str(&format!("    if ({} && {}) {{\n", val.k, val.v));
+                open += 1;
+            }
+            Step::Join(j) => {
+                let mine: Vec<usize> = built
+                    .iter()
+                    .copied()
+                    .filter(|&c| join_of(&joins, c) == Some(j.base))
+                    .collect();
+                emit_probe(g, schema, j, k, &mine)?;
+                match j.kind {
+                    JoinKind::Inner | JoinKind::Semi => {
+                        g.body.push_str(&format!("    if (j{k} != NO_MATCH) {{\n"));
+                        open += 1;
+                    }
+                    JoinKind::Anti => {
+                        g.body.push_str(&format!("    if (j{k} == NO_MATCH) {{\n"));
+                        open += 1;
+                    }
+                    JoinKind::Right => {}
+                }
+                for &c in &mine {
+                    let decl = g.column_decl(c)?;
+                    g.body.push_str(&decl);
+                }
+                k += 1;
+            }
+        }
+    }
+    Ok(open)
+}
+
+/// Finds row `i`'s match in join `k`'s table: the first build row with equal keys (and, with a
+/// filter, the first for which the filter is true), into `j<k>`.
+fn emit_probe(g: &mut Codegen, schema: &Schema, j: &JoinStep, k: usize, mine: &[usize]) -> Result<()> {
+    let mut vals = Vec::with_capacity(j.probe.len());
+    g.body.push_str(&format!("    u32 j{k} = NO_MATCH;\n    {{\n"));
+    for p in &j.probe {
+        vals.push(ExprCompiler::new(g, schema).compile(p)?);
+    }
+    let types: Vec<DataType> = vals.iter().map(|v| v.dt.clone()).collect();
+    let (words, offsets, nw) =
+        join_key_layout(&types).ok_or_else(|| Error::Unsupported(format!("join keys of {types:?}")))?;
+    g.body.push_str(&format!("    u64 kw[{nw}]; u64 nulls = 0;\n"));
+    for (i, val) in vals.iter().enumerate() {
+        encode_key(&mut g.body, val, offsets[i], words[i], i)?;
+    }
+    let next = |from: &str| format!("join_next(kw, {nw}, jt{k}, jk{k}, jm{k}, {from})");
+    g.body.push_str(&format!(
+        "    if (nulls == 0) for (u64 s = {}; s != NO_SLOT; s = {}) {{\n    j{k} = jt{k}[s] - 1;\n",
+        next(&format!("key_hash(kw, {nw}) & jm{k}")),
+        next(&format!("(s + 1) & jm{k}"))
+    ));
+    match &j.filter {
+        Some(f) => {
+            g.body.push_str("    {\n");
+            for &c in mine {
+                let decl = g.column_decl(c)?;
+                g.body.push_str(&decl);
+            }
+            let val = ExprCompiler::new(g, schema).compile(f)?;
+            g.body.push_str(&format!(
+                "    if ({} && {}) break;\n    }}\n    j{k} = NO_MATCH;\n",
+                val.k, val.v
+            ));
+        }
+        None => g.body.push_str("    break;\n"),
+    }
+    g.body.push_str("    }\n    }\n");
+    Ok(())
 }
 
 /// For each row-reference aggregate `a`, `row_update<a>(slot, row, refs)`: replaces the row in

@@ -15,13 +15,14 @@ use cudarc::driver::{CudaFunction, CudaStream};
 
 use std::collections::BTreeMap;
 
-use arrow_array::{Array, ArrayRef, new_null_array};
+use arrow_array::{Array, ArrayRef, RecordBatch, new_null_array};
+use arrow_schema::{DataType, Schema};
 use arrow_select::interleave::interleave;
 
 use super::super::device_filter::{column_args, gather_to_host};
 use super::super::nvrtc::{BLOCK, function, launch, launch_shared};
 use super::codegen::StageSource;
-use super::layout::{Groups, NO_ROW, StagePlan};
+use super::layout::{Groups, JoinStep, NO_ROW, StagePlan, join_key_layout};
 use super::{Outcome, StageResult};
 use crate::array::{DeviceArrayData, DeviceRecordBatch};
 use crate::device::{Device, Stream};
@@ -41,6 +42,7 @@ const FLAG_TABLE_FULL: u32 = 1;
 const FLAG_LONG_KEY: u32 = 2;
 const FLAG_OVERFLOW: u32 = 4;
 const FLAG_DIV_ZERO: u32 = 8;
+const FLAG_DUPLICATE_KEY: u32 = 16;
 
 /// Kernels of one stage on one device.
 struct Kernels {
@@ -85,6 +87,22 @@ pub(crate) struct DeviceStage<'p> {
     row_columns: Vec<Vec<DeviceArrayData>>,
     /// The index of the next batch among the device's batches.
     batch: u64,
+    /// The joins' build sides on the device, their hash tables and the buffers that only keep
+    /// their kernel arguments alive.
+    _joins: Vec<DeviceBuffer>,
+    _built: Vec<DeviceRecordBatch>,
+    /// The kernel arguments of the build columns the stage reads, then of each join's table.
+    join_args: Vec<u64>,
+}
+
+/// A join's build side on the device and its hash table.
+struct BuiltJoin {
+    batch: DeviceRecordBatch,
+    slots: DeviceBuffer,
+    keys: DeviceBuffer,
+    mask: u64,
+    /// Buffers the build kernel's arguments point into.
+    scratch: Vec<DeviceBuffer>,
 }
 
 impl<'p> DeviceStage<'p> {
@@ -96,6 +114,7 @@ impl<'p> DeviceStage<'p> {
         device: Device,
         stream: &Stream,
         batches: &[&DeviceRecordBatch],
+        builds: &[RecordBatch],
     ) -> StageResult<Self> {
         let rows = batches.iter().map(|b| b.num_rows() as u64).sum::<u64>();
         let stream = crate::memory::stream_for(stream, device, device)?;
@@ -153,19 +172,57 @@ impl<'p> DeviceStage<'p> {
             row_columns.push(columns);
         }
         let refs: Vec<u8> = refs.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let lit = DeviceBuffer::from_host(&source.literals, resource, &stream)?;
+        let status = zeroed(8)?;
+        let joins: Vec<_> = plan.joins().collect();
+        let mut built = Vec::with_capacity(joins.len());
+        for (k, (j, rows)) in joins.iter().zip(builds).enumerate() {
+            let f = function(&ctx, &source.source, &format!("join{k}_build"))?;
+            built.push(build_join(j, rows, &f, &cuda, &stream, resource, &lit, &status)?);
+            if j.kind.needs_unique_keys(j.filter.is_some()) {
+                let unique = function(&ctx, &source.source, "join_unique")?;
+                let b = built.last().expect("just built");
+                let nw = key_types_words(j, rows)?;
+                let args = [b.mask, b.slots.address(), b.keys.address(), nw, status.address()];
+                launch(&cuda, &unique, (b.mask + 1).div_ceil(BLOCK as u64), BLOCK, &args)?;
+            }
+        }
+        let width = plan.table.schema.fields().len();
+        let mut join_args = Vec::new();
+        let mut scratch = Vec::new();
+        for c in plan.stage_columns().into_iter().filter(|&c| c >= width) {
+            let k = joins.iter().rposition(|j| j.base <= c).expect("a build column");
+            scratch.extend(column_args(
+                &built[k].batch,
+                &[c - joins[k].base],
+                &mut join_args,
+                resource,
+                &stream,
+            )?);
+        }
+        for b in &built {
+            join_args.extend([b.slots.address(), b.keys.address(), b.mask]);
+        }
         let mut s = DeviceStage {
             refs: DeviceBuffer::from_host(&refs, resource, &stream)?,
             _row_tables: row_tables,
             row_columns,
             batch: 0,
-            lit: DeviceBuffer::from_host(&source.literals, resource, &stream)?,
+            join_args,
+            _built: built.iter().map(|b| b.batch.clone()).collect(),
+            _joins: built
+                .into_iter()
+                .flat_map(|b| [b.slots, b.keys].into_iter().chain(b.scratch))
+                .chain(scratch)
+                .collect(),
+            lit,
             state: zeroed(slots_n * 4)?,
             keys: alloc(slots_n * nw * 8)?,
             mask: slots_n - 1,
             max_groups,
             group_keys: alloc(max_groups * nw * 8)?,
             acc: alloc(nslots * max_groups * 8)?,
-            status: zeroed(8)?,
+            status,
             pending: Vec::new(),
             plan,
             cuda,
@@ -177,6 +234,15 @@ impl<'p> DeviceStage<'p> {
             stream,
         };
         s.init_acc(0)?;
+        if !s.join_args.is_empty() {
+            let (flags, _) = s.read_status()?;
+            if flags & FLAG_DUPLICATE_KEY != 0 {
+                return Err(Outcome::GiveBack(
+                    "a join's build side has duplicate keys where the stage reads its matches".into(),
+                ));
+            }
+            s.check(flags)?;
+        }
         Ok(s)
     }
 
@@ -298,6 +364,14 @@ impl<'p> DeviceStage<'p> {
         let mut cols = Vec::new();
         let views = column_args(batch, &self.plan.columns, &mut cols, self.resource, &self.stream)?;
         let row_group = if self.nw > 0 { Some(self.alloc(n * 4)?) } else { None };
+        let joins = self.plan.joins().count() as u64;
+        let jrows = if self.nw > 0 && joins > 0 {
+            Some(self.alloc(n * joins * 4)?)
+        } else {
+            None
+        };
+        let jrows_address = jrows.as_ref().map_or(0, DeviceBuffer::address);
+        cols.extend_from_slice(&self.join_args);
         let mut groups = 1;
         if let (Some(rg), Some(f)) = (&row_group, self.kernels.groups.clone()) {
             loop {
@@ -312,6 +386,7 @@ impl<'p> DeviceStage<'p> {
                     self.max_groups,
                     self.flags_address(),
                     self.lit.address(),
+                    jrows_address,
                 ];
                 args.extend_from_slice(&cols);
                 launch(&self.cuda, &f, n.div_ceil(BLOCK as u64), BLOCK, &args)?;
@@ -340,6 +415,7 @@ impl<'p> DeviceStage<'p> {
             self.lit.address(),
             self.refs.address(),
             index,
+            jrows_address,
         ];
         args.extend_from_slice(&cols);
         let grid = n.div_ceil(BLOCK as u64).min(MAX_BLOCKS);
@@ -347,6 +423,7 @@ impl<'p> DeviceStage<'p> {
         launch_shared(&self.cuda, &self.kernels.accumulate, grid, BLOCK, bytes, &args)?;
         self.pending.extend(views);
         self.pending.extend(row_group);
+        self.pending.extend(jrows);
         // The accumulation's flags are read with the next batch's groups, or by `finish`: a stage
         // without keys synchronises once, at the end.
         Ok(())
@@ -429,4 +506,72 @@ impl<'p> DeviceStage<'p> {
         }
         Ok(out)
     }
+}
+
+/// The key words of join `j`'s keys, whose build side is `rows`.
+fn key_types_words(j: &JoinStep, rows: &RecordBatch) -> StageResult<u64> {
+    let types: Vec<DataType> = j
+        .keys
+        .iter()
+        .map(|&k| rows.schema().field(k).data_type().clone())
+        .collect();
+    let (_, _, nw) = join_key_layout(&types).ok_or_else(|| Error::Unsupported(format!("join keys of {types:?}")))?;
+    Ok(nw as u64)
+}
+
+/// Copies a join's build side to the device and hashes its rows by their keys with the join's
+/// build kernel `f`. An empty build side becomes one row of nulls that no key finds, so that
+/// kernels reading a match's columns stay in bounds.
+#[allow(clippy::too_many_arguments)]
+fn build_join(
+    j: &JoinStep,
+    rows: &RecordBatch,
+    f: &CudaFunction,
+    cuda: &Arc<CudaStream>,
+    stream: &Stream,
+    resource: MemoryResource,
+    lit: &DeviceBuffer,
+    status: &DeviceBuffer,
+) -> StageResult<BuiltJoin> {
+    let n = rows.num_rows() as u64;
+    let host = if n == 0 {
+        let fields: Vec<_> = rows
+            .schema()
+            .fields()
+            .iter()
+            .map(|f| f.as_ref().clone().with_nullable(true))
+            .collect();
+        let columns = fields.iter().map(|f| new_null_array(f.data_type(), 1)).collect();
+        RecordBatch::try_new(Arc::new(Schema::new(fields)), columns)?
+    } else {
+        rows.clone()
+    };
+    let batch = crate::transfer::htod_async(&host, resource, stream)?;
+    stream.wait(batch.ready())?;
+    let nw = key_types_words(j, rows)?;
+    let nslots = (n * 2).next_power_of_two().max(16);
+    let slots = DeviceBuffer::zeroed(resource, (nslots * 4) as usize, stream)?;
+    let keys = DeviceBuffer::alloc(resource, (nslots * nw * 8).max(8) as usize, stream)?;
+    let mut key_columns: Vec<usize> = j.keys.clone();
+    key_columns.sort_unstable();
+    key_columns.dedup();
+    let mut args = vec![
+        n,
+        slots.address(),
+        keys.address(),
+        nslots - 1,
+        status.address(),
+        lit.address(),
+    ];
+    let scratch = column_args(&batch, &key_columns, &mut args, resource, stream)?;
+    if n > 0 {
+        launch(cuda, f, n.div_ceil(BLOCK as u64), BLOCK, &args)?;
+    }
+    Ok(BuiltJoin {
+        batch,
+        slots,
+        keys,
+        mask: nslots - 1,
+        scratch,
+    })
 }

@@ -9,6 +9,8 @@ use ::datafusion::common::tree_node::TreeNodeRecursion;
 use ::datafusion::execution::TaskContext;
 use ::datafusion::physical_expr::aggregate::AggregateFunctionExpr;
 use ::datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
+use ::datafusion::physical_plan::collect;
+use ::datafusion::physical_plan::execution_plan::reset_plan_states;
 use ::datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use ::datafusion::physical_plan::metrics::{Count, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet, Time};
 use ::datafusion::physical_plan::repartition::BatchPartitioner;
@@ -18,6 +20,7 @@ use ::datafusion::physical_plan::{
 };
 use arrow_array::{RecordBatch, new_null_array};
 use arrow_schema::SchemaRef;
+use arrow_select::concat::concat_batches;
 use futures::future::{BoxFuture, FutureExt, Shared};
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
@@ -25,7 +28,7 @@ use futures::{StreamExt, TryStreamExt};
 use super::super::error::DfResult;
 use super::device::DeviceStage;
 use super::host::HostStage;
-use super::layout::{Groups, StagePlan};
+use super::layout::{Groups, JoinKind, StagePlan, Step};
 use super::output::{final_batch, state_batch};
 use super::{Outcome, StageResult};
 use crate::device::Device;
@@ -64,11 +67,13 @@ pub(crate) enum Output {
     },
 }
 
-/// What the stage's run produced: each partition's batches, or the work given back.
+/// What the stage's run produced: each partition's batches, or the work given back to a fresh
+/// copy of the replaced plan (its join build sides may have run already, and some of
+/// DataFusion's operators run only once).
 #[derive(Clone)]
 enum Produced {
     Partitions(Arc<Vec<Vec<RecordBatch>>>),
-    GivenBack,
+    GivenBack(Arc<dyn ExecutionPlan>),
 }
 
 type SharedRun = Shared<BoxFuture<'static, Result<Produced, Arc<DataFusionError>>>>;
@@ -102,21 +107,22 @@ impl DeviceStageExec {
         }
     }
 
-    /// The stage's run, started on first use.
-    fn shared_run(&self) -> SharedRun {
+    /// The stage's run, started on first use (with the context of the first partition executed).
+    fn shared_run(&self, context: Arc<TaskContext>) -> SharedRun {
         let mut shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
         shared
             .get_or_insert_with(|| {
                 let plan = self.plan.clone();
                 let metrics = Metrics::new(&self.metrics);
                 let emit = self.emitter();
+                let original = self.original.clone();
                 async move {
-                    match run(plan, &metrics).await.and_then(|states| Ok(emit(states)?)) {
+                    match run(plan, &metrics, context).await.and_then(|states| Ok(emit(states)?)) {
                         Ok(partitions) => Ok(Produced::Partitions(Arc::new(partitions))),
                         Err(Outcome::GiveBack(why)) => {
                             log::info!("arrow-cuda: a device stage gives its work back to DataFusion: {why}");
                             metrics.given_back.add(1);
-                            Ok(Produced::GivenBack)
+                            Ok(Produced::GivenBack(reset_plan_states(original).map_err(Arc::new)?))
                         }
                         Err(Outcome::Fail(e)) => Err(Arc::new(e)),
                     }
@@ -175,8 +181,19 @@ impl DisplayAs for DeviceStageExec {
                 if p.predicate.is_some() {
                     write!(f, ", pushed predicate")?;
                 }
-                if !p.filters.is_empty() {
-                    write!(f, ", filter=[{}]", list(&p.filters))?;
+                let steps: Vec<String> = p
+                    .steps
+                    .iter()
+                    .map(|s| match s {
+                        Step::Filter(e) => format!("filter({e})"),
+                        Step::Join(j) => {
+                            let filter = j.filter.as_ref().map(|e| format!(" if {e}")).unwrap_or_default();
+                            format!("{:?} join({}){filter}", j.kind, list(&j.probe)).to_lowercase()
+                        }
+                    })
+                    .collect();
+                if !steps.is_empty() {
+                    write!(f, ", steps=[{}]", steps.join(", "))?;
                 }
                 write!(f, ", group_by=[{}]", list(&p.keys))?;
                 let aggs: Vec<&str> = p.aggs.iter().map(|a| a.name.as_str()).collect();
@@ -228,8 +245,34 @@ impl Metrics {
     }
 }
 
+/// The rows of each join's build side, run by DataFusion (all at once), in one batch each.
+async fn build_sides(plan: &StagePlan, context: Arc<TaskContext>) -> StageResult<Vec<RecordBatch>> {
+    let runs = plan.joins().map(|j| {
+        let (build, context) = (j.build.clone(), context.clone());
+        async move {
+            let batches = collect(build.clone(), context).await?;
+            let batch = concat_batches(&build.schema(), &batches)?;
+            // A match is a 32-bit row index.
+            if batch.num_rows() >= u32::MAX as usize {
+                return Err(Outcome::GiveBack(format!(
+                    "a join's build side of {} rows",
+                    batch.num_rows()
+                )));
+            }
+            Ok(batch)
+        }
+    });
+    futures::future::try_join_all(runs).await
+}
+
 /// Runs the stage over every partition of the table, one state batch per device.
-async fn run(plan: Arc<StagePlan>, metrics: &Metrics) -> StageResult<Vec<RecordBatch>> {
+async fn run(plan: Arc<StagePlan>, metrics: &Metrics, context: Arc<TaskContext>) -> StageResult<Vec<RecordBatch>> {
+    let builds = build_sides(&plan, context).await?;
+    // An inner or semi join with nothing to match keeps no row.
+    let none_kept = plan
+        .joins()
+        .zip(&builds)
+        .any(|(j, b)| b.num_rows() == 0 && matches!(j.kind, JoinKind::Inner | JoinKind::Semi));
     let table = &plan.table;
     let mut devices: Vec<Device> = table.partition_devices.clone();
     devices.sort();
@@ -245,8 +288,10 @@ async fn run(plan: Arc<StagePlan>, metrics: &Metrics) -> StageResult<Vec<RecordB
             .zip(&table.partition_devices)
             .filter(|(_, d)| **d == device)
             .flat_map(|(p, _)| p.iter());
-        let groups = if device.is_host_accessible() {
-            let mut stage = HostStage::new(&plan)?;
+        let groups = if none_kept {
+            Groups::default()
+        } else if device.is_host_accessible() {
+            let mut stage = HostStage::new(&plan, &builds)?;
             for b in batches {
                 metrics.rows_in.add(b.num_rows());
                 stage.add(b, stream)?;
@@ -258,7 +303,7 @@ async fn run(plan: Arc<StagePlan>, metrics: &Metrics) -> StageResult<Vec<RecordB
                 .as_ref()
                 .ok_or_else(|| Outcome::GiveBack("no kernels were generated".into()))?;
             let batches: Vec<_> = batches.collect();
-            let mut stage = DeviceStage::new(&plan, source, device, stream, &batches)?;
+            let mut stage = DeviceStage::new(&plan, source, device, stream, &batches, &builds)?;
             metrics.compile_time.add_duration(stage.compile_time);
             for b in batches {
                 metrics.rows_in.add(b.num_rows());
@@ -281,6 +326,15 @@ async fn run(plan: Arc<StagePlan>, metrics: &Metrics) -> StageResult<Vec<RecordB
                     .map(|a| a.row_column().map(|_| new_null_array(a.state[0].data_type(), 1)))
                     .collect(),
             }
+        } else if groups.count == 0 {
+            Groups {
+                extremes: plan
+                    .aggs
+                    .iter()
+                    .map(|a| a.row_column().map(|_| new_null_array(a.state[0].data_type(), 0)))
+                    .collect(),
+                ..groups
+            }
         } else {
             groups
         };
@@ -300,22 +354,16 @@ impl ExecutionPlan for DeviceStageExec {
         &self.properties
     }
 
+    /// The build sides of the stage's hash joins, which DataFusion's plans produce.
     fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        vec![]
+        self.plan.joins().map(|j| &j.build).collect()
     }
 
     fn apply_expressions(
         &self,
         f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> DfResult<TreeNodeRecursion>,
     ) -> DfResult<TreeNodeRecursion> {
-        let p = &self.plan;
-        let exprs = p
-            .filters
-            .iter()
-            .chain(&p.keys)
-            .chain(p.aggs.iter().map(|a| &a.arg))
-            .chain(p.aggs.iter().filter_map(|a| a.filter.as_ref()));
-        for e in exprs {
+        for e in self.plan.expressions() {
             if f(e)? == TreeNodeRecursion::Stop {
                 return Ok(TreeNodeRecursion::Stop);
             }
@@ -323,8 +371,29 @@ impl ExecutionPlan for DeviceStageExec {
         Ok(TreeNodeRecursion::Continue)
     }
 
-    fn with_new_children(self: Arc<Self>, _children: Vec<Arc<dyn ExecutionPlan>>) -> DfResult<Arc<dyn ExecutionPlan>> {
-        Ok(self)
+    fn with_new_children(self: Arc<Self>, children: Vec<Arc<dyn ExecutionPlan>>) -> DfResult<Arc<dyn ExecutionPlan>> {
+        let same = self.children().len() == children.len()
+            && self.children().iter().zip(&children).all(|(a, b)| Arc::ptr_eq(a, b));
+        if same {
+            return Ok(self);
+        }
+        let mut plan = self.plan.as_ref().clone();
+        let mut children = children.into_iter();
+        for step in &mut plan.steps {
+            if let Step::Join(j) = step {
+                j.build = children
+                    .next()
+                    .ok_or_else(|| DataFusionError::Internal("a device stage lost a join's build side".into()))?;
+            }
+        }
+        let output = match &self.output {
+            Output::Partial => Output::Partial,
+            Output::Final { aggr, schema } => Output::Final {
+                aggr: aggr.clone(),
+                schema: schema.clone(),
+            },
+        };
+        Ok(Arc::new(DeviceStageExec::new(plan, output, self.original.clone())))
     }
 
     fn execute(&self, partition: usize, context: Arc<TaskContext>) -> DfResult<SendableRecordBatchStream> {
@@ -334,8 +403,7 @@ impl ExecutionPlan for DeviceStageExec {
                 "a device stage of {partitions} partitions has no partition {partition}"
             )));
         }
-        let run = self.shared_run();
-        let original = self.original.clone();
+        let run = self.shared_run(context.clone());
         let rows = MetricBuilder::new(&self.metrics).output_rows(partition);
         let last = match &self.output {
             Output::Partial => None,
@@ -353,7 +421,7 @@ impl ExecutionPlan for DeviceStageExec {
                     out.iter().for_each(|b| rows.add(b.num_rows()));
                     futures::stream::iter(out.into_iter().map(Ok)).boxed()
                 }
-                Produced::GivenBack => original.execute(partition, context)?.boxed(),
+                Produced::GivenBack(original) => original.execute(partition, context)?.boxed(),
             };
             DfResult::Ok(stream)
         };

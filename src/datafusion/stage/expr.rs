@@ -84,14 +84,14 @@ fn is_string(dt: &DataType) -> bool {
 
 /// Compiles expressions into the body of a [`Codegen`]; the kernel declares `u64 e<c>` for every
 /// column `c` it reads and `bool ovf, dz` (overflow and division by zero of kept rows).
-pub(crate) struct ExprCompiler<'c, 'a> {
-    pub(crate) g: &'c mut Codegen<'a>,
+pub(crate) struct ExprCompiler<'c> {
+    pub(crate) g: &'c mut Codegen,
     schema: &'c Schema,
 }
 
-impl<'c, 'a> ExprCompiler<'c, 'a> {
+impl<'c> ExprCompiler<'c> {
     /// A compiler of expressions whose columns index `schema` (the table's schema).
-    pub(crate) fn new(g: &'c mut Codegen<'a>, schema: &'c Schema) -> Self {
+    pub(crate) fn new(g: &'c mut Codegen, schema: &'c Schema) -> Self {
         ExprCompiler { g, schema }
     }
 

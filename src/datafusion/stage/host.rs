@@ -17,10 +17,11 @@ use arrow_array::types::{
     Date32Type, Date64Type, Decimal128Type, Float32Type, Float64Type, Int8Type, Int16Type, Int32Type, Int64Type,
     UInt8Type, UInt16Type, UInt32Type,
 };
-use arrow_array::{Array, ArrayRef, BooleanArray, RecordBatch, new_empty_array};
-use arrow_schema::DataType;
+use arrow_array::{Array, ArrayRef, BooleanArray, RecordBatch, RecordBatchOptions, UInt32Array, new_empty_array};
+use arrow_schema::{DataType, Schema};
+use arrow_select::take::take_record_batch;
 
-use super::layout::{Acc, Groups, SlotKind, StagePlan, ordered_f64, string_capacity};
+use super::layout::{Acc, Groups, JoinKind, JoinStep, SlotKind, StagePlan, Step, ordered_f64, string_capacity};
 use super::{Outcome, StageResult};
 use crate::array::DeviceRecordBatch;
 use crate::device::Stream;
@@ -29,7 +30,7 @@ use crate::error::Error;
 /// The host side of a stage over the batches of one device.
 pub(crate) struct HostStage<'p> {
     plan: &'p StagePlan,
-    filters: Vec<Arc<dyn PhysicalExpr>>,
+    steps: Vec<HostStep>,
     keys: Vec<Arc<dyn PhysicalExpr>>,
     args: Vec<Arc<dyn PhysicalExpr>>,
     agg_filters: Vec<Option<Arc<dyn PhysicalExpr>>>,
@@ -46,12 +47,148 @@ pub(crate) struct HostStage<'p> {
     extremes: Vec<Vec<Option<ScalarValue>>>,
 }
 
-/// `expr` over the columns `columns` (ascending table indices) instead of the whole table.
-fn remap(expr: &Arc<dyn PhysicalExpr>, columns: &[usize]) -> StageResult<Arc<dyn PhysicalExpr>> {
+/// A step of the row pipeline, over the batch the steps before it made.
+enum HostStep {
+    Filter(Arc<dyn PhysicalExpr>),
+    Join(HostJoin),
+}
+
+/// A hash join's build side, hashed by its keys.
+struct HostJoin {
+    kind: JoinKind,
+    probe: Vec<Arc<dyn PhysicalExpr>>,
+    filter: Option<Arc<dyn PhysicalExpr>>,
+    build: RecordBatch,
+    /// The build rows of each key (rows with a null key never match).
+    rows: HashMap<Vec<ScalarValue>, Vec<u32>>,
+}
+
+impl HostJoin {
+    fn new(
+        j: &JoinStep,
+        build: &RecordBatch,
+        remap: impl Fn(&Arc<dyn PhysicalExpr>) -> StageResult<Arc<dyn PhysicalExpr>>,
+    ) -> StageResult<Self> {
+        let mut rows: HashMap<Vec<ScalarValue>, Vec<u32>> = HashMap::new();
+        'rows: for r in 0..build.num_rows() {
+            let mut key = Vec::with_capacity(j.keys.len());
+            for &k in &j.keys {
+                let v = ScalarValue::try_from_array(build.column(k), r)?;
+                if v.is_null() {
+                    continue 'rows;
+                }
+                key.push(v);
+            }
+            rows.entry(key).or_default().push(r as u32);
+        }
+        if j.kind.needs_unique_keys(j.filter.is_some()) && rows.values().any(|r| r.len() > 1) {
+            return Err(Outcome::GiveBack("a join's build side has duplicate keys".into()));
+        }
+        Ok(HostJoin {
+            kind: j.kind,
+            probe: j.probe.iter().map(&remap).collect::<StageResult<_>>()?,
+            filter: j.filter.as_ref().map(&remap).transpose()?,
+            build: build.clone(),
+            rows,
+        })
+    }
+
+    /// The rows of `work` this join keeps, each with its match's build columns (nulls without
+    /// one) after its own.
+    fn apply(&self, work: &RecordBatch) -> StageResult<RecordBatch> {
+        let n = work.num_rows();
+        let keys = self
+            .probe
+            .iter()
+            .map(|p| p.evaluate(work)?.into_array(n))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut candidates = vec![Vec::new(); n];
+        for (r, found) in candidates.iter_mut().enumerate() {
+            let key = keys
+                .iter()
+                .map(|k| ScalarValue::try_from_array(k, r))
+                .collect::<Result<Vec<_>, _>>()?;
+            if key.iter().any(ScalarValue::is_null) {
+                continue;
+            }
+            if let Some(rows) = self.rows.get(&key) {
+                found.clone_from(rows);
+            }
+        }
+        let matches: Vec<Option<u32>> = match &self.filter {
+            None => candidates.iter().map(|c| c.first().copied()).collect(),
+            Some(f) => {
+                let pairs: Vec<(u32, u32)> = candidates
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(r, c)| c.iter().map(move |&b| (r as u32, b)))
+                    .collect();
+                let left = UInt32Array::from_iter_values(pairs.iter().map(|p| p.0));
+                let right = UInt32Array::from_iter_values(pairs.iter().map(|p| p.1));
+                let both = joined(&take_record_batch(work, &left)?, &self.build, &right)?;
+                let ok = truth(&f.evaluate(&both)?.into_array(pairs.len())?)?;
+                let mut out = vec![None; n];
+                for (&(r, b), ok) in pairs.iter().zip(ok) {
+                    if ok && out[r as usize].is_none() {
+                        out[r as usize] = Some(b);
+                    }
+                }
+                out
+            }
+        };
+        let keep: Vec<bool> = matches
+            .iter()
+            .map(|m| match self.kind {
+                JoinKind::Inner | JoinKind::Semi => m.is_some(),
+                JoinKind::Anti => m.is_none(),
+                JoinKind::Right => true,
+            })
+            .collect();
+        let at: UInt32Array = matches
+            .iter()
+            .zip(&keep)
+            .filter(|(_, k)| **k)
+            .map(|(m, _)| *m)
+            .collect();
+        let kept = arrow_select::filter::filter_record_batch(work, &BooleanArray::from(keep))?;
+        joined(&kept, &self.build, &at)
+    }
+}
+
+/// The columns of `a`, then those of `b` at rows `at` (one per row of `a`; nullable: an outer
+/// join's rows without a match hold nulls there).
+fn joined(a: &RecordBatch, b: &RecordBatch, at: &UInt32Array) -> StageResult<RecordBatch> {
+    let (sa, sb) = (a.schema(), b.schema());
+    let nullable = sb
+        .fields()
+        .iter()
+        .map(|f| Arc::new(f.as_ref().clone().with_nullable(true)));
+    let fields: Vec<_> = sa.fields().iter().cloned().chain(nullable).collect();
+    let taken = b
+        .columns()
+        .iter()
+        .map(|c| arrow_select::take::take(c, at, None))
+        .collect::<Result<Vec<_>, _>>()?;
+    let columns: Vec<ArrayRef> = a.columns().iter().cloned().chain(taken).collect();
+    let options = RecordBatchOptions::new().with_row_count(Some(a.num_rows()));
+    Ok(RecordBatch::try_new_with_options(
+        Arc::new(Schema::new(fields)),
+        columns,
+        &options,
+    )?)
+}
+
+/// `expr` over the batch the host stage works on: the table columns the stage reads (`columns`,
+/// ascending table indices, of a table of `width` columns), then the joins' build columns.
+fn remap(expr: &Arc<dyn PhysicalExpr>, columns: &[usize], width: usize) -> StageResult<Arc<dyn PhysicalExpr>> {
     let out = Arc::clone(expr).transform(|e| {
         Ok(match e.downcast_ref::<Column>() {
             Some(c) => {
-                let at = columns.binary_search(&c.index()).unwrap_or(0);
+                let at = if c.index() < width {
+                    columns.binary_search(&c.index()).unwrap_or(0)
+                } else {
+                    columns.len() + c.index() - width
+                };
                 Transformed::yes(Arc::new(Column::new(c.name(), at)) as Arc<dyn PhysicalExpr>)
             }
             None => Transformed::no(e),
@@ -119,26 +256,34 @@ fn truth(a: &ArrayRef) -> StageResult<Vec<bool>> {
 }
 
 impl<'p> HostStage<'p> {
-    pub(crate) fn new(plan: &'p StagePlan) -> StageResult<Self> {
-        let cols = &plan.columns;
+    /// A stage of `plan` whose joins' build sides hold `builds`' rows.
+    pub(crate) fn new(plan: &'p StagePlan, builds: &[RecordBatch]) -> StageResult<Self> {
+        let width = plan.table.schema.fields().len();
+        let remap = |e: &Arc<dyn PhysicalExpr>| remap(e, &plan.columns, width);
         let (slots, first) = plan.slot_layout();
         let (offsets, nw) = plan.key_layout();
+        let mut builds = builds.iter();
+        let steps = plan
+            .steps
+            .iter()
+            .map(|s| match s {
+                Step::Filter(f) => Ok(HostStep::Filter(remap(f)?)),
+                Step::Join(j) => {
+                    let build = builds.next().ok_or_else(|| {
+                        Outcome::Fail(Error::InvalidData("a join without its build side".into()).into())
+                    })?;
+                    Ok(HostStep::Join(HostJoin::new(j, build, remap)?))
+                }
+            })
+            .collect::<StageResult<_>>()?;
         Ok(HostStage {
-            filters: plan
-                .filters
-                .iter()
-                .map(|f| remap(f, cols))
-                .collect::<StageResult<_>>()?,
-            keys: plan.keys.iter().map(|k| remap(k, cols)).collect::<StageResult<_>>()?,
-            args: plan
-                .aggs
-                .iter()
-                .map(|a| remap(&a.arg, cols))
-                .collect::<StageResult<_>>()?,
+            steps,
+            keys: plan.keys.iter().map(remap).collect::<StageResult<_>>()?,
+            args: plan.aggs.iter().map(|a| remap(&a.arg)).collect::<StageResult<_>>()?,
             agg_filters: plan
                 .aggs
                 .iter()
-                .map(|a| a.filter.as_ref().map(|f| remap(f, cols)).transpose())
+                .map(|a| a.filter.as_ref().map(remap).transpose())
                 .collect::<StageResult<_>>()?,
             acc: vec![Vec::new(); slots.len()],
             extremes: vec![Vec::new(); plan.aggs.len()],
@@ -176,25 +321,28 @@ impl<'p> HostStage<'p> {
         let plan = self.plan;
         let host = crate::transfer::dtoh(&batch.project(&plan.columns)?, stream)?;
         let n = host.num_rows();
-        let mut keep = vec![true; n];
+        let mut kept = host;
         if let Some(p) = &plan.predicate {
             let position = |c: usize| plan.columns.binary_search(&c).unwrap_or(0);
-            let mask = p.evaluate(&host, &position)?;
-            for (i, v) in mask.iter().enumerate() {
-                keep[i] &= v == Some(true);
-            }
+            let mask = p.evaluate(&kept, &position)?;
+            let keep: BooleanArray = mask.iter().map(|v| Some(v == Some(true))).collect();
+            kept = arrow_select::filter::filter_record_batch(&kept, &keep)?;
         }
-        for f in &self.filters {
-            let t = truth(&f.evaluate(&host)?.into_array(n)?)?;
-            keep.iter_mut().zip(t).for_each(|(k, t)| *k &= t);
+        debug_assert!(kept.num_rows() <= n);
+        for step in &self.steps {
+            kept = match step {
+                HostStep::Filter(f) => {
+                    let t = truth(&f.evaluate(&kept)?.into_array(kept.num_rows())?)?;
+                    arrow_select::filter::filter_record_batch(&kept, &BooleanArray::from(t))?
+                }
+                HostStep::Join(j) => j.apply(&kept)?,
+            };
         }
-        let rows: Vec<usize> = (0..n).filter(|&i| keep[i]).collect();
-        let kept = arrow_select::filter::filter_record_batch(&host, &BooleanArray::from(keep))?;
         let groups = self.groups_of(&kept)?;
         if self.nw == 0 && self.index.is_empty() {
             self.group(&[]);
         }
-        let m = rows.len();
+        let m = kept.num_rows();
         for (a, spec) in plan.aggs.iter().enumerate() {
             let s = self.first[a];
             let fk = match &self.agg_filters[a] {

@@ -7,9 +7,11 @@ use std::sync::Arc;
 
 use ::datafusion::common::ScalarValue;
 use ::datafusion::common::stats::Precision;
+use ::datafusion::common::tree_node::TreeNode;
 use ::datafusion::physical_expr::PhysicalExpr;
 use ::datafusion::physical_expr::expressions::Column;
-use arrow_schema::{DataType, FieldRef, SchemaRef};
+use ::datafusion::physical_plan::ExecutionPlan;
+use arrow_schema::{DataType, FieldRef, Schema, SchemaRef};
 
 use super::super::predicate::Predicate;
 use super::super::table::TableData;
@@ -97,7 +99,7 @@ impl SlotKind {
 }
 
 /// An aggregate of a stage.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct AggSpec {
     pub(crate) kind: AggKind,
     pub(crate) acc: Acc,
@@ -147,6 +149,30 @@ pub(crate) fn key_words(dt: &DataType, longest: Option<usize>) -> Option<usize> 
     }
 }
 
+/// Whether a stage's hash join takes keys of this type (compared by their key words; strings
+/// not yet).
+pub(crate) fn join_key_supported(dt: &DataType) -> bool {
+    !matches!(
+        dt,
+        DataType::Dictionary(..) | DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View
+    ) && key_words(dt, None).is_some()
+}
+
+/// The key words of a join's keys of these types: each key's words and first word, and the
+/// total.
+pub(crate) fn join_key_layout(types: &[DataType]) -> Option<(Vec<usize>, Vec<usize>, usize)> {
+    let mut words = Vec::with_capacity(types.len());
+    let mut offsets = Vec::with_capacity(types.len());
+    let mut n = 0;
+    for dt in types {
+        let w = key_words(dt, None)?;
+        offsets.push(n);
+        words.push(w);
+        n += w;
+    }
+    Some((words, offsets, n))
+}
+
 /// The type of a group key's values: a dictionary's value type (the stage groups by values, and
 /// the output encodes them as the dictionary type again), else the key's type.
 pub(crate) fn key_value_type(dt: &DataType) -> &DataType {
@@ -164,13 +190,62 @@ pub(crate) fn string_capacity(words: usize) -> usize {
     8 * words - 1
 }
 
-/// A lowered stage: a GPU table's scan with its pushed-down predicate, the filters above it, the
-/// group keys and the aggregates, every expression over the table's columns.
-#[derive(Debug)]
+/// What a hash join of a stage keeps of the rows it probes with (the stage's rows are the join's
+/// probe side, DataFusion's right input).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum JoinKind {
+    /// Rows with a matching build row, the build row's columns beside them (`Inner`).
+    Inner,
+    /// Every row, the matching build row's columns beside it or nulls (`Right`).
+    Right,
+    /// Rows with a matching build row (`RightSemi`).
+    Semi,
+    /// Rows without one (`RightAnti`).
+    Anti,
+}
+
+impl JoinKind {
+    /// Whether the stage reads the matched build row's columns, which must then be the only
+    /// match: a build side with duplicate keys makes the stage give its work back.
+    pub(crate) fn needs_unique_keys(self, filtered: bool) -> bool {
+        filtered || matches!(self, JoinKind::Inner | JoinKind::Right)
+    }
+}
+
+/// A hash join inside a stage: DataFusion runs the build side's plan, the stage hashes its rows
+/// where the table lives and probes them with each of its rows.
+#[derive(Clone, Debug)]
+pub(crate) struct JoinStep {
+    /// The build side (DataFusion's left input).
+    pub(crate) build: Arc<dyn ExecutionPlan>,
+    pub(crate) kind: JoinKind,
+    /// The probe keys, over the stage's columns.
+    pub(crate) probe: Vec<Arc<dyn PhysicalExpr>>,
+    /// The build key columns (indices of the build side's schema).
+    pub(crate) keys: Vec<usize>,
+    /// The join's filter, over the stage's columns: a match counts only where it is true.
+    pub(crate) filter: Option<Arc<dyn PhysicalExpr>>,
+    /// The stage column of the build side's first column (see [`StagePlan::columns_schema`]).
+    pub(crate) base: usize,
+}
+
+/// One step of a stage's row pipeline, in plan order.
+#[derive(Clone, Debug)]
+pub(crate) enum Step {
+    /// Rows where the expression (over the stage's columns) is true.
+    Filter(Arc<dyn PhysicalExpr>),
+    /// A hash join with another plan's rows.
+    Join(JoinStep),
+}
+
+/// A lowered stage: a GPU table's scan with its pushed-down predicate, the filters and hash joins
+/// above it, the group keys and the aggregates. Expressions are over the stage's columns: the
+/// table's, then each join's build columns ([`StagePlan::columns_schema`]).
+#[derive(Clone, Debug)]
 pub(crate) struct StagePlan {
     pub(crate) table: Arc<TableData>,
     pub(crate) predicate: Option<Arc<Predicate>>,
-    pub(crate) filters: Vec<Arc<dyn PhysicalExpr>>,
+    pub(crate) steps: Vec<Step>,
     pub(crate) keys: Vec<Arc<dyn PhysicalExpr>>,
     pub(crate) key_types: Vec<DataType>,
     /// The words of each key (see [`key_words`]).
@@ -185,6 +260,58 @@ pub(crate) struct StagePlan {
 }
 
 impl StagePlan {
+    /// The hash joins, in plan order.
+    pub(crate) fn joins(&self) -> impl Iterator<Item = &JoinStep> {
+        self.steps.iter().filter_map(|s| match s {
+            Step::Join(j) => Some(j),
+            Step::Filter(_) => None,
+        })
+    }
+
+    /// The schema of the stage's columns: the table's, then each join's build side's.
+    pub(crate) fn columns_schema(&self) -> Schema {
+        let fields = self.table.schema.fields().iter().cloned();
+        let built = self
+            .joins()
+            .flat_map(|j| j.build.schema().fields().iter().cloned().collect::<Vec<_>>());
+        Schema::new(fields.chain(built).collect::<Vec<_>>())
+    }
+
+    /// The stage columns each expression reads (ascending): the table's among them are
+    /// [`columns`](Self::columns), the others the build sides' columns the stage reads.
+    pub(crate) fn stage_columns(&self) -> Vec<usize> {
+        let mut columns = std::collections::BTreeSet::new();
+        for e in self.expressions() {
+            let _ = e.apply(|n| {
+                if let Some(c) = n.downcast_ref::<Column>() {
+                    columns.insert(c.index());
+                }
+                Ok(::datafusion::common::tree_node::TreeNodeRecursion::Continue)
+            });
+        }
+        for j in self.joins() {
+            columns.extend(j.keys.iter().map(|k| j.base + k));
+        }
+        columns.into_iter().collect()
+    }
+
+    /// Every expression of the stage's row pipeline, keys and aggregates.
+    pub(crate) fn expressions(&self) -> Vec<&Arc<dyn PhysicalExpr>> {
+        let mut out = Vec::new();
+        for step in &self.steps {
+            match step {
+                Step::Filter(f) => out.push(f),
+                Step::Join(j) => out.extend(j.probe.iter().chain(&j.filter)),
+            }
+        }
+        out.extend(&self.keys);
+        for a in &self.aggs {
+            out.push(&a.arg);
+            out.extend(&a.filter);
+        }
+        out
+    }
+
     /// The first word of each key, and the number of key words (a last word holds the keys'
     /// null bits); 0 words without keys.
     pub(crate) fn key_layout(&self) -> (Vec<usize>, usize) {

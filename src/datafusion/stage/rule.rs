@@ -6,19 +6,21 @@ use std::sync::Arc;
 use ::datafusion::common::config::ConfigOptions;
 use ::datafusion::common::tree_node::TreeNodeRecursion;
 use ::datafusion::common::tree_node::{Transformed, TreeNode};
+use ::datafusion::common::{JoinSide, JoinType, NullEquality};
 use ::datafusion::datasource::source::DataSourceExec;
 use ::datafusion::execution::SessionStateBuilder;
 use ::datafusion::physical_expr::PhysicalExpr;
 use ::datafusion::physical_expr::expressions::{Column, Literal};
 use ::datafusion::physical_optimizer::PhysicalOptimizerRule;
 use ::datafusion::physical_plan::ExecutionPlan;
-use ::datafusion::physical_plan::Partitioning;
 use ::datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use ::datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use ::datafusion::physical_plan::coop::CooperativeExec;
 use ::datafusion::physical_plan::filter::FilterExec;
+use ::datafusion::physical_plan::joins::HashJoinExec;
 use ::datafusion::physical_plan::projection::ProjectionExec;
 use ::datafusion::physical_plan::repartition::RepartitionExec;
+use ::datafusion::physical_plan::statistics::{StatisticsArgs, StatisticsContext};
 use arrow_schema::DataType;
 
 use super::super::error::DfResult;
@@ -26,7 +28,7 @@ use super::super::nvrtc::gpu_kernels_available;
 use super::super::source::GpuScan;
 use super::codegen;
 use super::exec::{DeviceStageExec, Output};
-use super::layout::{self, Acc, AggKind, AggSpec, StagePlan};
+use super::layout::{self, Acc, AggKind, AggSpec, JoinKind, JoinStep, StagePlan, Step};
 use super::output::state_type_supported;
 use crate::device::Device;
 
@@ -78,13 +80,20 @@ impl PhysicalOptimizerRule for DeviceStageRule {
     }
 }
 
-/// The subtree under an aggregate, down to the scan: its filters and the expressions of its output
-/// columns, all over the table's columns.
+/// The subtree under an aggregate, down to the scan: its filters and joins, and the expressions
+/// of its output columns, all over the stage's columns (the table's, then each join's build
+/// side's).
 struct Lowered<'a> {
     scan: &'a GpuScan,
-    filters: Vec<Arc<dyn PhysicalExpr>>,
+    steps: Vec<Step>,
     outputs: Vec<Arc<dyn PhysicalExpr>>,
+    /// Per stage column: the longest string it holds where statistics say, [`UNKNOWN_LENGTH`]
+    /// for a build side's string column they do not bound.
+    longest: Vec<Option<usize>>,
 }
+
+/// The longest string of a column no statistics bound.
+const UNKNOWN_LENGTH: usize = usize::MAX;
 
 /// `expr` with each column replaced by the expression that computes it.
 fn substitute(
@@ -118,6 +127,186 @@ fn partial_below(plan: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>
     Err(format!("{} under the final aggregate", plan.name()))
 }
 
+/// A join's build side without the repartitioning or coalescing on top of it: the stage takes
+/// all of its rows at once.
+fn build_input(plan: &Arc<dyn ExecutionPlan>) -> Arc<dyn ExecutionPlan> {
+    let through = plan.downcast_ref::<RepartitionExec>().is_some()
+        || plan.downcast_ref::<CooperativeExec>().is_some()
+        || plan
+            .downcast_ref::<CoalescePartitionsExec>()
+            .is_some_and(|c| c.fetch().is_none());
+    if through {
+        build_input(plan.children()[0])
+    } else {
+        plan.clone()
+    }
+}
+
+/// The longest string of each of `plan`'s output columns whose values come unchanged from a GPU
+/// table's column (through projections, filters, joins and repartitioning), from the table's
+/// statistics; `None` for the others.
+fn traced_longest(plan: &Arc<dyn ExecutionPlan>) -> Vec<Option<usize>> {
+    let width = plan.schema().fields().len();
+    let through = |below: Vec<Option<usize>>, exprs: &mut dyn Iterator<Item = &Arc<dyn PhysicalExpr>>| {
+        exprs
+            .map(|e| {
+                e.downcast_ref::<Column>()
+                    .and_then(|c| below.get(c.index()).copied().flatten())
+            })
+            .collect::<Vec<_>>()
+    };
+    if let Some(source) = plan.downcast_ref::<DataSourceExec>()
+        && let Some(scan) = source.data_source().downcast_ref::<GpuScan>()
+    {
+        let longest = &scan.table().longest_strings;
+        return scan
+            .output_columns()
+            .into_iter()
+            .map(|c| longest.get(c).copied().flatten())
+            .collect();
+    }
+    if let Some(p) = plan.downcast_ref::<ProjectionExec>() {
+        return through(traced_longest(p.input()), &mut p.expr().iter().map(|e| &e.expr));
+    }
+    if let Some(f) = plan.downcast_ref::<FilterExec>() {
+        let below = traced_longest(f.input());
+        return match f.projection() {
+            Some(p) => p.iter().map(|&i| below.get(i).copied().flatten()).collect(),
+            None => below,
+        };
+    }
+    if let Some(j) = plan.downcast_ref::<HashJoinExec>() {
+        let (left, right) = (traced_longest(j.left()), traced_longest(j.right()));
+        let all: Vec<Option<usize>> = match j.join_type() {
+            JoinType::LeftSemi | JoinType::LeftAnti => left,
+            JoinType::RightSemi | JoinType::RightAnti => right,
+            JoinType::Inner | JoinType::Left | JoinType::Right | JoinType::Full => {
+                left.into_iter().chain(right).collect()
+            }
+            _ => vec![None; j.join_schema().fields().len()],
+        };
+        return match &j.projection {
+            Some(p) => p.iter().map(|&i| all.get(i).copied().flatten()).collect(),
+            None => all,
+        };
+    }
+    let passes = plan.downcast_ref::<RepartitionExec>().is_some()
+        || plan.downcast_ref::<CoalescePartitionsExec>().is_some()
+        || plan.downcast_ref::<CooperativeExec>().is_some();
+    if passes {
+        return traced_longest(plan.children()[0]);
+    }
+    vec![None; width]
+}
+
+/// The longest strings of a build side's columns: traced to a GPU table's statistics, else
+/// [`UNKNOWN_LENGTH`] for a string column.
+fn build_longest(build: &Arc<dyn ExecutionPlan>) -> Vec<Option<usize>> {
+    let traced = traced_longest(build);
+    build
+        .schema()
+        .fields()
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            let string = matches!(
+                layout::key_value_type(f.data_type()),
+                DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View
+            );
+            traced.get(i).copied().flatten().or(string.then_some(UNKNOWN_LENGTH))
+        })
+        .collect()
+}
+
+/// A hash join whose probe side (DataFusion's right input) leads to the stage's scan, as a step
+/// of the stage; its build side stays a DataFusion plan that the stage runs.
+fn walk_join(j: &HashJoinExec) -> Result<Lowered<'_>, String> {
+    let kind = match j.join_type() {
+        JoinType::Inner => JoinKind::Inner,
+        JoinType::Right => JoinKind::Right,
+        JoinType::RightSemi => JoinKind::Semi,
+        JoinType::RightAnti => JoinKind::Anti,
+        other => return Err(format!("a {other} join")),
+    };
+    if j.null_equality() != NullEquality::NullEqualsNothing || j.null_aware || j.fetch().is_some() {
+        return Err("a join where nulls match, a null-aware anti join or a join with a limit".into());
+    }
+    if kind == JoinKind::Right && j.filter().is_some() {
+        return Err("an outer join with a filter".into());
+    }
+    let mut below = walk(j.right())?;
+    let build = build_input(j.left());
+    // A build side with more rows than the stage's table is not the unique side of a key: an
+    // inner or outer join would find duplicate keys and give the work back.
+    if kind.needs_unique_keys(j.filter().is_some()) {
+        let table_rows = below.scan.table().stats.num_rows;
+        let build_rows = StatisticsContext::new()
+            .compute(build.as_ref(), &StatisticsArgs::new())
+            .map_err(|e| e.to_string())?
+            .num_rows;
+        if let (Some(b), Some(t)) = (build_rows.get_value(), table_rows.get_value())
+            && b > t
+        {
+            return Err(format!("a build side of {b} rows for a table of {t}"));
+        }
+    }
+    let (left, right) = (j.left().schema(), j.right().schema());
+    let base = below.longest.len();
+    let left_columns: Vec<Arc<dyn PhysicalExpr>> = left
+        .fields()
+        .iter()
+        .enumerate()
+        .map(|(i, f)| Arc::new(Column::new(f.name(), base + i)) as Arc<dyn PhysicalExpr>)
+        .collect();
+    let mut keys = Vec::new();
+    let mut probe = Vec::new();
+    for (l, r) in j.on() {
+        let c = l.downcast_ref::<Column>().ok_or("a build key that is not a column")?;
+        let (lt, rt) = (
+            l.data_type(&left).map_err(|e| e.to_string())?,
+            r.data_type(&right).map_err(|e| e.to_string())?,
+        );
+        if lt != rt || !layout::join_key_supported(&lt) {
+            return Err(format!("join keys of {lt} and {rt}"));
+        }
+        keys.push(c.index());
+        probe.push(substitute(r, &below.outputs)?);
+    }
+    let filter = match j.filter() {
+        None => None,
+        Some(f) => {
+            let sides = f
+                .column_indices()
+                .iter()
+                .map(|ci| match ci.side {
+                    JoinSide::Left => Ok(left_columns[ci.index].clone()),
+                    JoinSide::Right => Ok(below.outputs[ci.index].clone()),
+                    JoinSide::None => Err("a join filter over a mark column".to_string()),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Some(substitute(f.expression(), &sides)?)
+        }
+    };
+    below.longest.extend(build_longest(&build));
+    below.steps.push(Step::Join(JoinStep {
+        build,
+        kind,
+        probe,
+        keys,
+        filter,
+        base,
+    }));
+    let outputs: Vec<_> = match kind {
+        JoinKind::Inner | JoinKind::Right => left_columns.into_iter().chain(below.outputs).collect(),
+        JoinKind::Semi | JoinKind::Anti => below.outputs,
+    };
+    below.outputs = match &j.projection {
+        Some(p) => p.iter().map(|&i| outputs[i].clone()).collect(),
+        None => outputs,
+    };
+    Ok(below)
+}
+
 fn walk(plan: &Arc<dyn ExecutionPlan>) -> Result<Lowered<'_>, String> {
     if let Some(source) = plan.downcast_ref::<DataSourceExec>() {
         let scan = source
@@ -135,8 +324,9 @@ fn walk(plan: &Arc<dyn ExecutionPlan>) -> Result<Lowered<'_>, String> {
             .collect();
         return Ok(Lowered {
             scan,
-            filters: vec![],
+            steps: vec![],
             outputs,
+            longest: scan.table().longest_strings.clone(),
         });
     }
     if let Some(p) = plan.downcast_ref::<ProjectionExec>() {
@@ -151,21 +341,52 @@ fn walk(plan: &Arc<dyn ExecutionPlan>) -> Result<Lowered<'_>, String> {
     if let Some(f) = plan.downcast_ref::<FilterExec>() {
         let mut below = walk(f.input())?;
         let predicate = substitute(f.predicate(), &below.outputs)?;
-        below.filters.push(predicate);
+        below.steps.push(Step::Filter(predicate));
         if let Some(projection) = f.projection() {
             below.outputs = projection.iter().map(|&i| Arc::clone(&below.outputs[i])).collect();
         }
         return Ok(below);
     }
-    if let Some(c) = plan.downcast_ref::<CooperativeExec>() {
-        return walk(c.input());
+    if let Some(j) = plan.downcast_ref::<HashJoinExec>() {
+        return walk_join(j);
     }
-    if let Some(r) = plan.downcast_ref::<RepartitionExec>()
-        && matches!(r.partitioning(), Partitioning::RoundRobinBatch(_))
-    {
-        return walk(r.input());
+    // The stage reads every partition at once: how rows are spread over partitions below it
+    // does not matter.
+    if plan.downcast_ref::<CooperativeExec>().is_some() || plan.downcast_ref::<RepartitionExec>().is_some() {
+        return walk(plan.children()[0]);
     }
     Err(format!("{} under the aggregate", plan.name()))
+}
+
+/// Build sides of more rows than this, whose strings the stage reads, stay with DataFusion's
+/// joins: copying and hashing a large build side's strings costs more than the join saves.
+const MAX_STRING_BUILD_ROWS: usize = 1 << 20;
+
+/// Why the stage should not run join `j`, if it should not: the stage reads string columns of
+/// its build side (`read`: the stage columns it reads) and the build side has (or may have)
+/// more than [`MAX_STRING_BUILD_ROWS`] rows.
+fn costly_build(j: &JoinStep, read: &[usize]) -> Option<String> {
+    let schema = j.build.schema();
+    let strings = read.iter().any(|&c| {
+        c >= j.base
+            && schema.fields().get(c - j.base).is_some_and(|f| {
+                matches!(
+                    layout::key_value_type(f.data_type()),
+                    DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View
+                )
+            })
+    });
+    if !strings {
+        return None;
+    }
+    let rows = StatisticsContext::new()
+        .compute(j.build.as_ref(), &StatisticsArgs::new())
+        .ok()
+        .and_then(|s| s.num_rows.get_value().copied());
+    match rows {
+        Some(n) if n <= MAX_STRING_BUILD_ROWS => None,
+        _ => Some(format!("the strings of a build side of {rows:?} rows")),
+    }
 }
 
 impl DeviceStageRule {
@@ -245,7 +466,7 @@ impl DeviceStageRule {
         for (e, _) in agg.group_expr().expr() {
             let dt = e.data_type(&input_schema).map_err(|e| e.to_string())?;
             let key = substitute(e, &below.outputs)?;
-            let words = layout::key_words(&dt, longest_string(&key, &table.longest_strings))
+            let words = layout::key_words(&dt, longest_string(&key, &below.longest))
                 .ok_or_else(|| format!("a group key of {dt}"))?;
             keys.push(key);
             key_types.push(dt);
@@ -279,30 +500,36 @@ impl DeviceStageRule {
                     | DataType::UInt16
                     | DataType::UInt32
             );
-            let acc =
-                match (kind, &dt) {
-                    (AggKind::Count, _) => Acc::Count,
-                    (AggKind::Sum | AggKind::Avg, DataType::Decimal128(_, s)) if *s >= 0 => Acc::Int128,
-                    (AggKind::Sum | AggKind::Avg, _) if int => Acc::Int128,
-                    (AggKind::Sum | AggKind::Avg, DataType::Float32 | DataType::Float64) => Acc::Float,
-                    (AggKind::Min, DataType::Date32 | DataType::Date64) => Acc::MinI64,
-                    (AggKind::Max, DataType::Date32 | DataType::Date64) => Acc::MaxI64,
-                    // Decimals of at most 18 digits fit the 64-bit minimum and maximum.
-                    (AggKind::Min, DataType::Decimal128(p, s)) if *p <= 18 && *s >= 0 => Acc::MinI64,
-                    (AggKind::Max, DataType::Decimal128(p, s)) if *p <= 18 && *s >= 0 => Acc::MaxI64,
-                    (AggKind::Min, DataType::Float32 | DataType::Float64) => Acc::MinF64,
-                    (AggKind::Max, DataType::Float32 | DataType::Float64) => Acc::MaxF64,
-                    (AggKind::Min, _) if int => Acc::MinI64,
-                    (AggKind::Max, _) if int => Acc::MaxI64,
-                    // Strings and wider decimals: the row holding the extreme, of a column.
-                    (
-                        AggKind::Min | AggKind::Max,
-                        DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View | DataType::Decimal128(..),
-                    ) if substitute(&arg, &below.outputs)?.downcast_ref::<Column>().is_some() => {
-                        if kind == AggKind::Min { Acc::MinRow } else { Acc::MaxRow }
+            let acc = match (kind, &dt) {
+                (AggKind::Count, _) => Acc::Count,
+                (AggKind::Sum | AggKind::Avg, DataType::Decimal128(_, s)) if *s >= 0 => Acc::Int128,
+                (AggKind::Sum | AggKind::Avg, _) if int => Acc::Int128,
+                (AggKind::Sum | AggKind::Avg, DataType::Float32 | DataType::Float64) => Acc::Float,
+                (AggKind::Min, DataType::Date32 | DataType::Date64) => Acc::MinI64,
+                (AggKind::Max, DataType::Date32 | DataType::Date64) => Acc::MaxI64,
+                // Decimals of at most 18 digits fit the 64-bit minimum and maximum.
+                (AggKind::Min, DataType::Decimal128(p, s)) if *p <= 18 && *s >= 0 => Acc::MinI64,
+                (AggKind::Max, DataType::Decimal128(p, s)) if *p <= 18 && *s >= 0 => Acc::MaxI64,
+                (AggKind::Min, DataType::Float32 | DataType::Float64) => Acc::MinF64,
+                (AggKind::Max, DataType::Float32 | DataType::Float64) => Acc::MaxF64,
+                (AggKind::Min, _) if int => Acc::MinI64,
+                (AggKind::Max, _) if int => Acc::MaxI64,
+                // Strings and wider decimals: the row holding the extreme, of a column.
+                (
+                    AggKind::Min | AggKind::Max,
+                    DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View | DataType::Decimal128(..),
+                ) if substitute(&arg, &below.outputs)?
+                    .downcast_ref::<Column>()
+                    .is_some_and(|c| c.index() < table.schema.fields().len()) =>
+                {
+                    if kind == AggKind::Min {
+                        Acc::MinRow
+                    } else {
+                        Acc::MaxRow
                     }
-                    (k, dt) => return Err(format!("{k:?} of {dt}")),
-                };
+                }
+                (k, dt) => return Err(format!("{k:?} of {dt}")),
+            };
             let state = a.state_fields().map_err(|e| e.to_string())?;
             let expected = if kind == AggKind::Avg { 2 } else { 1 };
             if state.len() != expected
@@ -322,37 +549,29 @@ impl DeviceStageRule {
                 name: a.name().to_string(),
             });
         }
-        let mut columns = std::collections::BTreeSet::new();
-        if let Some(p) = below.scan.predicate() {
-            p.columns(&mut columns);
-        }
-        let exprs = below
-            .filters
-            .iter()
-            .chain(&keys)
-            .chain(aggs.iter().map(|a| &a.arg))
-            .chain(aggs.iter().filter_map(|a| a.filter.as_ref()));
-        for e in exprs {
-            e.apply(|n| {
-                if let Some(c) = n.downcast_ref::<Column>() {
-                    columns.insert(c.index());
-                }
-                Ok(TreeNodeRecursion::Continue)
-            })
-            .map_err(|e| e.to_string())?;
-        }
         let mut plan = StagePlan {
             predicate: below.scan.predicate().cloned(),
-            filters: below.filters,
+            steps: below.steps,
             keys,
             key_types,
             key_words,
             aggs,
             schema: agg.schema(),
-            columns: columns.into_iter().collect(),
+            columns: vec![],
             source: None,
             table,
         };
+        let width = plan.table.schema.fields().len();
+        let mut columns: std::collections::BTreeSet<usize> =
+            plan.stage_columns().into_iter().filter(|&c| c < width).collect();
+        if let Some(p) = &plan.predicate {
+            p.columns(&mut columns);
+        }
+        plan.columns = columns.into_iter().collect();
+        let read = plan.stage_columns();
+        if let Some(why) = plan.joins().find_map(|j| costly_build(j, &read)) {
+            return Err(why);
+        }
         // The kernels are generated now, so a plan the device cannot run is never chosen; they
         // compile when the stage first runs.
         let first = plan.table.partitions.iter().flatten().next().ok_or("an empty table")?;
@@ -363,14 +582,18 @@ impl DeviceStageRule {
 }
 
 /// A bound on the bytes of the strings `expr` yields: the longest value of the string columns
-/// (from the table's statistics) and string literals in it. The expressions a stage compiles never
+/// (from the tables' statistics; `None` where they do not bound one) and string literals in it. The expressions a stage compiles never
 /// lengthen a string: columns, literals, `substr`, `CASE`, `COALESCE`, `NULLIF`, casts between
 /// string types.
 fn longest_string(expr: &Arc<dyn PhysicalExpr>, longest: &[Option<usize>]) -> Option<usize> {
     let mut bound = 0;
     expr.apply(|e| {
         let here = if let Some(c) = e.downcast_ref::<Column>() {
-            longest.get(c.index()).copied().flatten()
+            let n = longest.get(c.index()).copied().flatten();
+            if n == Some(UNKNOWN_LENGTH) {
+                return Err(::datafusion::common::DataFusionError::Plan("unbounded".into()));
+            }
+            n
         } else if let Some(l) = e.downcast_ref::<Literal>() {
             l.value().try_as_str().flatten().map(str::len)
         } else {

@@ -103,6 +103,15 @@ pub(crate) const STAGED: &[&str] = &[
     "select flag, min(s), max(s), min(w), max(w) from t where a > 3 group by flag",
     // A group-by without aggregates: DataFusion's plan for a single COUNT(DISTINCT).
     "select s, count(distinct a) from t group by s",
+    // Hash joins inside the stage (`b` is unique): inner on one and two keys, with a filter, a
+    // chain, semi and anti joins (outer joins: `tests/device_stages.rs`).
+    "select x.s, sum(u.d), count(*) from t as x join t as u on x.b = u.b group by x.s",
+    "select count(*), sum(u.f) from t as x join t as u on x.b = u.b and x.a = u.a where x.f > 3",
+    "select sum(x.d - u.d) from t as x join t as u on x.b = u.b and x.f > u.f / 2",
+    "select v.s, count(*) from t as x join t as u on x.b = u.b join t as v on u.a = v.b group by v.s",
+    "select count(*) from t as x where x.b in (select a from t as u where u.f > 3)",
+    "select x.s, count(*) from t as x where not exists (select 1 from t as u where u.b = x.a and u.d > x.d) \
+     group by x.s",
 ];
 
 /// Why the rule declines each partial aggregate of `sql`'s plan.
