@@ -74,6 +74,16 @@ struct Data {
     partitions: Vec<Vec<RecordBatch>>,
 }
 
+impl Data {
+    /// A table of these partitions, the schema of their first batch.
+    fn new(partitions: Vec<Vec<RecordBatch>>) -> Data {
+        Data {
+            schema: partitions[0][0].schema(),
+            partitions,
+        }
+    }
+}
+
 /// Two sessions over the same tables: GPU tables on `device` with device stages, and `MemTable`s.
 fn sessions(tables: &[(&str, &Data)], device: Device) -> (SessionContext, SessionContext) {
     let gpu = stage_session();
@@ -273,10 +283,7 @@ fn final_rows_keep_the_hash_partitioning_a_join_needs() {
 /// and a key `c` into `d3`), `dd` (every key twice), `d3` (keyed by `c`) and `e` (empty).
 fn join_tables() -> Vec<(&'static str, Data)> {
     fn data(batches: Vec<RecordBatch>) -> Data {
-        Data {
-            schema: batches[0].schema(),
-            partitions: batches.into_iter().map(|b| vec![b]).collect(),
-        }
+        Data::new(batches.into_iter().map(|b| vec![b]).collect())
     }
     fn decimals(values: impl Iterator<Item = i128>) -> ArrayRef {
         Arc::new(
@@ -525,10 +532,7 @@ fn arithmetic_errors_match_datafusion() {
     );
     let a: ArrayRef = Arc::new(Int64Array::from(vec![Some(1), Some(2), None, Some(0)]));
     let batch = RecordBatch::try_from_iter([("d", d), ("a", a)]).unwrap();
-    let data = Data {
-        schema: batch.schema(),
-        partitions: vec![vec![batch]],
-    };
+    let data = Data::new(vec![vec![batch]]);
     common::each_device(|device, _| {
         let (gpu, mem) = sessions(&[("e", &data)], device);
         for sql in [
@@ -599,10 +603,7 @@ fn random_table() -> &'static Data {
         let parts = (0..PARTITIONS)
             .map(|p| vec![batch.slice(p * rows / PARTITIONS, rows / PARTITIONS)])
             .collect();
-        Data {
-            schema: batch.schema(),
-            partitions: parts,
-        }
+        Data::new(parts)
     })
 }
 
@@ -867,10 +868,7 @@ fn long_string_keys() {
         })));
         let v: ArrayRef = Arc::new(Int64Array::from_iter_values((0..n).map(|i| i as i64)));
         let batch = RecordBatch::try_from_iter([("s", s), ("v", v)]).unwrap();
-        Data {
-            schema: batch.schema(),
-            partitions: vec![vec![batch]],
-        }
+        Data::new(vec![vec![batch]])
     };
     let fits = table(255);
     let too_long = table(300);
@@ -922,10 +920,7 @@ fn dictionary_group_keys() {
         batch.slice(b * 10, n - b * 20)
     };
     let batches: Vec<RecordBatch> = (1..4).map(batch).collect();
-    let data = Data {
-        schema: batches[0].schema(),
-        partitions: vec![batches[..2].to_vec(), batches[2..].to_vec()],
-    };
+    let data = Data::new(vec![batches[..2].to_vec(), batches[2..].to_vec()]);
     common::each_device(|device, _| {
         let (gpu, mem) = sessions(&[("t", &data)], device);
         for sql in [
@@ -973,10 +968,7 @@ fn min_and_max_of_strings_and_wide_decimals() {
         RecordBatch::try_from_iter([("s", s), ("l", l), ("v", v), ("d", d), ("k", k)]).unwrap()
     };
     let batches: Vec<RecordBatch> = (0..3).map(batch).collect();
-    let data = Data {
-        schema: batches[0].schema(),
-        partitions: vec![batches[..1].to_vec(), batches[1..].to_vec()],
-    };
+    let data = Data::new(vec![batches[..1].to_vec(), batches[1..].to_vec()]);
     common::each_device(|device, _| {
         let (gpu, mem) = sessions(&[("t", &data)], device);
         for sql in [

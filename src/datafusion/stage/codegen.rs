@@ -229,12 +229,7 @@ fn join_of(joins: &[&JoinStep], c: usize) -> Option<usize> {
 /// `join<k>_build(n, slots, keys, mask, lit, columns...)`: one thread per build row inserts the
 /// row into join `k`'s table under its key words; rows with a null key never match and stay out.
 fn build_kernel(g: &mut Codegen, schema: &Schema, j: &JoinStep, k: usize) -> Result<String> {
-    let columns: Vec<usize> = {
-        let mut c: Vec<usize> = j.keys.iter().map(|&key| j.base + key).collect();
-        c.sort_unstable();
-        c.dedup();
-        c
-    };
+    let columns: Vec<usize> = j.key_columns().iter().map(|&key| j.base + key).collect();
     let types: Vec<DataType> = j
         .keys
         .iter()

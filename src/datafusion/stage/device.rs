@@ -152,24 +152,11 @@ impl<'p> DeviceStage<'p> {
         let mut row_tables = Vec::new();
         let mut row_columns = Vec::new();
         for b in batches {
-            let columns: Vec<DeviceArrayData> = row_cols.iter().map(|&c| b.column(c).clone()).collect();
-            for a in &columns {
-                let values = a.buffers().first().map_or(0, DeviceBuffer::address);
-                let data = if *a.data_type() == arrow_schema::DataType::Utf8View {
-                    let table: Vec<u8> = a.buffers()[1..]
-                        .iter()
-                        .flat_map(|b| b.address().to_le_bytes())
-                        .collect();
-                    let t = DeviceBuffer::from_host(&table, resource, &stream)?;
-                    let address = t.address();
-                    row_tables.push(t);
-                    address
-                } else {
-                    a.buffers().get(1).map_or(0, DeviceBuffer::address)
-                };
-                refs.extend([values, data]);
-            }
-            row_columns.push(columns);
+            // Each column's values and data addresses (see `column_args`), without validity and offset.
+            let mut args = Vec::with_capacity(4 * row_cols.len());
+            row_tables.extend(column_args(b, &row_cols, &mut args, resource, &stream)?);
+            refs.extend(args.chunks_exact(4).flat_map(|a| [a[0], a[1]]));
+            row_columns.push(row_cols.iter().map(|&c| b.column(c).clone()).collect::<Vec<_>>());
         }
         let refs: Vec<u8> = refs.iter().flat_map(|x| x.to_le_bytes()).collect();
         let lit = DeviceBuffer::from_host(&source.literals, resource, &stream)?;
@@ -177,15 +164,14 @@ impl<'p> DeviceStage<'p> {
         let joins: Vec<_> = plan.joins().collect();
         let mut built = Vec::with_capacity(joins.len());
         for (k, (j, rows)) in joins.iter().zip(builds).enumerate() {
-            let f = function(&ctx, &source.source, &format!("join{k}_build"))?;
-            built.push(build_join(j, rows, &f, &cuda, &stream, resource, &lit, &status)?);
-            if j.kind.needs_unique_keys(j.filter.is_some()) {
-                let unique = function(&ctx, &source.source, "join_unique")?;
-                let b = built.last().expect("just built");
-                let nw = key_types_words(j, rows)?;
-                let args = [b.mask, b.slots.address(), b.keys.address(), nw, status.address()];
-                launch(&cuda, &unique, (b.mask + 1).div_ceil(BLOCK as u64), BLOCK, &args)?;
-            }
+            let build = function(&ctx, &source.source, &format!("join{k}_build"))?;
+            let unique = j
+                .kind
+                .needs_unique_keys(j.filter.is_some())
+                .then(|| function(&ctx, &source.source, "join_unique"))
+                .transpose()?;
+            let kernels = (&build, unique.as_ref());
+            built.push(build_join(j, rows, kernels, &cuda, &stream, resource, &lit, &status)?);
         }
         let width = plan.table.schema.fields().len();
         let mut join_args = Vec::new();
@@ -508,25 +494,15 @@ impl<'p> DeviceStage<'p> {
     }
 }
 
-/// The key words of join `j`'s keys, whose build side is `rows`.
-fn key_types_words(j: &JoinStep, rows: &RecordBatch) -> StageResult<u64> {
-    let types: Vec<DataType> = j
-        .keys
-        .iter()
-        .map(|&k| rows.schema().field(k).data_type().clone())
-        .collect();
-    let (_, _, nw) = join_key_layout(&types).ok_or_else(|| Error::Unsupported(format!("join keys of {types:?}")))?;
-    Ok(nw as u64)
-}
-
 /// Copies a join's build side to the device and hashes its rows by their keys with the join's
-/// build kernel `f`. An empty build side becomes one row of nulls that no key finds, so that
-/// kernels reading a match's columns stay in bounds.
+/// build kernel, then, where given, checks with `join_unique` that no two rows share a key. An
+/// empty build side becomes one row of nulls that no key finds, so that kernels reading a
+/// match's columns stay in bounds.
 #[allow(clippy::too_many_arguments)]
 fn build_join(
     j: &JoinStep,
     rows: &RecordBatch,
-    f: &CudaFunction,
+    (build, unique): (&CudaFunction, Option<&CudaFunction>),
     cuda: &Arc<CudaStream>,
     stream: &Stream,
     resource: MemoryResource,
@@ -548,13 +524,16 @@ fn build_join(
     };
     let batch = crate::transfer::htod_async(&host, resource, stream)?;
     stream.wait(batch.ready())?;
-    let nw = key_types_words(j, rows)?;
+    let types: Vec<DataType> = j
+        .keys
+        .iter()
+        .map(|&k| rows.schema().field(k).data_type().clone())
+        .collect();
+    let (_, _, nw) = join_key_layout(&types).ok_or_else(|| Error::Unsupported(format!("join keys of {types:?}")))?;
+    let nw = nw as u64;
     let nslots = (n * 2).next_power_of_two().max(16);
     let slots = DeviceBuffer::zeroed(resource, (nslots * 4) as usize, stream)?;
     let keys = DeviceBuffer::alloc(resource, (nslots * nw * 8).max(8) as usize, stream)?;
-    let mut key_columns: Vec<usize> = j.keys.clone();
-    key_columns.sort_unstable();
-    key_columns.dedup();
     let mut args = vec![
         n,
         slots.address(),
@@ -563,9 +542,13 @@ fn build_join(
         status.address(),
         lit.address(),
     ];
-    let scratch = column_args(&batch, &key_columns, &mut args, resource, stream)?;
+    let scratch = column_args(&batch, &j.key_columns(), &mut args, resource, stream)?;
     if n > 0 {
-        launch(cuda, f, n.div_ceil(BLOCK as u64), BLOCK, &args)?;
+        launch(cuda, build, n.div_ceil(BLOCK as u64), BLOCK, &args)?;
+    }
+    if let Some(unique) = unique {
+        let args = [nslots - 1, slots.address(), keys.address(), nw, status.address()];
+        launch(cuda, unique, nslots.div_ceil(BLOCK as u64), BLOCK, &args)?;
     }
     Ok(BuiltJoin {
         batch,

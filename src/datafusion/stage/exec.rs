@@ -18,7 +18,7 @@ use ::datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use ::datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties, SendableRecordBatchStream,
 };
-use arrow_array::{RecordBatch, new_null_array};
+use arrow_array::RecordBatch;
 use arrow_schema::SchemaRef;
 use arrow_select::concat::concat_batches;
 use futures::future::{BoxFuture, FutureExt, Shared};
@@ -28,7 +28,7 @@ use futures::{StreamExt, TryStreamExt};
 use super::super::error::DfResult;
 use super::device::DeviceStage;
 use super::host::HostStage;
-use super::layout::{Groups, JoinKind, StagePlan, Step};
+use super::layout::{JoinKind, StagePlan, Step};
 use super::output::{final_batch, state_batch};
 use super::{Outcome, StageResult};
 use crate::device::Device;
@@ -55,7 +55,7 @@ pub struct DeviceStageExec {
 }
 
 /// What a stage emits.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) enum Output {
     /// DataFusion's partial aggregate state (the plan's schema), for a `Final` aggregate above.
     Partial,
@@ -289,7 +289,7 @@ async fn run(plan: Arc<StagePlan>, metrics: &Metrics, context: Arc<TaskContext>)
             .filter(|(_, d)| **d == device)
             .flat_map(|(p, _)| p.iter());
         let groups = if none_kept {
-            Groups::default()
+            plan.initial_groups(0)
         } else if device.is_host_accessible() {
             let mut stage = HostStage::new(&plan, &builds)?;
             for b in batches {
@@ -313,28 +313,9 @@ async fn run(plan: Arc<StagePlan>, metrics: &Metrics, context: Arc<TaskContext>)
             metrics.bytes_to_host.add(bytes as usize);
             groups
         };
+        // Without keys there is always one group, as DataFusion's partial aggregate emits.
         let groups = if plan.keys.is_empty() && groups.count == 0 {
-            // Without keys there is always one group, as DataFusion's partial aggregate emits.
-            let (slots, _) = plan.slot_layout();
-            Groups {
-                count: 1,
-                keys: vec![],
-                acc: slots.iter().map(|s| s.init()).collect(),
-                extremes: plan
-                    .aggs
-                    .iter()
-                    .map(|a| a.row_column().map(|_| new_null_array(a.state[0].data_type(), 1)))
-                    .collect(),
-            }
-        } else if groups.count == 0 {
-            Groups {
-                extremes: plan
-                    .aggs
-                    .iter()
-                    .map(|a| a.row_column().map(|_| new_null_array(a.state[0].data_type(), 0)))
-                    .collect(),
-                ..groups
-            }
+            plan.initial_groups(1)
         } else {
             groups
         };
@@ -386,14 +367,11 @@ impl ExecutionPlan for DeviceStageExec {
                     .ok_or_else(|| DataFusionError::Internal("a device stage lost a join's build side".into()))?;
             }
         }
-        let output = match &self.output {
-            Output::Partial => Output::Partial,
-            Output::Final { aggr, schema } => Output::Final {
-                aggr: aggr.clone(),
-                schema: schema.clone(),
-            },
-        };
-        Ok(Arc::new(DeviceStageExec::new(plan, output, self.original.clone())))
+        Ok(Arc::new(DeviceStageExec::new(
+            plan,
+            self.output.clone(),
+            self.original.clone(),
+        )))
     }
 
     fn execute(&self, partition: usize, context: Arc<TaskContext>) -> DfResult<SendableRecordBatchStream> {

@@ -229,6 +229,16 @@ pub(crate) struct JoinStep {
     pub(crate) base: usize,
 }
 
+impl JoinStep {
+    /// The build side's key columns, ascending and each once: the build kernel's columns.
+    pub(crate) fn key_columns(&self) -> Vec<usize> {
+        let mut columns = self.keys.clone();
+        columns.sort_unstable();
+        columns.dedup();
+        columns
+    }
+}
+
 /// One step of a stage's row pipeline, in plan order.
 #[derive(Clone, Debug)]
 pub(crate) enum Step {
@@ -346,6 +356,28 @@ impl StagePlan {
             let nulls = u64::from(!matches!(c.null_count, Precision::Exact(0)));
             bound.checked_mul(values.checked_add(nulls)?)
         })
+    }
+
+    /// `count` (0 or 1) groups without keys, their accumulators at their initial values and
+    /// their row-reference aggregates' values null.
+    pub(crate) fn initial_groups(&self, count: usize) -> Groups {
+        let (slots, _) = self.slot_layout();
+        Groups {
+            count,
+            keys: vec![],
+            acc: slots
+                .iter()
+                .flat_map(|s| std::iter::repeat_n(s.init(), count))
+                .collect(),
+            extremes: self
+                .aggs
+                .iter()
+                .map(|a| {
+                    a.row_column()
+                        .map(|_| arrow_array::new_null_array(a.state[0].data_type(), count))
+                })
+                .collect(),
+        }
     }
 
     /// Every accumulator slot, and the first slot of each aggregate.

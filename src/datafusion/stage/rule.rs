@@ -218,6 +218,14 @@ fn build_longest(build: &Arc<dyn ExecutionPlan>) -> Vec<Option<usize>> {
         .collect()
 }
 
+/// The rows DataFusion's statistics expect `plan` to produce, where they say.
+fn estimated_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<usize> {
+    let stats = StatisticsContext::new()
+        .compute(plan.as_ref(), &StatisticsArgs::new())
+        .ok()?;
+    stats.num_rows.get_value().copied()
+}
+
 /// A hash join whose probe side (DataFusion's right input) leads to the stage's scan, as a step
 /// of the stage; its build side stays a DataFusion plan that the stage runs.
 fn walk_join(j: &HashJoinExec) -> Result<Lowered<'_>, String> {
@@ -240,12 +248,8 @@ fn walk_join(j: &HashJoinExec) -> Result<Lowered<'_>, String> {
     // inner or outer join would find duplicate keys and give the work back.
     if kind.needs_unique_keys(j.filter().is_some()) {
         let table_rows = below.scan.table().stats.num_rows;
-        let build_rows = StatisticsContext::new()
-            .compute(build.as_ref(), &StatisticsArgs::new())
-            .map_err(|e| e.to_string())?
-            .num_rows;
-        if let (Some(b), Some(t)) = (build_rows.get_value(), table_rows.get_value())
-            && b > t
+        if let (Some(b), Some(t)) = (estimated_rows(&build), table_rows.get_value())
+            && b > *t
         {
             return Err(format!("a build side of {b} rows for a table of {t}"));
         }
@@ -379,10 +383,7 @@ fn costly_build(j: &JoinStep, read: &[usize]) -> Option<String> {
     if !strings {
         return None;
     }
-    let rows = StatisticsContext::new()
-        .compute(j.build.as_ref(), &StatisticsArgs::new())
-        .ok()
-        .and_then(|s| s.num_rows.get_value().copied());
+    let rows = estimated_rows(&j.build);
     match rows {
         Some(n) if n <= MAX_STRING_BUILD_ROWS => None,
         _ => Some(format!("the strings of a build side of {rows:?} rows")),
