@@ -10,7 +10,8 @@
 //! The scale factor comes from `ARROW_CUDA_BENCH_SF` (default 10), the sweep's rows from
 //! `ARROW_CUDA_BENCH_ROWS` (default 100,000,000), the streams per device from
 //! `ARROW_CUDA_BENCH_STREAMS` (default 4, the library's default); `ARROW_CUDA_BENCH_EXPLAIN=q9,q18`
-//! prints the `EXPLAIN ANALYZE` of those queries on the GPU tables after their timings.
+//! prints the `EXPLAIN ANALYZE` of those queries on the GPU tables after their timings;
+//! `ARROW_CUDA_BENCH_QUERIES=q2,q18` runs only those of the 22 queries and nothing else.
 //! `target_partitions` is the number of cores.
 //! Without a GPU it prints `skipped: no CUDA device` and exits.
 //!
@@ -103,6 +104,11 @@ fn main() {
         .expect("runtime");
     let config = || SessionConfig::new().with_target_partitions(cores);
     println!("device: {}", arrow_cuda::datafusion::default_device());
+    let only = names("ARROW_CUDA_BENCH_QUERIES");
+    if !only.is_empty() {
+        all_queries(&rt, sf, cores, &config, &only);
+        return;
+    }
 
     // TPC-H
     let t = Instant::now();
@@ -151,7 +157,7 @@ fn main() {
     drop((gpu_ctx, stage_ctx, mem_ctx));
 
     if env("ARROW_CUDA_BENCH_ALL", 1) == 1 {
-        all_queries(&rt, sf, cores, &config);
+        all_queries(&rt, sf, cores, &config, &[]);
     }
 
     // Selectivity sweep over one Int64 column.
@@ -193,14 +199,25 @@ fn main() {
     }
 }
 
-/// All 22 TPC-H queries over the eight tables: device stages beside `MemTable`.
-fn all_queries(rt: &tokio::runtime::Runtime, sf: f64, cores: usize, config: &dyn Fn() -> SessionConfig) {
-    // Queries whose `EXPLAIN ANALYZE` is printed after their timing, e.g. `q9,q18`.
-    let explain: Vec<String> = env("ARROW_CUDA_BENCH_EXPLAIN", String::new())
+/// The query names listed in environment variable `var`, e.g. `q9,q18`.
+fn names(var: &str) -> Vec<String> {
+    env(var, String::new())
         .split(',')
         .filter(|q| !q.is_empty())
         .map(str::to_string)
-        .collect();
+        .collect()
+}
+
+/// The 22 TPC-H queries (or those in `only`) over the eight tables: device stages beside `MemTable`.
+fn all_queries(
+    rt: &tokio::runtime::Runtime,
+    sf: f64,
+    cores: usize,
+    config: &dyn Fn() -> SessionConfig,
+    only: &[String],
+) {
+    // Queries whose `EXPLAIN ANALYZE` is printed after their timing.
+    let explain = names("ARROW_CUDA_BENCH_EXPLAIN");
     let t = Instant::now();
     let tables = tpch::tables(sf, cores, tpch::BATCH_SIZE).expect("generate");
     println!("generated the 8 TPC-H tables at SF {sf} in {:.1?}", t.elapsed());
@@ -223,8 +240,11 @@ fn all_queries(rt: &tokio::runtime::Runtime, sf: f64, cores: usize, config: &dyn
         device_bytes as f64 / 1e9,
         t.elapsed()
     );
-    let (mut total_s, mut total_m, mut log_ratio) = (Duration::ZERO, Duration::ZERO, 0.0);
-    for (name, sql) in tpch::QUERIES {
+    let (mut total_s, mut total_m, mut log_ratio, mut ran) = (Duration::ZERO, Duration::ZERO, 0.0, 0);
+    for (name, sql) in tpch::QUERIES
+        .iter()
+        .filter(|(q, _)| only.is_empty() || only.iter().any(|o| o == q))
+    {
         let staged = rt.block_on(async {
             let plan = stage_ctx
                 .sql(sql)
@@ -250,6 +270,7 @@ fn all_queries(rt: &tokio::runtime::Runtime, sf: f64, cores: usize, config: &dyn
         total_s += s;
         total_m += m;
         log_ratio += (m.as_secs_f64() / s.as_secs_f64()).ln();
+        ran += 1;
         println!(
             "TPC-H {name} SF {sf}: {} {s:.2?}, MemTable {m:.2?} ({:.2}x)",
             if staged { "device stage" } else { "no stage    " },
@@ -257,7 +278,7 @@ fn all_queries(rt: &tokio::runtime::Runtime, sf: f64, cores: usize, config: &dyn
         );
     }
     println!(
-        "TPC-H all 22 SF {sf}: GPU tables with device stages {total_s:.2?}, MemTable {total_m:.2?}, geometric mean {:.2}x",
-        (log_ratio / 22.0).exp()
+        "TPC-H {ran} queries SF {sf}: GPU tables with device stages {total_s:.2?}, MemTable {total_m:.2?}, geometric mean {:.2}x",
+        (log_ratio / ran.max(1) as f64).exp()
     );
 }

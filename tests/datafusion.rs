@@ -171,6 +171,9 @@ fn tpch_queries_match_memtable() {
         "select l_returnflag, count(*) from lineitem where l_returnflag in ('A', 'N') and not (l_linenumber >= 3) \
          group by l_returnflag order by l_returnflag",
         "select o_custkey from orders where starts_with(o_clerk, 'Clerk#00000001') order by o_custkey",
+        "select o_custkey, count(*) from orders where o_comment not like '%special%requests%' \
+         group by o_custkey order by o_custkey",
+        "select p_partkey from part where p_type like '%BRASS' or p_name like '_o%e_' order by p_partkey",
     ];
     common::each_device(|device, _| {
         let (gpu, mem) = tpch_sessions(device);
@@ -198,6 +201,13 @@ fn explain_shows_exact_pushdown() {
         assert!(plan.contains("filters=["), "{plan}");
         assert!(plan.contains("fetch=5"), "{plan}");
         assert!(!plan.contains("FilterExec"), "{plan}");
+        // LIKE with wildcards anywhere, as in TPC-H Q13.
+        let plan = explain(
+            &gpu,
+            "select o_custkey from orders where o_comment not like '%special%requests%'",
+        );
+        assert!(plan.contains("full_filters="), "{plan}");
+        assert!(!plan.contains("FilterExec"), "{plan}");
         // A comparison of two columns is not evaluated on the device.
         let plan = explain(
             &gpu,
@@ -205,10 +215,9 @@ fn explain_shows_exact_pushdown() {
         );
         assert!(plan.contains("FilterExec"), "{plan}");
         assert!(!plan.contains("full_filters="), "{plan}");
-        // Nor is an ordering comparison of strings, or a LIKE with an inner wildcard.
+        // Nor is an ordering comparison of strings.
         for sql in [
             "select l_orderkey from lineitem where l_shipmode < 'B'",
-            "select l_orderkey from lineitem where l_comment like '%fur%'",
             "select l_orderkey from lineitem where l_orderkey + 1 = 5",
         ] {
             let plan = explain(&gpu, sql);
@@ -267,6 +276,9 @@ fn filter_support_by_expression() {
         col("large").not_eq(lit("abc")),
         col("vstr").in_list(vec![lit("a"), lit("b")], false),
         col("utf8").like(lit("ab%")),
+        col("utf8").like(lit("a%c")),
+        col("large").like(lit("%c_")),
+        col("vstr").not_like(lit("%special%requests%")),
         col("vstr").is_null(),
         col("u8").is_not_null().and(col("u8").gt(lit(3u8))),
         !col("i32").gt(lit(1i32)).or(col("f64").is_null()),
@@ -277,8 +289,7 @@ fn filter_support_by_expression() {
     let no = [
         col("i32").gt(col("i64")),
         col("utf8").lt(lit("abc")),
-        col("utf8").like(lit("a%c")),
-        col("utf8").like(lit("%c")),
+        col("utf8").like(lit("a\\%c")),
         col("utf8").ilike(lit("ab%")),
         col("i32").eq(lit(ScalarValue::Int32(None))),
         col("i32").gt(lit(3_000_000_000i64)),
@@ -918,6 +929,15 @@ fn leaf() -> impl Strategy<Value = String> {
         (string_col.clone(), eq, word.clone()).prop_map(|(c, o, w)| format!("{c} {o} '{w}'")),
         (string_col.clone(), word.clone(), any::<bool>())
             .prop_map(|(c, w, n)| format!("{c} {}like '{w}%'", if n { "not " } else { "" })),
+        (string_col.clone(), word.clone(), word.clone(), 0..4usize, any::<bool>()).prop_map(|(c, a, b, shape, n)| {
+            let pattern = match shape {
+                0 => format!("%{a}%"),
+                1 => format!("{a}%{b}"),
+                2 => format!("_{a}%"),
+                _ => format!("%{a}_{b}%"),
+            };
+            format!("{c} {}like '{pattern}'", if n { "not " } else { "" })
+        }),
         (string_col.clone(), word.clone()).prop_map(|(c, w)| format!("starts_with({c}, '{w}')")),
         (string_col, prop::collection::vec(word, 1..4), any::<bool>()).prop_map(|(c, ws, n)| {
             let list: Vec<String> = ws.iter().map(|w| format!("'{w}'")).collect();

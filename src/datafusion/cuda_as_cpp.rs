@@ -24,6 +24,8 @@ static int __float_as_int(float f) { int i; memcpy(&i, &f, 4); return i; }
 static float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 static long long __double_as_longlong(double d) { long long i; memcpy(&i, &d, 8); return i; }
 static double __longlong_as_double(long long i) { double d; memcpy(&d, &i, 8); return d; }
+static unsigned __ballot_sync(unsigned, bool p) { return p ? 1u : 0u; }
+static int __popc(unsigned x) { return __builtin_popcount(x); }
 template <class T> T atomicAdd(T* p, T v) { T o = *p; *p += v; return o; }
 template <class T> T atomicOr(T* p, T v) { T o = *p; *p |= v; return o; }
 template <class T> T atomicMin(T* p, T v) { T o = *p; if (v < o) *p = v; return o; }

@@ -85,6 +85,11 @@ pub(crate) enum Predicate {
         col: usize,
         prefix: String,
     },
+    /// `column LIKE pattern` on a string column: `%` any characters, `_` one, no escapes.
+    Like {
+        col: usize,
+        pattern: String,
+    },
     /// A boolean column on its own.
     Column {
         col: usize,
@@ -240,13 +245,18 @@ impl Predicate {
                     ScalarValue::Utf8(Some(s)) | ScalarValue::LargeUtf8(Some(s)) | ScalarValue::Utf8View(Some(s)) => s,
                     _ => return None,
                 };
-                let prefix = pattern.strip_suffix('%')?;
-                if prefix.contains(['%', '_', '\\']) {
+                if pattern.contains('\\') {
                     return None;
                 }
-                let p = Predicate::StartsWith {
-                    col: i,
-                    prefix: prefix.to_string(),
+                let p = match pattern.strip_suffix('%') {
+                    Some(prefix) if !prefix.contains(['%', '_']) => Predicate::StartsWith {
+                        col: i,
+                        prefix: prefix.to_string(),
+                    },
+                    _ => Predicate::Like {
+                        col: i,
+                        pattern: pattern.clone(),
+                    },
                 };
                 Some(if *negated { Predicate::Not(Box::new(p)) } else { p })
             }
@@ -289,6 +299,7 @@ impl Predicate {
             | Predicate::InList { col, .. }
             | Predicate::IsNull { col }
             | Predicate::StartsWith { col, .. }
+            | Predicate::Like { col, .. }
             | Predicate::Column { col } => {
                 out.insert(*col);
             }
@@ -347,6 +358,13 @@ impl Predicate {
                     .cast_to(a.data_type())
                     .map_err(|e| ArrowError::ComputeError(e.to_string()))?;
                 arrow_string::like::starts_with(a, &scalar(&p)?)
+            }
+            Predicate::Like { col, pattern } => {
+                let a = column(*col);
+                let p = ScalarValue::Utf8(Some(pattern.clone()))
+                    .cast_to(a.data_type())
+                    .map_err(|e| ArrowError::ComputeError(e.to_string()))?;
+                arrow_string::like::like(a, &scalar(&p)?)
             }
             Predicate::Column { col } => {
                 let a = column(*col);

@@ -385,6 +385,14 @@ impl Codegen {
                     ),
                 );
             }
+            Predicate::Like { col, pattern } => {
+                let slot = self.string_slot(pattern.as_bytes())?;
+                let (sp, sl) = self.string_value(*col)?;
+                line(
+                    &mut self.body,
+                    format!("bool {k} = valid(c{col}_n, e{col}); bool {v} = {k} && str_like({sp}, {sl}, lit, {slot});"),
+                );
+            }
             Predicate::Column { col } => {
                 line(
                     &mut self.body,

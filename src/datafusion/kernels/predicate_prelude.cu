@@ -36,3 +36,25 @@ __device__ __forceinline__ bool str_prefix(const unsigned char* p, u64 n, const 
     u32 o = *(const u32*)(lit + slot), l = *(const u32*)(lit + slot + 4);
     return n >= l && bytes_eq(p, lit + o, l);
 }
+/* SQL LIKE with % (any characters) and _ (one UTF-8 character), no escapes. */
+__device__ __forceinline__ u64 utf8_next(const unsigned char* s, u64 i, u64 n) {
+    i++;
+    while (i < n && (s[i] & 0xC0) == 0x80) i++;
+    return i;
+}
+__device__ bool like_match(const unsigned char* s, u64 n, const unsigned char* p, u64 m) {
+    u64 i = 0, j = 0, star_j = (u64)-1, star_i = 0;
+    while (i < n) {
+        if (j < m && p[j] == '_') { i = utf8_next(s, i, n); j++; }
+        else if (j < m && p[j] == '%') { star_j = j++; star_i = i; }
+        else if (j < m && p[j] == s[i]) { i++; j++; }
+        else if (star_j != (u64)-1) { j = star_j + 1; star_i = utf8_next(s, star_i, n); i = star_i; }
+        else return false;
+    }
+    while (j < m && p[j] == '%') j++;
+    return j == m;
+}
+__device__ __forceinline__ bool str_like(const unsigned char* p, u64 n, const unsigned char* lit, u64 slot) {
+    u32 o = *(const u32*)(lit + slot), l = *(const u32*)(lit + slot + 4);
+    return like_match(p, n, lit + o, l);
+}

@@ -122,28 +122,11 @@ __device__ __forceinline__ bool fits_precision(i128 x, int p) {
     i128 lim = pow10_128(p);
     return x < lim && x > -lim;
 }
-/* Strings: byte-wise order, and SQL LIKE with % and _ (one UTF-8 character). */
+/* Strings: byte-wise order (LIKE is in the predicate prelude). */
 __device__ __forceinline__ int str_cmp(const unsigned char* a, u64 la, const unsigned char* b, u64 lb) {
     u64 n = la < lb ? la : lb;
     for (u64 k = 0; k < n; k++) if (a[k] != b[k]) return a[k] < b[k] ? -1 : 1;
     return la == lb ? 0 : (la < lb ? -1 : 1);
-}
-__device__ __forceinline__ u64 utf8_next(const unsigned char* s, u64 i, u64 n) {
-    i++;
-    while (i < n && (s[i] & 0xC0) == 0x80) i++;
-    return i;
-}
-__device__ bool like_match(const unsigned char* s, u64 n, const unsigned char* p, u64 m) {
-    u64 i = 0, j = 0, star_j = (u64)-1, star_i = 0;
-    while (i < n) {
-        if (j < m && p[j] == '_') { i = utf8_next(s, i, n); j++; }
-        else if (j < m && p[j] == '%') { star_j = j++; star_i = i; }
-        else if (j < m && p[j] == s[i]) { i++; j++; }
-        else if (star_j != (u64)-1) { j = star_j + 1; star_i = utf8_next(s, star_i, n); i = star_i; }
-        else return false;
-    }
-    while (j < m && p[j] == '%') j++;
-    return j == m;
 }
 /* Year and month of days since 1970-01-01 (proleptic Gregorian). */
 __device__ __forceinline__ void civil_from_days(long long z, long long* y, long long* m) {
@@ -266,4 +249,97 @@ __device__ long long date_add_interval(long long date, long long months, long lo
     date += days2;
     if (date < CHRONO_MIN_DAYS || date > CHRONO_MAX_DAYS) { *ovf = true; return 0; }
     return date;
+}
+/* A stage's groups as Arrow columns (src/datafusion/stage/emit.rs): one thread per group writes
+   each state column's value and, through a warp vote, its validity bitmap (32 groups a word) and
+   null count. Columns are described by `EmitColumn`s; `a`, `b` and `c` mean what the kind says. */
+#define EMIT_KEY_INT 0      /* key word a (key b's null bit), `width` bytes */
+#define EMIT_KEY_BOOL 1     /* key word a (key b's null bit), bits */
+#define EMIT_KEY_DEC 2      /* key words a, a + 1 (key b's null bit), 16 bytes */
+#define EMIT_KEY_STR 3      /* key words a..a + c (key b's null bit), views over 8 * c bytes a group */
+#define EMIT_COUNT 4        /* slot a, never null */
+#define EMIT_COUNT_OR_NULL 5 /* slot a, null when 0 */
+#define EMIT_SUM128 6       /* count slot a, 32-bit-shifted parts a + 1..a + 3, `width` bytes */
+#define EMIT_I64 7          /* count slot a, value slot a + 1, `width` bytes */
+#define EMIT_F64 8          /* count slot a, f64 slot a + 1 */
+#define EMIT_ORDERED_F64 9  /* count slot a, ordered f64 slot a + 1, `width` 4 or 8 */
+struct EmitColumn { u64 kind, a, b, c, width; unsigned char *values, *validity, *data; };
+__device__ __forceinline__ void emit_int(unsigned char* p, u64 width, i128 v) {
+    switch (width) {
+        case 1: *(signed char*)p = (signed char)v; break;
+        case 2: *(short*)p = (short)v; break;
+        case 4: *(int*)p = (int)v; break;
+        case 8: *(long long*)p = (long long)v; break;
+        default: *(i128*)p = v; break;
+    }
+}
+extern "C" __global__ void stage_emit(u64 count, const u64* group_keys, u64 nw, const u64* acc, u64 stride,
+                                      const EmitColumn* cols, u64 ncols, unsigned long long* null_counts) {
+    u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    bool live = g < count;
+    unsigned lane = threadIdx.x & 31;
+    unsigned live_mask = __ballot_sync(0xffffffffu, live);
+    const u64* kw = group_keys + (live ? g : 0) * nw;
+    for (u64 c = 0; c < ncols; c++) {
+        EmitColumn col = cols[c];
+        bool valid = true, bit = false;
+        if (live) {
+            u64 cnt = col.kind >= EMIT_COUNT ? acc[col.a * stride + g] : 0;
+            switch (col.kind) {
+                case EMIT_KEY_INT: case EMIT_KEY_BOOL: case EMIT_KEY_DEC: case EMIT_KEY_STR:
+                    valid = !((kw[nw - 1] >> col.b) & 1);
+                    break;
+                case EMIT_COUNT: break;
+                default: valid = cnt > 0; break;
+            }
+            unsigned char* out = col.values + g * col.width;
+            switch (col.kind) {
+                case EMIT_KEY_INT: emit_int(out, col.width, (i128)(long long)kw[col.a]); break;
+                case EMIT_KEY_BOOL: bit = kw[col.a] != 0; break;
+                case EMIT_KEY_DEC: emit_int(out, 16, (i128)(((unsigned __int128)kw[col.a + 1] << 64) | kw[col.a])); break;
+                case EMIT_KEY_STR: {
+                    /* An inline view holds up to 12 bytes; a longer string is a prefix and an offset. */
+                    u64 len = valid ? kw[col.a + col.c - 1] >> 56 : 0;
+                    const unsigned char* s = (const unsigned char*)(kw + col.a);
+                    unsigned char view[16];
+                    for (int t = 0; t < 16; t++) view[t] = 0;
+                    *(u32*)view = (u32)len;
+                    if (len <= 12) {
+                        for (u64 t = 0; t < len; t++) view[4 + t] = s[t];
+                    } else {
+                        u64 at = g * 8 * col.c;
+                        for (u64 t = 0; t < len; t++) col.data[at + t] = s[t];
+                        for (int t = 0; t < 4; t++) view[4 + t] = s[t];
+                        *(u32*)(view + 12) = (u32)at;
+                    }
+                    for (int t = 0; t < 16; t++) out[t] = view[t];
+                    break;
+                }
+                case EMIT_COUNT: case EMIT_COUNT_OR_NULL: emit_int(out, col.width, (i128)cnt); break;
+                case EMIT_SUM128: {
+                    unsigned __int128 p0 = acc[(col.a + 1) * stride + g], p1 = acc[(col.a + 2) * stride + g],
+                                      p2 = acc[(col.a + 3) * stride + g];
+                    emit_int(out, col.width, valid ? (i128)(p0 + (p1 << 32) + (p2 << 64)) : 0);
+                    break;
+                }
+                case EMIT_I64: emit_int(out, col.width, valid ? (i128)(long long)acc[(col.a + 1) * stride + g] : 0); break;
+                case EMIT_F64: *(double*)out = valid ? __longlong_as_double((long long)acc[(col.a + 1) * stride + g]) : 0.0; break;
+                case EMIT_ORDERED_F64: {
+                    long long b = (long long)acc[(col.a + 1) * stride + g];
+                    double v = valid ? __longlong_as_double(b ^ (long long)(((unsigned long long)(b >> 63)) >> 1)) : 0.0;
+                    if (col.width == 4) *(float*)out = (float)v; else *(double*)out = v;
+                    break;
+                }
+            }
+        }
+        unsigned valid_bits = __ballot_sync(0xffffffffu, valid);
+        unsigned value_bits = __ballot_sync(0xffffffffu, bit);
+        if (lane == 0 && live_mask != 0) {
+            u64 word = g >> 5;
+            ((u32*)col.validity)[word] = valid_bits & live_mask;
+            if (col.kind == EMIT_KEY_BOOL) ((u32*)col.values)[word] = value_bits & live_mask;
+            u32 nulls = __popc(~valid_bits & live_mask);
+            if (nulls) atomicAdd(&null_counts[c], (unsigned long long)nulls);
+        }
+    }
 }

@@ -22,7 +22,8 @@ use arrow_select::interleave::interleave;
 use super::super::device_filter::{column_args, gather_to_host};
 use super::super::nvrtc::{BLOCK, function, launch, launch_shared};
 use super::codegen::StageSource;
-use super::layout::{Groups, JoinStep, NO_ROW, StagePlan, join_key_layout};
+use super::emit::{self, GroupTable};
+use super::layout::{JoinStep, NO_ROW, StagePlan, join_key_layout};
 use super::{Outcome, StageResult};
 use crate::array::{DeviceArrayData, DeviceRecordBatch};
 use crate::device::{Device, Stream};
@@ -50,6 +51,7 @@ struct Kernels {
     accumulate: CudaFunction,
     init: CudaFunction,
     rehash: CudaFunction,
+    emit: CudaFunction,
 }
 
 /// The device side of a stage over the batches of one device.
@@ -132,6 +134,7 @@ impl<'p> DeviceStage<'p> {
             accumulate: function(&ctx, &source.source, "stage_accumulate")?,
             init: function(&ctx, &source.source, "stage_init")?,
             rehash: function(&ctx, &source.source, "stage_rehash")?,
+            emit: function(&ctx, &source.source, "stage_emit")?,
         };
         let compile_time = started.elapsed();
         let resource = MemoryResource::default_for(device);
@@ -415,34 +418,32 @@ impl<'p> DeviceStage<'p> {
         Ok(())
     }
 
-    /// Copies the groups and their accumulators to the host: the keys in one copy and the
-    /// accumulators in one strided copy (each slot's first `count` groups).
-    pub(crate) fn finish(self) -> StageResult<(Groups, u64)> {
+    /// The stage's state batch (see [`emit`](super::emit)) and the bytes copied to the host.
+    pub(crate) fn finish(self) -> StageResult<(RecordBatch, u64)> {
         let (flags, count) = self.read_status()?;
         self.check(flags)?;
         let count = if self.nw == 0 { 1 } else { count as usize };
-        let (nw, nslots) = (self.nw as usize, self.nslots as usize);
-        let keys =
-            StridedView::<u64>::contiguous(self.group_keys.clone(), &[count * nw])?.copy_to_host(&self.stream)?;
-        let acc =
-            StridedView::<u64>::with_strides(self.acc.clone(), &[nslots, count], &[self.max_groups as isize * 8, 8])?
-                .copy_to_host(&self.stream)?;
-        let mut copied = ((keys.len() + acc.len()) * 8) as u64;
-        let extremes = self.extremes(count, &acc, &mut copied)?;
-        Ok((
-            Groups {
-                count,
-                keys,
-                acc,
-                extremes,
-            },
-            copied,
-        ))
+        let mut copied = 0;
+        let extremes = if count == 0 {
+            vec![]
+        } else {
+            self.extremes(count, &mut copied)?
+        };
+        let table = GroupTable {
+            count,
+            group_keys: &self.group_keys,
+            nw: self.nw,
+            acc: &self.acc,
+            stride: self.max_groups,
+        };
+        let kernel = (&self.kernels.emit, &self.cuda);
+        let (batch, bytes) = emit::state_batch(self.plan, &table, &extremes, kernel, self.resource, &self.stream)?;
+        Ok((batch, copied + bytes))
     }
 
     /// The values of each row-reference aggregate's groups (null for a group without one),
     /// gathered on the device batch by batch; adds the bytes copied to `copied`.
-    fn extremes(&self, count: usize, acc: &[u64], copied: &mut u64) -> StageResult<Vec<Option<ArrayRef>>> {
+    fn extremes(&self, count: usize, copied: &mut u64) -> StageResult<Vec<Option<ArrayRef>>> {
         let (_, first) = self.plan.slot_layout();
         let mut k = 0;
         let mut out = Vec::with_capacity(self.plan.aggs.len());
@@ -451,12 +452,15 @@ impl<'p> DeviceStage<'p> {
                 out.push(None);
                 continue;
             };
-            let s = first[a];
-            let row = |g: usize| {
-                (acc[s * count + g] > 0)
-                    .then(|| acc[(s + 1) * count + g])
-                    .filter(|&r| r != NO_ROW)
-            };
+            // The aggregate's count and row-reference slots.
+            let slots = self.acc.slice(
+                first[a] * self.max_groups as usize * 8,
+                (self.max_groups as usize + count) * 8,
+            )?;
+            let acc = StridedView::<u64>::with_strides(slots, &[2, count], &[self.max_groups as isize * 8, 8])?
+                .copy_to_host(&self.stream)?;
+            *copied += (acc.len() * 8) as u64;
+            let row = |g: usize| (acc[g] > 0).then(|| acc[count + g]).filter(|&r| r != NO_ROW);
             let mut per_batch: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
             for r in (0..count).filter_map(row) {
                 per_batch.entry(r >> 32).or_default().push(r as u32);

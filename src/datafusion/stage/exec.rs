@@ -28,7 +28,7 @@ use futures::{StreamExt, TryStreamExt};
 use super::super::error::DfResult;
 use super::device::DeviceStage;
 use super::host::HostStage;
-use super::layout::{JoinKind, StagePlan, Step};
+use super::layout::{Groups, JoinKind, StagePlan, Step};
 use super::output::{final_batch, state_batch};
 use super::{Outcome, StageResult};
 use crate::device::Device;
@@ -117,7 +117,11 @@ impl DeviceStageExec {
                 let emit = self.emitter();
                 let original = self.original.clone();
                 async move {
-                    match run(plan, &metrics, context).await.and_then(|states| Ok(emit(states)?)) {
+                    let emitted = run(plan, &metrics, context).await.and_then(|states| {
+                        let _timer = metrics.partition_time.timer();
+                        Ok(emit(states)?)
+                    });
+                    match emitted {
                         Ok(partitions) => Ok(Produced::Partitions(Arc::new(partitions))),
                         Err(Outcome::GiveBack(why)) => {
                             log::info!("arrow-cuda: a device stage gives its work back to DataFusion: {why}");
@@ -145,12 +149,10 @@ impl DeviceStageExec {
                 _ if !last => Ok(shares(&states, n)),
                 Partitioning::Hash(..) => {
                     let mut out = vec![Vec::new(); n];
-                    let mut split = BatchPartitioner::try_new(partitioning, Time::new(), 0, 1)?;
                     for batch in states {
-                        split.partition(batch, |p, b| {
+                        for (p, b) in hash_split(&partitioning, batch)?.into_iter().enumerate() {
                             out[p].push(b);
-                            Ok(())
-                        })?;
+                        }
                     }
                     Ok(out)
                 }
@@ -208,6 +210,62 @@ impl DisplayAs for DeviceStageExec {
     }
 }
 
+/// The rows of `batch` in each partition of `partitioning` (a hash partitioning), split as
+/// DataFusion's `RepartitionExec` splits them, by several threads for a large batch.
+fn hash_split(partitioning: &Partitioning, batch: RecordBatch) -> DfResult<Vec<RecordBatch>> {
+    let (n, rows) = (partitioning.partition_count(), batch.num_rows());
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |t| t.get())
+        .min(rows.div_ceil(MIN_SPLIT_ROWS))
+        .max(1);
+    let split = |chunk: RecordBatch| -> DfResult<Vec<Vec<RecordBatch>>> {
+        let mut out = vec![Vec::new(); n];
+        let mut partitioner = BatchPartitioner::try_new(partitioning.clone(), Time::new(), 0, 1)?;
+        partitioner.partition(chunk, |p, b| {
+            out[p].push(b);
+            Ok(())
+        })?;
+        Ok(out)
+    };
+    let schema = batch.schema();
+    if threads == 1 {
+        return split(batch)?
+            .into_iter()
+            .map(|p| Ok(concat_batches(&schema, &p)?))
+            .collect();
+    }
+    let panicked = || DataFusionError::Internal("a thread splitting a device stage's rows panicked".into());
+    let pieces = std::thread::scope(|s| {
+        let running: Vec<_> = (0..threads)
+            .map(|t| {
+                let (start, end) = (rows * t / threads, rows * (t + 1) / threads);
+                let chunk = batch.slice(start, end - start);
+                s.spawn(move || split(chunk))
+            })
+            .collect();
+        running
+            .into_iter()
+            .map(|h| h.join().map_err(|_| panicked())?)
+            .collect::<DfResult<Vec<_>>>()
+    })?;
+    // Each partition's pieces in one batch: a device's groups, each once.
+    std::thread::scope(|s| {
+        let running: Vec<_> = (0..n)
+            .map(|p| {
+                let (pieces, schema) = (&pieces, &schema);
+                s.spawn(move || concat_batches(schema, pieces.iter().flat_map(|t| &t[p])))
+            })
+            .collect();
+        running
+            .into_iter()
+            .map(|h| Ok(h.join().map_err(|_| panicked())??))
+            .collect()
+    })
+}
+
+/// Rows a thread splits at least.
+const MIN_SPLIT_ROWS: usize = 1 << 16;
+
 /// Each of `n` partitions' share of the rows of `batches`.
 fn shares(batches: &[RecordBatch], n: usize) -> Vec<Vec<RecordBatch>> {
     (0..n)
@@ -229,6 +287,10 @@ struct Metrics {
     device_time: Time,
     compile_time: Time,
     bytes_to_host: Count,
+    /// Making the state batch on the device and copying it to the host (part of `device_time`).
+    emit_time: Time,
+    /// Splitting the state batches into partitions.
+    partition_time: Time,
     /// 1 when the stage gave its work back to DataFusion's operators.
     given_back: Count,
 }
@@ -240,6 +302,8 @@ impl Metrics {
             device_time: MetricBuilder::new(set).elapsed_compute(0),
             compile_time: MetricBuilder::new(set).subset_time("kernel_compile_time", 0),
             bytes_to_host: MetricBuilder::new(set).counter("bytes_to_host", 0),
+            emit_time: MetricBuilder::new(set).subset_time("emit_time", 0),
+            partition_time: MetricBuilder::new(set).subset_time("partition_time", 0),
             given_back: MetricBuilder::new(set).counter("given_back", 0),
         }
     }
@@ -288,15 +352,24 @@ async fn run(plan: Arc<StagePlan>, metrics: &Metrics, context: Arc<TaskContext>)
             .zip(&table.partition_devices)
             .filter(|(_, d)| **d == device)
             .flat_map(|(p, _)| p.iter());
-        let groups = if none_kept {
-            plan.initial_groups(0)
+        // Without keys there is always one group, as DataFusion's partial aggregate emits.
+        let host_state = |groups: Groups| {
+            let groups = if plan.keys.is_empty() && groups.count == 0 {
+                plan.initial_groups(1)
+            } else {
+                groups
+            };
+            state_batch(&plan, &groups)
+        };
+        let batch = if none_kept {
+            host_state(plan.initial_groups(0))?
         } else if device.is_host_accessible() {
             let mut stage = HostStage::new(&plan, &builds)?;
             for b in batches {
                 metrics.rows_in.add(b.num_rows());
                 stage.add(b, stream)?;
             }
-            stage.finish()?
+            host_state(stage.finish()?)?
         } else {
             let source = plan
                 .source
@@ -309,17 +382,12 @@ async fn run(plan: Arc<StagePlan>, metrics: &Metrics, context: Arc<TaskContext>)
                 metrics.rows_in.add(b.num_rows());
                 stage.add(b)?;
             }
-            let (groups, bytes) = stage.finish()?;
+            let emitting = Instant::now();
+            let (batch, bytes) = stage.finish()?;
+            metrics.emit_time.add_duration(emitting.elapsed());
             metrics.bytes_to_host.add(bytes as usize);
-            groups
+            batch
         };
-        // Without keys there is always one group, as DataFusion's partial aggregate emits.
-        let groups = if plan.keys.is_empty() && groups.count == 0 {
-            plan.initial_groups(1)
-        } else {
-            groups
-        };
-        let batch = state_batch(&plan, &groups)?;
         metrics.device_time.add_duration(started.elapsed());
         out.push(batch);
     }
@@ -383,6 +451,7 @@ impl ExecutionPlan for DeviceStageExec {
         }
         let run = self.shared_run(context.clone());
         let rows = MetricBuilder::new(&self.metrics).output_rows(partition);
+        let merge_time = MetricBuilder::new(&self.metrics).subset_time("merge_time", partition);
         let last = match &self.output {
             Output::Partial => None,
             Output::Final { aggr, schema } => Some((aggr.clone(), schema.clone(), self.plan.keys.len())),
@@ -394,7 +463,10 @@ impl ExecutionPlan for DeviceStageExec {
                     let out = match last {
                         None => states.clone(),
                         Some((_, _, keys)) if keys > 0 && states.iter().all(|b| b.num_rows() == 0) => vec![],
-                        Some((aggr, schema, keys)) => vec![final_batch(&aggr, keys, &schema, states)?],
+                        Some((aggr, schema, keys)) => {
+                            let _timer = merge_time.timer();
+                            vec![final_batch(&aggr, keys, &schema, states)?]
+                        }
                     };
                     out.iter().for_each(|b| rows.add(b.num_rows()));
                     futures::stream::iter(out.into_iter().map(Ok)).boxed()

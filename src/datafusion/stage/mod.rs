@@ -2,6 +2,7 @@
 
 mod codegen;
 mod device;
+mod emit;
 mod exec;
 mod expr;
 mod host;

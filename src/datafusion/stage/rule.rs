@@ -12,7 +12,6 @@ use ::datafusion::execution::SessionStateBuilder;
 use ::datafusion::physical_expr::PhysicalExpr;
 use ::datafusion::physical_expr::expressions::{Column, Literal};
 use ::datafusion::physical_optimizer::PhysicalOptimizerRule;
-use ::datafusion::physical_plan::ExecutionPlan;
 use ::datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use ::datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use ::datafusion::physical_plan::coop::CooperativeExec;
@@ -21,6 +20,7 @@ use ::datafusion::physical_plan::joins::HashJoinExec;
 use ::datafusion::physical_plan::projection::ProjectionExec;
 use ::datafusion::physical_plan::repartition::RepartitionExec;
 use ::datafusion::physical_plan::statistics::{StatisticsArgs, StatisticsContext};
+use ::datafusion::physical_plan::{ExecutionPlan, Partitioning};
 use arrow_schema::DataType;
 
 use super::super::error::DfResult;
@@ -392,7 +392,7 @@ fn costly_build(j: &JoinStep, read: &[usize]) -> Option<String> {
 
 impl DeviceStageRule {
     /// The stage that replaces `agg` (the node `node`): for a `Final` aggregate over a partial one
-    /// (through the repartitioning between them) or a `Single` aggregate, a stage that emits the
+    /// (through the repartitioning between them) or a `Single` or `SinglePartitioned` aggregate, a stage that emits the
     /// final rows; for a `Partial` aggregate whose `Final` stays with DataFusion, a stage that
     /// emits the partial state.
     fn stage(&self, agg: &AggregateExec, node: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>, String> {
@@ -405,7 +405,7 @@ impl DeviceStageRule {
                 )));
             }
             AggregateMode::Final | AggregateMode::FinalPartitioned => partial_below(agg.input())?,
-            AggregateMode::Single => Arc::new(
+            AggregateMode::Single | AggregateMode::SinglePartitioned => Arc::new(
                 AggregateExec::try_new(
                     AggregateMode::Partial,
                     agg.group_expr().clone(),
@@ -423,6 +423,17 @@ impl DeviceStageRule {
         }
         if let Some(a) = agg.aggr_expr().iter().find(|a| !a.groups_accumulator_supported()) {
             return Err(format!("{} has no groups accumulator", a.name()));
+        }
+        // The stage splits its rows into the partitions of the aggregate it replaces by the hash of
+        // its group columns (the first of its output).
+        if let Partitioning::Hash(exprs, _) = &node.properties().partitioning {
+            let keys = agg.group_expr().expr().len();
+            if !exprs
+                .iter()
+                .all(|e| e.downcast_ref::<Column>().is_some_and(|c| c.index() < keys))
+            {
+                return Err("an output partitioned by more than its group columns".into());
+            }
         }
         let plan = self.lower(partial.downcast_ref::<AggregateExec>().ok_or("not an aggregate")?)?;
         let output = Output::Final {
