@@ -56,10 +56,11 @@
 //! filters, the joins, the computed projections, the group keys and the aggregates on the device
 //! in one or two passes over
 //! the columns (see `stage/codegen.rs`), keeps its groups and accumulators in device memory, and
-//! copies only the groups' partial state to the host (a batch with exactly the schema of
-//! DataFusion's partial aggregate). Where the stage covers the whole aggregation (a `Final`
+//! copies only the groups' partial state to the host: a batch with exactly the schema of
+//! DataFusion's partial aggregate, written in Arrow's layout on the device (`stage/emit.rs`) and
+//! copied in one transfer. Many groups are split into partitions on several threads. Where the stage covers the whole aggregation (a `Final`
 //! aggregate over the partial one, with only repartitioning or coalescing between them, or a
-//! `Single` aggregate) it replaces all of it and emits the final rows, DataFusion's own groups
+//! `Single` or `SinglePartitioned` aggregate) it replaces all of it and emits the final rows, DataFusion's own groups
 //! accumulators merging the state, partitioned by the hash of the group keys as the `Final`
 //! aggregate was; otherwise it replaces the partial aggregate and DataFusion's `Final` aggregate
 //! above merges the state as it would merge its own.
@@ -96,9 +97,12 @@
 //!
 //! A hash join whose probe side (DataFusion's right input) leads to the stage's scan becomes a
 //! step of the stage; its build side stays a DataFusion plan (the stage node's child, shown under
-//! it in `EXPLAIN`), which the stage runs to completion before its own pass. The build rows are
-//! copied to the device and hashed there by their key words (an open-addressing table, each row
-//! in a slot of its own, twice as many slots as rows); every table row that reaches the join
+//! it in `EXPLAIN`), which the stage runs to completion before its own pass and whose rows it
+//! copies to the device. A build side that is a scan of a GPU table on the stage's device (with
+//! its pushed-down filters and projection) never leaves it: its batches are filtered, compacted
+//! and concatenated there (`device_concat.rs`), and its plan does not run (its scan shows no
+//! metrics in `EXPLAIN ANALYZE`). The build rows are hashed on the device by their key words (an
+//! open-addressing table, each row in a slot of its own, twice as many slots as rows); every table row that reaches the join
 //! finds its first match (the first for which the join filter holds, where there is one) in the
 //! same thread that then evaluates the rest of the stage, reading the match's columns where the
 //! build side lives. Inner joins keep the rows with a match, right outer joins every row (the
@@ -108,7 +112,10 @@
 //! rule does not place such a join where statistics say the build side has more rows than the
 //! table (it cannot then be the unique side of the key). Keys are integers, dates and decimals,
 //! one or several columns; nulls never match (`NOT IN`, whose null rule DataFusion plans as a
-//! null-aware anti join, stays with DataFusion, as do left, full and mark joins).
+//! null-aware anti join, stays with DataFusion, as do left, full and mark joins). A build side of
+//! more than 2^20 rows (or of rows statistics do not bound) whose strings the stage reads stays
+//! with DataFusion unless it is such a device scan: copying its strings to the host and back
+//! costs more than the join saves.
 //!
 //! Anything else stays with DataFusion, unchanged. Without NVRTC or a GPU the rule leaves every
 //! plan alone and logs one line saying why.
@@ -122,6 +129,7 @@
 
 #[cfg(test)]
 mod cuda_as_cpp;
+mod device_concat;
 mod device_filter;
 mod error;
 mod lanes;

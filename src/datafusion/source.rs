@@ -109,6 +109,25 @@ impl GpuScan {
         self.fetch
     }
 
+    /// The scan's rows on its table's device, filtered and projected there without a copy to
+    /// the host (for a device stage that hashes them as a join's build side); `None` when a
+    /// filtered batch's columns can only be compacted on the host. The scan must have no limit.
+    pub(crate) fn device_batches(&self, stream: &Stream) -> crate::error::Result<Option<Vec<DeviceRecordBatch>>> {
+        let output = self.output_columns();
+        let mut out = Vec::new();
+        for batch in self.table.partitions.iter().flatten() {
+            match &self.predicate {
+                None => out.push(batch.project(&output)?),
+                Some(p) => match super::device_filter::filter_compact(batch, p, &output, usize::MAX, stream)? {
+                    Filtered::Empty => {}
+                    Filtered::Device(b) => out.push(b),
+                    Filtered::Host(_) => return Ok(None),
+                },
+            }
+        }
+        Ok(Some(out))
+    }
+
     pub(crate) fn output_columns(&self) -> Vec<usize> {
         match &self.projection {
             Some(p) => p.clone(),

@@ -146,3 +146,21 @@ extern "C" __global__ void BYTES(const T* offsets, u64 off, const unsigned char*
 }
 STRINGS(string_lengths_i32, gather_bytes_i32, int)
 STRINGS(string_lengths_i64, gather_bytes_i64, long long)
+
+/* Concatenation on the device (device_concat.rs). `concat_bits` ORs bits src_off..src_off + n of a
+   bitmap (all ones when `src` is null) into a zeroed bitmap of 32-bit words from bit dst_off;
+   `rebase_views` moves the buffer index of the long views (more than 12 bytes) among n by `add`. */
+extern "C" __global__ void concat_bits(const unsigned char* src, u64 src_off, u64 n, unsigned int* dst, u64 dst_off) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    u64 s = src_off + i;
+    if (src == 0 || ((src[s >> 3] >> (s & 7)) & 1)) {
+        u64 d = dst_off + i;
+        atomicOr(&dst[d >> 5], 1u << (d & 31));
+    }
+}
+
+extern "C" __global__ void rebase_views(unsigned int* views, u64 n, u64 add) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n && views[4 * i] > 12) views[4 * i + 2] += (unsigned int)add;
+}

@@ -21,6 +21,7 @@ use arrow_select::interleave::interleave;
 
 use super::super::device_filter::{column_args, gather_to_host};
 use super::super::nvrtc::{BLOCK, function, launch, launch_shared};
+use super::build::BuildRows;
 use super::codegen::StageSource;
 use super::emit::{self, GroupTable};
 use super::layout::{JoinStep, NO_ROW, StagePlan, join_key_layout};
@@ -116,7 +117,7 @@ impl<'p> DeviceStage<'p> {
         device: Device,
         stream: &Stream,
         batches: &[&DeviceRecordBatch],
-        builds: &[RecordBatch],
+        builds: &[BuildRows],
     ) -> StageResult<Self> {
         let rows = batches.iter().map(|b| b.num_rows() as u64).sum::<u64>();
         let stream = crate::memory::stream_for(stream, device, device)?;
@@ -505,7 +506,7 @@ impl<'p> DeviceStage<'p> {
 #[allow(clippy::too_many_arguments)]
 fn build_join(
     j: &JoinStep,
-    rows: &RecordBatch,
+    rows: &BuildRows,
     (build, unique): (&CudaFunction, Option<&CudaFunction>),
     cuda: &Arc<CudaStream>,
     stream: &Stream,
@@ -514,24 +515,26 @@ fn build_join(
     status: &DeviceBuffer,
 ) -> StageResult<BuiltJoin> {
     let n = rows.num_rows() as u64;
-    let host = if n == 0 {
-        let fields: Vec<_> = rows
-            .schema()
-            .fields()
-            .iter()
-            .map(|f| f.as_ref().clone().with_nullable(true))
-            .collect();
-        let columns = fields.iter().map(|f| new_null_array(f.data_type(), 1)).collect();
-        RecordBatch::try_new(Arc::new(Schema::new(fields)), columns)?
-    } else {
-        rows.clone()
+    let batch = match rows {
+        BuildRows::Device(batch) => batch.clone(),
+        BuildRows::Host(rows) if n == 0 => {
+            let fields: Vec<_> = rows
+                .schema()
+                .fields()
+                .iter()
+                .map(|f| f.as_ref().clone().with_nullable(true))
+                .collect();
+            let columns = fields.iter().map(|f| new_null_array(f.data_type(), 1)).collect();
+            let host = RecordBatch::try_new(Arc::new(Schema::new(fields)), columns)?;
+            crate::transfer::htod_async(&host, resource, stream)?
+        }
+        BuildRows::Host(rows) => crate::transfer::htod_async(rows, resource, stream)?,
     };
-    let batch = crate::transfer::htod_async(&host, resource, stream)?;
     stream.wait(batch.ready())?;
     let types: Vec<DataType> = j
         .keys
         .iter()
-        .map(|&k| rows.schema().field(k).data_type().clone())
+        .map(|&k| batch.schema().field(k).data_type().clone())
         .collect();
     let (_, _, nw) = join_key_layout(&types).ok_or_else(|| Error::Unsupported(format!("join keys of {types:?}")))?;
     let nw = nw as u64;

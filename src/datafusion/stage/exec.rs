@@ -9,7 +9,6 @@ use ::datafusion::common::tree_node::TreeNodeRecursion;
 use ::datafusion::execution::TaskContext;
 use ::datafusion::physical_expr::aggregate::AggregateFunctionExpr;
 use ::datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
-use ::datafusion::physical_plan::collect;
 use ::datafusion::physical_plan::execution_plan::reset_plan_states;
 use ::datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use ::datafusion::physical_plan::metrics::{Count, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet, Time};
@@ -26,6 +25,7 @@ use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 
 use super::super::error::DfResult;
+use super::build::{BuildRows, build_sides};
 use super::device::DeviceStage;
 use super::host::HostStage;
 use super::layout::{Groups, JoinKind, StagePlan, Step};
@@ -309,38 +309,23 @@ impl Metrics {
     }
 }
 
-/// The rows of each join's build side, run by DataFusion (all at once), in one batch each.
-async fn build_sides(plan: &StagePlan, context: Arc<TaskContext>) -> StageResult<Vec<RecordBatch>> {
-    let runs = plan.joins().map(|j| {
-        let (build, context) = (j.build.clone(), context.clone());
-        async move {
-            let batches = collect(build.clone(), context).await?;
-            let batch = concat_batches(&build.schema(), &batches)?;
-            // A match is a 32-bit row index.
-            if batch.num_rows() >= u32::MAX as usize {
-                return Err(Outcome::GiveBack(format!(
-                    "a join's build side of {} rows",
-                    batch.num_rows()
-                )));
-            }
-            Ok(batch)
-        }
-    });
-    futures::future::try_join_all(runs).await
-}
-
 /// Runs the stage over every partition of the table, one state batch per device.
 async fn run(plan: Arc<StagePlan>, metrics: &Metrics, context: Arc<TaskContext>) -> StageResult<Vec<RecordBatch>> {
-    let builds = build_sides(&plan, context).await?;
+    let table = &plan.table;
+    let mut devices: Vec<Device> = table.partition_devices.clone();
+    devices.sort();
+    devices.dedup();
+    // Build sides stay on the device only for a stage on one device.
+    let build_device = match devices.as_slice() {
+        [one] => *one,
+        _ => Device::Cpu,
+    };
+    let builds = build_sides(&plan, build_device, context).await?;
     // An inner or semi join with nothing to match keeps no row.
     let none_kept = plan
         .joins()
         .zip(&builds)
         .any(|(j, b)| b.num_rows() == 0 && matches!(j.kind, JoinKind::Inner | JoinKind::Semi));
-    let table = &plan.table;
-    let mut devices: Vec<Device> = table.partition_devices.clone();
-    devices.sort();
-    devices.dedup();
     let mut out = Vec::with_capacity(devices.len());
     for device in devices {
         let lease = table.lanes[&device].acquire().await?;
@@ -364,6 +349,13 @@ async fn run(plan: Arc<StagePlan>, metrics: &Metrics, context: Arc<TaskContext>)
         let batch = if none_kept {
             host_state(plan.initial_groups(0))?
         } else if device.is_host_accessible() {
+            let builds = builds
+                .iter()
+                .map(|b| match b {
+                    BuildRows::Host(b) => Ok(b.clone()),
+                    BuildRows::Device(_) => Err(Outcome::GiveBack("a build side on a device".into())),
+                })
+                .collect::<StageResult<Vec<_>>>()?;
             let mut stage = HostStage::new(&plan, &builds)?;
             for b in batches {
                 metrics.rows_in.add(b.num_rows());

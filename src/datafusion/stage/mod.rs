@@ -1,5 +1,6 @@
 //! Device stages; see the [`datafusion`](super) module docs for what they run and where the rule sits.
 
+mod build;
 mod codegen;
 mod device;
 mod emit;

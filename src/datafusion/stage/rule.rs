@@ -26,6 +26,7 @@ use arrow_schema::DataType;
 use super::super::error::DfResult;
 use super::super::nvrtc::gpu_kernels_available;
 use super::super::source::GpuScan;
+use super::build::device_scan;
 use super::codegen;
 use super::exec::{DeviceStageExec, Output};
 use super::layout::{self, Acc, AggKind, AggSpec, JoinKind, JoinStep, StagePlan, Step};
@@ -363,7 +364,8 @@ fn walk(plan: &Arc<dyn ExecutionPlan>) -> Result<Lowered<'_>, String> {
 }
 
 /// Build sides of more rows than this, whose strings the stage reads, stay with DataFusion's
-/// joins: copying and hashing a large build side's strings costs more than the join saves.
+/// joins unless they are GPU scans on the stage's device: copying a large build side's strings
+/// to the host and back costs more than the join saves.
 const MAX_STRING_BUILD_ROWS: usize = 1 << 20;
 
 /// Why the stage should not run join `j`, if it should not: the stage reads string columns of
@@ -581,7 +583,13 @@ impl DeviceStageRule {
         }
         plan.columns = columns.into_iter().collect();
         let read = plan.stage_columns();
-        if let Some(why) = plan.joins().find_map(|j| costly_build(j, &read)) {
+        // Build sides that are GPU scans on the stage's device stay there: their strings cost no copy.
+        let device = match plan.table.partition_devices.as_slice() {
+            [first, rest @ ..] if rest.iter().all(|d| d == first) => *first,
+            _ => Device::Cpu,
+        };
+        let on_host = |j: &&JoinStep| device_scan(&j.build, device).is_none();
+        if let Some(why) = plan.joins().filter(on_host).find_map(|j| costly_build(j, &read)) {
             return Err(why);
         }
         // The kernels are generated now, so a plan the device cannot run is never chosen; they

@@ -1,0 +1,100 @@
+//! The build sides of a stage's hash joins: a GPU table scan on the stage's device is filtered,
+//! projected and concatenated there ([`device_batches`](GpuScan::device_batches),
+//! [`concat_batches`]) and never leaves it; any other build side is a DataFusion plan whose rows
+//! the stage collects on the host (and copies to the device when it runs there).
+
+use std::sync::Arc;
+
+use ::datafusion::datasource::source::DataSourceExec;
+use ::datafusion::execution::TaskContext;
+use ::datafusion::physical_plan::{ExecutionPlan, collect};
+use arrow_array::RecordBatch;
+use arrow_select::concat::concat_batches as concat_host;
+
+use super::super::device_concat::{concat_batches, concatenable};
+use super::super::source::GpuScan;
+use super::layout::StagePlan;
+use super::{Outcome, StageResult};
+use crate::array::DeviceRecordBatch;
+use crate::device::Device;
+
+/// A join's build side, all its rows in one batch.
+pub(crate) enum BuildRows {
+    Host(RecordBatch),
+    Device(DeviceRecordBatch),
+}
+
+impl BuildRows {
+    pub(crate) fn num_rows(&self) -> usize {
+        match self {
+            BuildRows::Host(b) => b.num_rows(),
+            BuildRows::Device(b) => b.num_rows(),
+        }
+    }
+}
+
+/// The GPU table scan that `build` is, when its rows can stay on `device` (a CUDA device holding
+/// the whole table) for a stage there: no limit, and columns [`concat_batches`] takes.
+pub(crate) fn device_scan(build: &Arc<dyn ExecutionPlan>, device: Device) -> Option<&GpuScan> {
+    let scan = build
+        .downcast_ref::<DataSourceExec>()?
+        .data_source()
+        .downcast_ref::<GpuScan>()?;
+    let table = scan.table();
+    let here = matches!(device, Device::Cuda(_)) && table.partition_devices.iter().all(|d| *d == device);
+    let types = build.schema().fields().iter().all(|f| concatenable(f.data_type()));
+    (here && types && scan.limit().is_none()).then_some(scan)
+}
+
+/// The rows of each join's build side of `plan`, for a stage on `device`: those of GPU scans
+/// there stay on the device; the others DataFusion runs (all at once).
+pub(crate) async fn build_sides(
+    plan: &StagePlan,
+    device: Device,
+    context: Arc<TaskContext>,
+) -> StageResult<Vec<BuildRows>> {
+    let runs = plan.joins().map(|j| {
+        let (build, context) = (j.build.clone(), context.clone());
+        async move {
+            let rows = match on_device(&build, device).await? {
+                Some(rows) => rows,
+                None => {
+                    let batches = collect(build.clone(), context).await?;
+                    BuildRows::Host(concat_host(&build.schema(), &batches)?)
+                }
+            };
+            // A match is a 32-bit row index.
+            if rows.num_rows() >= u32::MAX as usize {
+                return Err(Outcome::GiveBack(format!(
+                    "a join's build side of {} rows",
+                    rows.num_rows()
+                )));
+            }
+            Ok(rows)
+        }
+    });
+    futures::future::try_join_all(runs).await
+}
+
+/// The rows of `build` concatenated on `device`, when it is a GPU scan there (see
+/// [`device_scan`]) whose filtered columns the device compacts; an empty build side comes as an
+/// empty host batch.
+async fn on_device(build: &Arc<dyn ExecutionPlan>, device: Device) -> StageResult<Option<BuildRows>> {
+    let Some(scan) = device_scan(build, device) else {
+        return Ok(None);
+    };
+    let lease = scan.table().lanes[&device].acquire().await?;
+    let stream = lease.stream();
+    let Some(batches) = scan.device_batches(stream)? else {
+        return Ok(None);
+    };
+    if batches.iter().all(|b| b.num_rows() == 0) {
+        return Ok(Some(BuildRows::Host(RecordBatch::new_empty(build.schema()))));
+    }
+    Ok(Some(BuildRows::Device(concat_batches(
+        build.schema(),
+        &batches,
+        device,
+        stream,
+    )?)))
+}
