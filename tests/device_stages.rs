@@ -385,6 +385,13 @@ fn joins_inside_stages() {
         "select count(*), sum(amount) from f join e on f.k = e.k",
         "select count(*), sum(amount) from f where not exists (select 1 from e where e.k = f.k)",
         "select count(*), sum(f.amount), count(e.w) from f left join e on f.k = e.k",
+        // The aggregated table is the smaller one: DataFusion builds on it (left semi and anti
+        // joins), and the stage hashes the larger scan instead.
+        "select name, count(*), sum(w) from d where exists (select 1 from f where f.k = d.k) group by name",
+        "select name, count(*) from d where w > (select avg(amount) from f) \
+         and not exists (select 1 from f where f.k = d.k) group by name",
+        "select count(*), sum(w) from d where w < (select max(amount) / 3 from f) \
+         and k in (select k from f where g = 'g1')",
     ];
     let given_back = [
         "select d.name, count(*), sum(f.amount) from f join dd as d on f.k = d.k group by d.name",

@@ -67,6 +67,17 @@ pub(crate) struct Codegen {
     strings: Vec<u8>,
     /// Slots holding string literals: their offsets are rebased once the slot count is known.
     string_slots: Vec<usize>,
+    /// Literals whose values are known only when the kernels run.
+    pub(crate) late: Vec<LateLiteral>,
+}
+
+/// A literal whose value is known only when the kernels run (an uncorrelated scalar subquery's):
+/// the offsets of its slot and of its validity slot (non-zero: valid) in the literal buffer.
+#[derive(Clone, Debug)]
+pub(crate) struct LateLiteral {
+    pub(crate) value: usize,
+    pub(crate) valid: usize,
+    pub(crate) expr: std::sync::Arc<dyn ::datafusion::physical_expr::PhysicalExpr>,
 }
 
 impl Codegen {
@@ -85,6 +96,7 @@ impl Codegen {
             slots: vec![],
             strings: vec![],
             string_slots: vec![],
+            late: vec![],
         }
     }
 

@@ -33,15 +33,16 @@ impl BuildRows {
     }
 }
 
-/// The GPU table scan that `build` is, when its rows can stay on `device` (a CUDA device holding
-/// the whole table) for a stage there: no limit, and columns [`concat_batches`] takes.
+/// The GPU table scan that `build` is, when its rows can stay on `device` (holding the whole
+/// table) for a stage there: no limit, and columns [`concat_batches`] takes. (A stage on the CPU
+/// device reads such a scan's rows where they are, through DataFusion.)
 pub(crate) fn device_scan(build: &Arc<dyn ExecutionPlan>, device: Device) -> Option<&GpuScan> {
     let scan = build
         .downcast_ref::<DataSourceExec>()?
         .data_source()
         .downcast_ref::<GpuScan>()?;
     let table = scan.table();
-    let here = matches!(device, Device::Cuda(_)) && table.partition_devices.iter().all(|d| *d == device);
+    let here = table.partition_devices.iter().all(|d| *d == device);
     let types = build.schema().fields().iter().all(|f| concatenable(f.data_type()));
     (here && types && scan.limit().is_none()).then_some(scan)
 }
@@ -80,8 +81,9 @@ pub(crate) async fn build_sides(
 /// [`device_scan`]) whose filtered columns the device compacts; an empty build side comes as an
 /// empty host batch.
 async fn on_device(build: &Arc<dyn ExecutionPlan>, device: Device) -> StageResult<Option<BuildRows>> {
-    let Some(scan) = device_scan(build, device) else {
-        return Ok(None);
+    let scan = match device_scan(build, device) {
+        Some(scan) if matches!(device, Device::Cuda(_)) => scan,
+        _ => return Ok(None),
     };
     let lease = scan.table().lanes[&device].acquire().await?;
     let stream = lease.stream();

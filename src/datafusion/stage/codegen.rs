@@ -23,7 +23,7 @@ use ::datafusion::physical_expr::PhysicalExpr;
 use ::datafusion::physical_expr::expressions::Column;
 use arrow_schema::{DataType, Schema};
 
-use super::super::predicate_codegen::{Codegen, PREDICATE_PRELUDE};
+use super::super::predicate_codegen::{Codegen, LateLiteral, PREDICATE_PRELUDE};
 use super::expr::{ExprCompiler, Val};
 use super::layout::{
     Acc, JoinKind, JoinStep, SlotKind, StagePlan, Step, join_key_layout, key_value_type, string_capacity,
@@ -39,6 +39,8 @@ const STAGE_PRELUDE: &str = include_str!("../kernels/stage.cu");
 pub(crate) struct StageSource {
     pub(crate) source: String,
     pub(crate) literals: Vec<u8>,
+    /// The literals (slots of `literals`) whose values are known only when the stage runs.
+    pub(crate) late: Vec<LateLiteral>,
 }
 
 /// Generates the kernels of `plan` for batches shaped like `batch` (the table's schema).
@@ -218,7 +220,11 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
          \x20       acc[s * stride + i] = v;\n    }}\n}}\n"
     ));
     let literals = g.literal_buffer()?;
-    Ok(StageSource { source, literals })
+    Ok(StageSource {
+        source,
+        literals,
+        late: std::mem::take(&mut g.late),
+    })
 }
 
 /// The base column of the join whose build side stage column `c` belongs to.

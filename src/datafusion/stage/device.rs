@@ -24,6 +24,7 @@ use super::super::nvrtc::{BLOCK, function, launch, launch_shared};
 use super::build::BuildRows;
 use super::codegen::StageSource;
 use super::emit::{self, GroupTable};
+use super::expr::late_literals;
 use super::layout::{JoinStep, NO_ROW, StagePlan, join_key_layout};
 use super::{Outcome, StageResult};
 use crate::array::{DeviceArrayData, DeviceRecordBatch};
@@ -163,7 +164,8 @@ impl<'p> DeviceStage<'p> {
             row_columns.push(row_cols.iter().map(|&c| b.column(c).clone()).collect::<Vec<_>>());
         }
         let refs: Vec<u8> = refs.iter().flat_map(|x| x.to_le_bytes()).collect();
-        let lit = DeviceBuffer::from_host(&source.literals, resource, &stream)?;
+        let literals = late_literals(&source.literals, &source.late)?;
+        let lit = DeviceBuffer::from_host(&literals, resource, &stream)?;
         let status = zeroed(8)?;
         let joins: Vec<_> = plan.joins().collect();
         let mut built = Vec::with_capacity(joins.len());

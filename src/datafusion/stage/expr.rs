@@ -25,7 +25,10 @@ use ::datafusion::physical_expr::expressions::{
 };
 use arrow_schema::{DataType, Schema};
 
-use super::super::predicate_codegen::Codegen;
+use ::datafusion::logical_expr::ColumnarValue;
+use ::datafusion::physical_expr::scalar_subquery::ScalarSubqueryExpr;
+
+use super::super::predicate_codegen::{Codegen, LateLiteral};
 use crate::error::{Error, Result};
 
 /// A compiled expression: the names of its value and validity variables, and its type.
@@ -145,6 +148,9 @@ impl<'c> ExprCompiler<'c> {
         if let Some(l) = expr.downcast_ref::<Literal>() {
             return self.literal(l.value());
         }
+        if expr.downcast_ref::<ScalarSubqueryExpr>().is_some() {
+            return self.late_literal(expr, &dt);
+        }
         if let Some(b) = expr.downcast_ref::<BinaryExpr>() {
             return self.binary(b, &dt);
         }
@@ -236,44 +242,42 @@ impl<'c> ExprCompiler<'c> {
             return Ok(out);
         }
         let (v, k) = self.fresh();
-        let int = |x: i64| {
-            let mut b = [0u8; 16];
-            b[..8].copy_from_slice(&x.to_le_bytes());
-            b
-        };
-        let (bytes, load) = match value {
-            ScalarValue::Int8(Some(x)) => (int(*x as i64), "long long"),
-            ScalarValue::Int16(Some(x)) => (int(*x as i64), "long long"),
-            ScalarValue::Int32(Some(x)) | ScalarValue::Date32(Some(x)) => (int(*x as i64), "long long"),
-            ScalarValue::Int64(Some(x)) | ScalarValue::Date64(Some(x)) => (int(*x), "long long"),
-            ScalarValue::UInt8(Some(x)) => (int(*x as i64), "long long"),
-            ScalarValue::UInt16(Some(x)) => (int(*x as i64), "long long"),
-            ScalarValue::UInt32(Some(x)) => (int(*x as i64), "long long"),
-            ScalarValue::Boolean(Some(x)) => (int(*x as i64), "bool"),
-            ScalarValue::Float32(Some(x)) => (int(x.to_bits() as i64), "float"),
-            ScalarValue::Float64(Some(x)) => (int(x.to_bits() as i64), "double"),
-            ScalarValue::Decimal128(Some(x), _, s) if *s >= 0 => (x.to_le_bytes(), "i128"),
-            ScalarValue::Utf8(Some(s)) | ScalarValue::LargeUtf8(Some(s)) | ScalarValue::Utf8View(Some(s)) => {
-                let slot = self.g.string_slot(s.as_bytes())?;
-                let l = format!("{v}_len");
-                self.line(format!(
-                    "const unsigned char* {v} = lit + *(const u32*)(lit + {slot}); \
-                     u64 {l} = *(const u32*)(lit + {slot} + 4); bool {k} = true;"
-                ));
-                return Ok(Val { v, k, len: Some(l), dt });
-            }
-            other => return unsupported(format!("literal {other:?}")),
-        };
-        let slot = self.g.slot(bytes);
-        let read = match load {
-            "float" => format!("__int_as_float((int)*(const long long*)(lit + {slot}))"),
-            "double" => format!("__longlong_as_double(*(const long long*)(lit + {slot}))"),
-            "bool" => format!("*(const long long*)(lit + {slot}) != 0"),
-            "i128" => format!("*(const i128*)(lit + {slot})"),
-            _ => format!("*(const long long*)(lit + {slot})"),
-        };
+        if let ScalarValue::Utf8(Some(s)) | ScalarValue::LargeUtf8(Some(s)) | ScalarValue::Utf8View(Some(s)) = value {
+            let slot = self.g.string_slot(s.as_bytes())?;
+            let l = format!("{v}_len");
+            self.line(format!(
+                "const unsigned char* {v} = lit + *(const u32*)(lit + {slot}); \
+                 u64 {l} = *(const u32*)(lit + {slot} + 4); bool {k} = true;"
+            ));
+            return Ok(Val { v, k, len: Some(l), dt });
+        }
+        let slot = self.g.slot(literal_bytes(value)?);
+        let (load, read) = literal_read(&dt, slot)?;
         self.line(format!("{load} {v} = {read}; bool {k} = true;"));
         Ok(Val { v, k, len: None, dt })
+    }
+
+    /// A value known only when the stage runs (an uncorrelated scalar subquery's): a slot of the
+    /// literal buffer for it and one for its validity, which [`late_literals`] fills.
+    fn late_literal(&mut self, expr: &Arc<dyn PhysicalExpr>, dt: &DataType) -> Result<Val> {
+        let value = self.g.slot([0; 16]);
+        let valid = self.g.slot([0; 16]);
+        let (load, read) = literal_read(dt, value)?;
+        self.g.late.push(LateLiteral {
+            value,
+            valid,
+            expr: expr.clone(),
+        });
+        let (v, k) = self.fresh();
+        self.line(format!(
+            "{load} {v} = {read}; bool {k} = *(const long long*)(lit + {valid}) != 0;"
+        ));
+        Ok(Val {
+            v,
+            k,
+            len: None,
+            dt: dt.clone(),
+        })
     }
 
     fn binary(&mut self, b: &BinaryExpr, dt: &DataType) -> Result<Val> {
@@ -926,6 +930,69 @@ fn arith_c(op: Operator) -> &'static str {
         Operator::Divide => "/",
         _ => "%",
     }
+}
+
+/// The 16 bytes of a non-null, non-string literal in its slot of the literal buffer.
+fn literal_bytes(value: &ScalarValue) -> Result<[u8; 16]> {
+    let int = |x: i64| {
+        let mut b = [0u8; 16];
+        b[..8].copy_from_slice(&x.to_le_bytes());
+        b
+    };
+    Ok(match value {
+        ScalarValue::Int8(Some(x)) => int(*x as i64),
+        ScalarValue::Int16(Some(x)) => int(*x as i64),
+        ScalarValue::Int32(Some(x)) | ScalarValue::Date32(Some(x)) => int(*x as i64),
+        ScalarValue::Int64(Some(x)) | ScalarValue::Date64(Some(x)) => int(*x),
+        ScalarValue::UInt8(Some(x)) => int(*x as i64),
+        ScalarValue::UInt16(Some(x)) => int(*x as i64),
+        ScalarValue::UInt32(Some(x)) => int(*x as i64),
+        ScalarValue::Boolean(Some(x)) => int(*x as i64),
+        ScalarValue::Float32(Some(x)) => int(x.to_bits() as i64),
+        ScalarValue::Float64(Some(x)) => int(x.to_bits() as i64),
+        ScalarValue::Decimal128(Some(x), _, s) if *s >= 0 => x.to_le_bytes(),
+        other => return unsupported(format!("literal {other:?}")),
+    })
+}
+
+/// The C type of a literal of `dt` and the expression that reads it from `slot`.
+fn literal_read(dt: &DataType, slot: usize) -> Result<(&'static str, String)> {
+    use DataType::*;
+    Ok(match dt {
+        Float32 => (
+            "float",
+            format!("__int_as_float((int)*(const long long*)(lit + {slot}))"),
+        ),
+        Float64 => (
+            "double",
+            format!("__longlong_as_double(*(const long long*)(lit + {slot}))"),
+        ),
+        Boolean => ("bool", format!("*(const long long*)(lit + {slot}) != 0")),
+        Decimal128(_, s) if *s >= 0 => ("i128", format!("*(const i128*)(lit + {slot})")),
+        Int8 | Int16 | Int32 | Int64 | UInt8 | UInt16 | UInt32 | Date32 | Date64 => {
+            ("long long", format!("*(const long long*)(lit + {slot})"))
+        }
+        other => return unsupported(format!("a literal of {other}")),
+    })
+}
+
+/// `literals` (a stage's literal buffer) with the values of its late literals written in: the
+/// scalar subqueries have run by the time a stage does.
+pub(crate) fn late_literals(literals: &[u8], late: &[LateLiteral]) -> Result<Vec<u8>> {
+    let mut out = literals.to_vec();
+    for l in late {
+        let empty = arrow_array::RecordBatch::new_empty(Arc::new(arrow_schema::Schema::empty()));
+        let value = match l.expr.evaluate(&empty) {
+            Ok(ColumnarValue::Scalar(v)) => v,
+            Ok(ColumnarValue::Array(_)) => return unsupported("a scalar subquery of several values"),
+            Err(e) => return Err(Error::InvalidData(format!("a scalar subquery's value: {e}"))),
+        };
+        if !value.is_null() {
+            out[l.value..l.value + 16].copy_from_slice(&literal_bytes(&value)?);
+            out[l.valid] = 1;
+        }
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -228,13 +228,17 @@ fn estimated_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<usize> {
 }
 
 /// A hash join whose probe side (DataFusion's right input) leads to the stage's scan, as a step
-/// of the stage; its build side stays a DataFusion plan that the stage runs.
+/// of the stage; its build side stays a DataFusion plan that the stage runs. A left semi or anti
+/// join whose left input leads to the scan is a step too when its right input is a GPU scan on the
+/// stage's device: the stage hashes that side where it lives and probes it with the table's rows.
 fn walk_join(j: &HashJoinExec) -> Result<Lowered<'_>, String> {
-    let kind = match j.join_type() {
-        JoinType::Inner => JoinKind::Inner,
-        JoinType::Right => JoinKind::Right,
-        JoinType::RightSemi => JoinKind::Semi,
-        JoinType::RightAnti => JoinKind::Anti,
+    let (kind, scan_left) = match j.join_type() {
+        JoinType::Inner => (JoinKind::Inner, false),
+        JoinType::Right => (JoinKind::Right, false),
+        JoinType::RightSemi => (JoinKind::Semi, false),
+        JoinType::RightAnti => (JoinKind::Anti, false),
+        JoinType::LeftSemi => (JoinKind::Semi, true),
+        JoinType::LeftAnti => (JoinKind::Anti, true),
         other => return Err(format!("a {other} join")),
     };
     if j.null_equality() != NullEquality::NullEqualsNothing || j.null_aware || j.fetch().is_some() {
@@ -243,8 +247,24 @@ fn walk_join(j: &HashJoinExec) -> Result<Lowered<'_>, String> {
     if kind == JoinKind::Right && j.filter().is_some() {
         return Err("an outer join with a filter".into());
     }
-    let mut below = walk(j.right())?;
-    let build = build_input(j.left());
+    // The side whose rows the stage reads, and the side it hashes.
+    let (scanned, hashed) = if scan_left {
+        (j.left(), j.right())
+    } else {
+        (j.right(), j.left())
+    };
+    let mut below = walk(scanned)?;
+    let build = build_input(hashed);
+    let devices = &below.scan.table().partition_devices;
+    let on_device = devices
+        .first()
+        .is_some_and(|d| devices.iter().all(|e| e == d) && device_scan(&build, *d).is_some());
+    if scan_left && !on_device {
+        return Err(format!(
+            "a {} join whose right side is not a GPU scan on the stage's device",
+            j.join_type()
+        ));
+    }
     // A build side with more rows than the stage's table is not the unique side of a key: an
     // inner or outer join would find duplicate keys and give the work back.
     if kind.needs_unique_keys(j.filter().is_some()) {
@@ -255,9 +275,9 @@ fn walk_join(j: &HashJoinExec) -> Result<Lowered<'_>, String> {
             return Err(format!("a build side of {b} rows for a table of {t}"));
         }
     }
-    let (left, right) = (j.left().schema(), j.right().schema());
+    let (hashed_schema, scanned_schema) = (hashed.schema(), scanned.schema());
     let base = below.longest.len();
-    let left_columns: Vec<Arc<dyn PhysicalExpr>> = left
+    let build_columns: Vec<Arc<dyn PhysicalExpr>> = hashed_schema
         .fields()
         .iter()
         .enumerate()
@@ -266,16 +286,17 @@ fn walk_join(j: &HashJoinExec) -> Result<Lowered<'_>, String> {
     let mut keys = Vec::new();
     let mut probe = Vec::new();
     for (l, r) in j.on() {
-        let c = l.downcast_ref::<Column>().ok_or("a build key that is not a column")?;
-        let (lt, rt) = (
-            l.data_type(&left).map_err(|e| e.to_string())?,
-            r.data_type(&right).map_err(|e| e.to_string())?,
+        let (h, s) = if scan_left { (r, l) } else { (l, r) };
+        let c = h.downcast_ref::<Column>().ok_or("a build key that is not a column")?;
+        let (ht, st) = (
+            h.data_type(&hashed_schema).map_err(|e| e.to_string())?,
+            s.data_type(&scanned_schema).map_err(|e| e.to_string())?,
         );
-        if lt != rt || !layout::join_key_supported(&lt) {
-            return Err(format!("join keys of {lt} and {rt}"));
+        if ht != st || !layout::join_key_supported(&ht) {
+            return Err(format!("join keys of {ht} and {st}"));
         }
         keys.push(c.index());
-        probe.push(substitute(r, &below.outputs)?);
+        probe.push(substitute(s, &below.outputs)?);
     }
     let filter = match j.filter() {
         None => None,
@@ -283,10 +304,10 @@ fn walk_join(j: &HashJoinExec) -> Result<Lowered<'_>, String> {
             let sides = f
                 .column_indices()
                 .iter()
-                .map(|ci| match ci.side {
-                    JoinSide::Left => Ok(left_columns[ci.index].clone()),
-                    JoinSide::Right => Ok(below.outputs[ci.index].clone()),
-                    JoinSide::None => Err("a join filter over a mark column".to_string()),
+                .map(|ci| match (ci.side, scan_left) {
+                    (JoinSide::Left, false) | (JoinSide::Right, true) => Ok(build_columns[ci.index].clone()),
+                    (JoinSide::Right, false) | (JoinSide::Left, true) => Ok(below.outputs[ci.index].clone()),
+                    (JoinSide::None, _) => Err("a join filter over a mark column".to_string()),
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             Some(substitute(f.expression(), &sides)?)
@@ -301,8 +322,10 @@ fn walk_join(j: &HashJoinExec) -> Result<Lowered<'_>, String> {
         filter,
         base,
     }));
+    // DataFusion's output: the left input's columns then the right's (inner and outer joins, where
+    // the stage's table is the right input), or one side's (semi and anti joins: the stage's).
     let outputs: Vec<_> = match kind {
-        JoinKind::Inner | JoinKind::Right => left_columns.into_iter().chain(below.outputs).collect(),
+        JoinKind::Inner | JoinKind::Right => build_columns.into_iter().chain(below.outputs).collect(),
         JoinKind::Semi | JoinKind::Anti => below.outputs,
     };
     below.outputs = match &j.projection {
@@ -357,7 +380,12 @@ fn walk(plan: &Arc<dyn ExecutionPlan>) -> Result<Lowered<'_>, String> {
     }
     // The stage reads every partition at once: how rows are spread over partitions below it
     // does not matter.
-    if plan.downcast_ref::<CooperativeExec>().is_some() || plan.downcast_ref::<RepartitionExec>().is_some() {
+    let passes = plan.downcast_ref::<CooperativeExec>().is_some()
+        || plan.downcast_ref::<RepartitionExec>().is_some()
+        || plan
+            .downcast_ref::<CoalescePartitionsExec>()
+            .is_some_and(|c| c.fetch().is_none());
+    if passes {
         return walk(plan.children()[0]);
     }
     Err(format!("{} under the aggregate", plan.name()))
