@@ -102,20 +102,27 @@
 //! its pushed-down filters and projection) never leaves it: its batches are filtered, compacted
 //! and concatenated there (`device_concat.rs`), and its plan does not run (its scan shows no
 //! metrics in `EXPLAIN ANALYZE`). The build rows are hashed on the device by their key words (an
-//! open-addressing table, each row in a slot of its own, twice as many slots as rows); every table row that reaches the join
-//! finds its first match (the first for which the join filter holds, where there is one) in the
-//! same thread that then evaluates the rest of the stage, reading the match's columns where the
-//! build side lives. Inner joins keep the rows with a match, right outer joins every row (the
-//! build columns null without a match), right semi and anti joins (`IN`, `EXISTS`, `NOT EXISTS`)
-//! the rows with or without one. Where the stage reads a match's columns, the match must be the
-//! only one: a build side with duplicate keys there makes the stage give its work back, and the
-//! rule does not place such a join where statistics say the build side has more rows than the
-//! table (it cannot then be the unique side of the key). Keys are integers, dates and decimals,
-//! one or several columns; nulls never match (`NOT IN`, whose null rule DataFusion plans as a
-//! null-aware anti join, stays with DataFusion, as do left, full and mark joins). A build side of
-//! more than 2^20 rows (or of rows statistics do not bound) whose strings the stage reads stays
-//! with DataFusion unless it is such a device scan: copying its strings to the host and back
-//! costs more than the join saves.
+//! open-addressing table, each row in a slot of its own, twice as many slots as rows); every
+//! table row that reaches the join finds its first match (the first for which the join filter
+//! holds, where there is one) in the same thread that then evaluates the rest of the stage,
+//! reading the match's columns where the build side lives. Inner joins keep the rows with a
+//! match, right outer joins every row (the build columns null without a match), right semi and
+//! anti joins (`IN`, `EXISTS`, `NOT EXISTS`) the rows with or without one. A left semi or anti
+//! join whose left input leads to the stage's scan (DataFusion builds on the smaller side, here
+//! the stage's table) is a step too when its right input is a GPU scan on the stage's device: the
+//! stage hashes that side instead, and the table's rows probe it. Where the stage reads a match's
+//! columns, the match must be the only one: a build side with duplicate keys there makes the
+//! stage give its work back, and the rule does not place such a join where statistics say the
+//! build side has more rows than the table (it cannot then be the unique side of the key). Keys
+//! are integers, dates and decimals, one or several columns; nulls never match (`NOT IN`, whose
+//! null rule DataFusion plans as a null-aware anti join, stays with DataFusion, as do left
+//! outer, full and mark joins). A build side of more than 2^20 rows (or of rows statistics do
+//! not bound) whose strings the stage reads stays with DataFusion unless it is such a device
+//! scan: copying its strings to the host and back costs more than the join saves.
+//!
+//! Uncorrelated scalar subqueries (`x > (select avg(y) from t)`) in a stage's expressions are
+//! literals whose values the stage reads when it runs, after DataFusion's `ScalarSubqueryExec`
+//! has computed them.
 //!
 //! Anything else stays with DataFusion, unchanged. Without NVRTC or a GPU the rule leaves every
 //! plan alone and logs one line saying why.
