@@ -231,16 +231,23 @@ fn estimated_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<usize> {
 /// of the stage; its build side stays a DataFusion plan that the stage runs. A left semi or anti
 /// join whose left input leads to the scan is a step too when its right input is a GPU scan on the
 /// stage's device: the stage hashes that side where it lives and probes it with the table's rows.
+/// So is an inner join that cannot be placed the first way (DataFusion built on the larger side).
 fn walk_join(j: &HashJoinExec) -> Result<Lowered<'_>, String> {
-    let (kind, scan_left) = match j.join_type() {
-        JoinType::Inner => (JoinKind::Inner, false),
-        JoinType::Right => (JoinKind::Right, false),
-        JoinType::RightSemi => (JoinKind::Semi, false),
-        JoinType::RightAnti => (JoinKind::Anti, false),
-        JoinType::LeftSemi => (JoinKind::Semi, true),
-        JoinType::LeftAnti => (JoinKind::Anti, true),
-        other => return Err(format!("a {other} join")),
-    };
+    match j.join_type() {
+        JoinType::Inner => walk_join_as(j, JoinKind::Inner, false).or_else(|e| {
+            walk_join_as(j, JoinKind::Inner, true).map_err(|swapped| format!("{e}; with the sides swapped: {swapped}"))
+        }),
+        JoinType::Right => walk_join_as(j, JoinKind::Right, false),
+        JoinType::RightSemi => walk_join_as(j, JoinKind::Semi, false),
+        JoinType::RightAnti => walk_join_as(j, JoinKind::Anti, false),
+        JoinType::LeftSemi => walk_join_as(j, JoinKind::Semi, true),
+        JoinType::LeftAnti => walk_join_as(j, JoinKind::Anti, true),
+        other => Err(format!("a {other} join")),
+    }
+}
+
+/// [`walk_join`] with the stage's table on the left side of `j` (`scan_left`) or its right.
+fn walk_join_as(j: &HashJoinExec, kind: JoinKind, scan_left: bool) -> Result<Lowered<'_>, String> {
     if j.null_equality() != NullEquality::NullEqualsNothing || j.null_aware || j.fetch().is_some() {
         return Err("a join where nulls match, a null-aware anti join or a join with a limit".into());
     }
@@ -322,9 +329,10 @@ fn walk_join(j: &HashJoinExec) -> Result<Lowered<'_>, String> {
         filter,
         base,
     }));
-    // DataFusion's output: the left input's columns then the right's (inner and outer joins, where
-    // the stage's table is the right input), or one side's (semi and anti joins: the stage's).
+    // DataFusion's output: the left input's columns then the right's (inner and outer joins), or
+    // one side's (semi and anti joins: the stage's).
     let outputs: Vec<_> = match kind {
+        JoinKind::Inner | JoinKind::Right if scan_left => below.outputs.into_iter().chain(build_columns).collect(),
         JoinKind::Inner | JoinKind::Right => build_columns.into_iter().chain(below.outputs).collect(),
         JoinKind::Semi | JoinKind::Anti => below.outputs,
     };
