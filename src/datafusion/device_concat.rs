@@ -8,7 +8,7 @@
 use arrow_schema::{DataType, SchemaRef};
 
 use super::device_filter::SCAN_KERNELS;
-use super::nvrtc::{BLOCK, function, launch};
+use super::nvrtc::{BLOCK, cuda_stream, function, launch};
 use crate::array::{DeviceArrayData, DeviceRecordBatch};
 use crate::device::{Device, Stream};
 use crate::error::{Error, Result};
@@ -35,11 +35,7 @@ pub(crate) fn concat_batches(
     device: Device,
     stream: &Stream,
 ) -> Result<DeviceRecordBatch> {
-    let stream = crate::memory::stream_for(stream, device, device)?;
-    let cuda = stream
-        .cuda()
-        .cloned()
-        .ok_or_else(|| Error::Unsupported("a device concatenation needs a CUDA stream".into()))?;
+    let (stream, cuda) = cuda_stream(stream, device, "a device concatenation")?;
     let ctx = cuda.context().clone();
     let resource = MemoryResource::default_for(device);
     let rows: usize = batches.iter().map(DeviceRecordBatch::num_rows).sum();

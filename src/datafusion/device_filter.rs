@@ -34,7 +34,7 @@ use arrow_buffer::BooleanBuffer;
 use arrow_schema::DataType;
 use cudarc::driver::{CudaContext, CudaStream};
 
-use super::nvrtc::{BLOCK, TILE, available, function, launch};
+use super::nvrtc::{BLOCK, TILE, available, cuda_stream, function, launch};
 use super::predicate::Predicate;
 use super::predicate_codegen::generate;
 use crate::array::{DeviceArrayData, DeviceRecordBatch};
@@ -84,11 +84,7 @@ pub(crate) fn filter_compact(
         )));
     };
     available()?;
-    let stream = crate::memory::stream_for(stream, device, device)?;
-    let cuda = stream
-        .cuda()
-        .cloned()
-        .ok_or_else(|| Error::Unsupported("a GPU filter needs a CUDA stream".into()))?;
+    let (stream, cuda) = cuda_stream(stream, device, "a GPU filter")?;
     if cuda.context().ordinal() != device.ordinal().unwrap_or(usize::MAX) {
         return Err(Error::InvalidArgument(format!(
             "stream of cuda:{} for a batch on {device}",
@@ -184,11 +180,7 @@ fn run(
 /// device, gathered there and copied to the host.
 pub(crate) fn gather_to_host(a: &DeviceArrayData, rows: &[u32], stream: &Stream) -> Result<arrow_array::ArrayRef> {
     let device = a.device();
-    let stream = crate::memory::stream_for(stream, device, device)?;
-    let cuda = stream
-        .cuda()
-        .cloned()
-        .ok_or_else(|| Error::Unsupported("a device gather needs a CUDA stream".into()))?;
+    let (stream, cuda) = cuda_stream(stream, device, "a device gather")?;
     if !compactable(a.data_type()) {
         return Err(Error::Unsupported(format!("gathering {} on the device", a.data_type())));
     }

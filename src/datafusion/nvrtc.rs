@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::CompileOptions;
 
+use crate::device::{Device, Stream};
 use crate::error::{Error, Result};
 
 /// Checks once that the driver, a GPU and NVRTC are usable (`crate::driver` probes the libraries and
@@ -109,4 +110,15 @@ pub(crate) fn launch_shared(
     // passed bound every access the kernels make, and `shared` is what the kernel indexes.
     unsafe { b.launch(cfg) }.map_err(Error::driver("cuLaunchKernel"))?;
     Ok(())
+}
+
+/// `stream` as a stream of `device` (a CUDA device), and its cudarc stream to launch kernels on;
+/// `what` names the work in the error for another device.
+pub(crate) fn cuda_stream(stream: &Stream, device: Device, what: &str) -> Result<(Stream, Arc<CudaStream>)> {
+    let stream = crate::memory::stream_for(stream, device, device)?;
+    let cuda = stream
+        .cuda()
+        .cloned()
+        .ok_or_else(|| Error::Unsupported(format!("{what} needs a CUDA stream")))?;
+    Ok((stream, cuda))
 }

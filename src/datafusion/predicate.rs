@@ -352,19 +352,16 @@ impl Predicate {
                 acc.ok_or_else(|| ArrowError::ComputeError("empty IN list".into()))
             }
             Predicate::IsNull { col } => arrow_arith::boolean::is_null(column(*col).as_ref()),
-            Predicate::StartsWith { col, prefix } => {
-                let a = column(*col);
-                let p = ScalarValue::Utf8(Some(prefix.clone()))
+            Predicate::StartsWith { col: c, prefix: p } | Predicate::Like { col: c, pattern: p } => {
+                let a = column(*c);
+                let p = ScalarValue::Utf8(Some(p.clone()))
                     .cast_to(a.data_type())
                     .map_err(|e| ArrowError::ComputeError(e.to_string()))?;
-                arrow_string::like::starts_with(a, &scalar(&p)?)
-            }
-            Predicate::Like { col, pattern } => {
-                let a = column(*col);
-                let p = ScalarValue::Utf8(Some(pattern.clone()))
-                    .cast_to(a.data_type())
-                    .map_err(|e| ArrowError::ComputeError(e.to_string()))?;
-                arrow_string::like::like(a, &scalar(&p)?)
+                if matches!(self, Predicate::Like { .. }) {
+                    arrow_string::like::like(a, &scalar(&p)?)
+                } else {
+                    arrow_string::like::starts_with(a, &scalar(&p)?)
+                }
             }
             Predicate::Column { col } => {
                 let a = column(*col);

@@ -20,7 +20,7 @@ use arrow_schema::{DataType, Schema};
 use arrow_select::interleave::interleave;
 
 use super::super::device_filter::{column_args, gather_to_host};
-use super::super::nvrtc::{BLOCK, function, launch, launch_shared};
+use super::super::nvrtc::{BLOCK, cuda_stream, function, launch, launch_shared};
 use super::build::BuildRows;
 use super::codegen::StageSource;
 use super::emit::{self, GroupTable};
@@ -121,11 +121,7 @@ impl<'p> DeviceStage<'p> {
         builds: &[BuildRows],
     ) -> StageResult<Self> {
         let rows = batches.iter().map(|b| b.num_rows() as u64).sum::<u64>();
-        let stream = crate::memory::stream_for(stream, device, device)?;
-        let cuda = stream
-            .cuda()
-            .cloned()
-            .ok_or_else(|| Error::Unsupported("a device stage needs a CUDA stream".into()))?;
+        let (stream, cuda) = cuda_stream(stream, device, "a device stage")?;
         let ctx = cuda.context().clone();
         let started = Instant::now();
         let (_, nw) = plan.key_layout();

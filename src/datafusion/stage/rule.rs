@@ -119,24 +119,27 @@ fn partial_below(plan: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>
     {
         return Ok(plan.clone());
     }
-    if plan.downcast_ref::<RepartitionExec>().is_some()
-        || plan.downcast_ref::<CoalescePartitionsExec>().is_some()
-        || plan.downcast_ref::<CooperativeExec>().is_some()
-    {
+    if moves_rows(plan) {
         return partial_below(plan.children()[0]);
     }
     Err(format!("{} under the final aggregate", plan.name()))
 }
 
-/// A join's build side without the repartitioning or coalescing on top of it: the stage takes
-/// all of its rows at once.
-fn build_input(plan: &Arc<dyn ExecutionPlan>) -> Arc<dyn ExecutionPlan> {
-    let through = plan.downcast_ref::<RepartitionExec>().is_some()
+/// Whether `plan` only moves its input's rows between partitions (repartitioning, coalescing
+/// without a limit, cooperative scheduling): a stage, which reads every partition at once, looks
+/// through it.
+fn moves_rows(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    plan.downcast_ref::<RepartitionExec>().is_some()
         || plan.downcast_ref::<CooperativeExec>().is_some()
         || plan
             .downcast_ref::<CoalescePartitionsExec>()
-            .is_some_and(|c| c.fetch().is_none());
-    if through {
+            .is_some_and(|c| c.fetch().is_none())
+}
+
+/// A join's build side without the repartitioning or coalescing on top of it: the stage takes
+/// all of its rows at once.
+fn build_input(plan: &Arc<dyn ExecutionPlan>) -> Arc<dyn ExecutionPlan> {
+    if moves_rows(plan) {
         build_input(plan.children()[0])
     } else {
         plan.clone()
@@ -191,10 +194,7 @@ fn traced_longest(plan: &Arc<dyn ExecutionPlan>) -> Vec<Option<usize>> {
             None => all,
         };
     }
-    let passes = plan.downcast_ref::<RepartitionExec>().is_some()
-        || plan.downcast_ref::<CoalescePartitionsExec>().is_some()
-        || plan.downcast_ref::<CooperativeExec>().is_some();
-    if passes {
+    if moves_rows(plan) {
         return traced_longest(plan.children()[0]);
     }
     vec![None; width]
@@ -386,14 +386,7 @@ fn walk(plan: &Arc<dyn ExecutionPlan>) -> Result<Lowered<'_>, String> {
     if let Some(j) = plan.downcast_ref::<HashJoinExec>() {
         return walk_join(j);
     }
-    // The stage reads every partition at once: how rows are spread over partitions below it
-    // does not matter.
-    let passes = plan.downcast_ref::<CooperativeExec>().is_some()
-        || plan.downcast_ref::<RepartitionExec>().is_some()
-        || plan
-            .downcast_ref::<CoalescePartitionsExec>()
-            .is_some_and(|c| c.fetch().is_none());
-    if passes {
+    if moves_rows(plan) {
         return walk(plan.children()[0]);
     }
     Err(format!("{} under the aggregate", plan.name()))
