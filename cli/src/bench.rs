@@ -5,8 +5,8 @@
 //!   consumer process's `recv` returns it, `CLOCK_MONOTONIC` read in both processes), and the
 //!   throughput of a stream of 1 GiB batches that the consumer reads on the device; both beside the
 //!   host path: download, arrow-ipc over a Unix socket, upload in the consumer.
-//! - TPC-H Q6 and Q1 on a [`GpuTable`](arrow_cuda::datafusion::GpuTable) with device stages beside
-//!   DataFusion's `MemTable` over the same batches.
+//! - The 22 TPC-H queries over [`GpuTable`](arrow_cuda::datafusion::GpuTable)s with device stages
+//!   beside DataFusion's `MemTable` over the same batches, and the geometric mean of the speedups.
 //!
 //! The workloads are those of the criterion benches (`benches/` of arrow-cuda), from one source:
 //! the crate `arrow-cuda-workloads`.
@@ -57,7 +57,7 @@ pub struct Args {
     /// many rows for the IPC stream (the default makes 1 GiB each).
     #[arg(long, default_value_t = 8 << 20)]
     rows: usize,
-    /// TPC-H scale factor of the Q6 and Q1 rows.
+    /// TPC-H scale factor of the query rows.
     #[arg(long, default_value_t = 1.0)]
     sf: f64,
 }
@@ -518,42 +518,54 @@ pub fn peer(args: &PeerArgs) -> BoxResult<()> {
     Ok(())
 }
 
-/// TPC-H Q6 and Q1 on a GPU table with device stages beside DataFusion's `MemTable` over the same
-/// batches.
+/// The 22 TPC-H queries over the eight tables on the GPU with device stages, beside DataFusion's
+/// `MemTable` over the same batches, and their sum.
 fn query_rows(args: &Args, device: Device, rows: &mut Vec<Row>, notes: &mut Vec<String>) -> BoxResult<()> {
     let sf = args.sf;
     let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
-    notes.push(format!(
-        "TPC-H: GpuTable with device stages beside DataFusion's MemTable over the same lineitem batches, \
-         target_partitions = {cores} for both, the best run after a warm-up"
-    ));
-    eprintln!("bench: generating TPC-H lineitem at SF {sf}");
-    let tpch::Table { schema, partitions, .. } = tpch::table("lineitem", sf, cores, tpch::LARGE_BATCH_SIZE)?;
-    let (table, _) = crate::query::stage("lineitem", schema.clone(), partitions.clone(), device)?;
+    eprintln!("bench: generating the TPC-H tables at SF {sf}");
     let config = SessionConfig::new().with_target_partitions(cores);
     let gpu = crate::query::device_session(config.clone());
-    gpu.register_table("lineitem", Arc::new(table))?;
     let host = SessionContext::new_with_config(config);
-    host.register_table("lineitem", Arc::new(MemTable::try_new(schema, partitions)?))?;
+    for t in tpch::tables(sf, cores, tpch::BATCH_SIZE)? {
+        let (table, _) = crate::query::stage(t.name, t.schema.clone(), t.partitions.clone(), device)?;
+        gpu.register_table(t.name, Arc::new(table))?;
+        host.register_table(t.name, Arc::new(MemTable::try_new(t.schema, t.partitions)?))?;
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    for q in ["q6", "q1"] {
+    let (mut ours_total, mut theirs_total, mut log_ratio) = (0.0, 0.0, 0.0);
+    for (q, sql) in tpch::QUERIES {
         let name = q.to_uppercase();
         eprintln!("bench: TPC-H {name}");
-        let sql = tpch::query(q).ok_or("an unknown TPC-H query")?;
         let (ours_out, ours) = runtime.block_on(best_query(&gpu, sql, args.seconds))?;
         let (theirs_out, theirs) = runtime.block_on(best_query(&host, sql, args.seconds))?;
         rows.push(Row {
-            what: format!("TPC-H {name}, SF {sf}: GpuTable on {device}, device stages (vs DataFusion MemTable)"),
+            what: format!("TPC-H {name}, SF {sf}: GPU tables on {device}, device stages (vs DataFusion MemTable)"),
             ours: ours * 1e3,
             theirs: theirs * 1e3,
             unit: "ms",
         });
+        (ours_total, theirs_total) = (ours_total + ours, theirs_total + theirs);
+        log_ratio += (theirs / ours).ln();
         if pretty_format_batches(&ours_out)?.to_string() != pretty_format_batches(&theirs_out)?.to_string() {
             notes.push(format!(
-                "TPC-H {name}: the GpuTable's result differs from the MemTable's"
+                "TPC-H {name}: the GPU tables' result differs from the MemTable's"
             ));
         }
     }
+    let n = tpch::QUERIES.len();
+    rows.push(Row {
+        what: format!("TPC-H, all {n} queries, SF {sf}: the sum of the rows above"),
+        ours: ours_total * 1e3,
+        theirs: theirs_total * 1e3,
+        unit: "ms",
+    });
+    notes.push(format!(
+        "TPC-H: the eight tables on {device} with device stages beside DataFusion's MemTable over the same \
+         batches, target_partitions = {cores} for both, the best run after a warm-up; geometric mean of \
+         the {n} speedups {:.2}x",
+        (log_ratio / n as f64).exp()
+    ));
     Ok(())
 }
 

@@ -77,7 +77,7 @@ fn query_runs_on_the_cpu_device() {
     assert!(out.contains("MemTable"), "{out}");
 }
 
-/// `bench` prints one table with transfer (GPU only), IPC and TPC-H rows.
+/// `bench` prints one table with transfer (GPU only), IPC and TPC-H rows (every query).
 #[test]
 fn bench_prints_one_table() {
     let mut args = vec!["bench", "--seconds", "0.05", "--sf", "0.01"];
@@ -95,11 +95,19 @@ fn bench_prints_one_table() {
         .lines()
         .filter(|l| l.starts_with("| ") && !l.starts_with("| what"))
         .collect();
-    let expected = if gpu() { 8 } else { 4 };
+    // Transfers (GPU only), two IPC rows, the 22 TPC-H queries and their sum.
+    let expected = if gpu() { 4 + 2 + 23 } else { 2 + 23 };
     assert_eq!(rows.len(), expected, "{stdout}");
-    for label in ["IPC one-way latency", "IPC streaming", "TPC-H Q6", "TPC-H Q1"] {
+    for label in [
+        "IPC one-way latency",
+        "IPC streaming",
+        "TPC-H Q1,",
+        "TPC-H Q22,",
+        "all 22 queries",
+    ] {
         assert!(rows.iter().any(|r| r.contains(label)), "{label}: {stdout}");
     }
+    assert!(stdout.contains("geometric mean"), "{stdout}");
     assert!(!stdout.contains("differs"), "{stdout}");
 }
 
