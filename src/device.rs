@@ -152,6 +152,8 @@ fn keep_pool_memory(ctx: &CudaContext) -> Result<()> {
 /// stream-ordered allocations: memory freed into it, which [`keep_pool_memory`] stops it from
 /// returning to the driver, so that the driver's free memory leaves it out. 0 on a device without
 /// memory pools.
+// Only staging (the `datafusion` feature) counts it.
+#[cfg_attr(not(feature = "datafusion"), allow(dead_code))]
 pub(crate) fn pool_idle_memory(ordinal: usize) -> Result<u64> {
     let ctx = context(ordinal)?;
     if !ctx.has_async_alloc() {

@@ -70,6 +70,7 @@ driver_calls! {
     ///
     /// # Safety
     /// `pool` is a live memory pool (a device's default pool).
+    #[cfg_attr(not(feature = "datafusion"), allow(dead_code))]
     pub(crate) unsafe fn mem_pool_idle_bytes(pool: CUmemoryPool) -> u64 = cuMemPoolGetAttribute {
         let get = |attribute| {
             let mut value = 0u64;
