@@ -37,16 +37,19 @@ const ORDERED_F64: u64 = 9;
 
 /// How one state column is made.
 enum Column {
-    /// By `stage_emit`: its kind, the kind's `a`, `b` and `c`, the bytes of a value, and the type
-    /// it is written as.
-    Device {
-        kind: u64,
-        abc: [u64; 3],
-        width: u64,
-        emitted: DataType,
-    },
+    /// By `stage_emit`.
+    Device(Emitted),
     /// The values of row-reference aggregate `agg`, gathered by the stage.
     Extremes(usize),
+}
+
+/// A column `stage_emit` writes: its kind, the kind's `a`, `b` and `c`, the bytes of a value, and
+/// the type it is written as.
+struct Emitted {
+    kind: u64,
+    abc: [u64; 3],
+    width: u64,
+    emitted: DataType,
 }
 
 /// How each column of `plan`'s state batch is made.
@@ -63,30 +66,30 @@ fn columns(plan: &StagePlan) -> StageResult<Vec<Column>> {
         let (at, j64) = (offsets[j] as u64, j as u64);
         let dt = key_value_type(key_type);
         out.push(match dt {
-            DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View => Column::Device {
+            DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View => Column::Device(Emitted {
                 kind: KEY_STR,
                 abc: [at, j64, plan.key_words[j] as u64],
                 width: 16,
                 emitted: DataType::Utf8View,
-            },
-            DataType::Boolean => Column::Device {
+            }),
+            DataType::Boolean => Column::Device(Emitted {
                 kind: KEY_BOOL,
                 abc: [at, j64, 0],
                 width: 0,
                 emitted: DataType::Boolean,
-            },
-            DataType::Decimal128(..) => Column::Device {
+            }),
+            DataType::Decimal128(..) => Column::Device(Emitted {
                 kind: KEY_DEC,
                 abc: [at, j64, 0],
                 width: 16,
                 emitted: dt.clone(),
-            },
-            _ => Column::Device {
+            }),
+            _ => Column::Device(Emitted {
                 kind: KEY_INT,
                 abc: [at, j64, 0],
                 width: width(dt)?,
                 emitted: dt.clone(),
-            },
+            }),
         });
     }
     for (a, spec) in plan.aggs.iter().enumerate() {
@@ -113,12 +116,12 @@ fn columns(plan: &StagePlan) -> StageResult<Vec<Column>> {
                     Acc::Count => return Err(Error::InvalidData("a COUNT with a value state".into()).into()),
                 }
             };
-            out.push(Column::Device {
+            out.push(Column::Device(Emitted {
                 kind,
                 abc: [s, 0, 0],
                 width: width(dt)?,
                 emitted: dt.clone(),
-            });
+            }));
         }
     }
     Ok(out)
@@ -165,17 +168,12 @@ pub(crate) fn state_batch(
         return Ok((RecordBatch::new_empty(plan.schema.clone()), 0));
     }
     let columns = columns(plan)?;
-    // The columns `stage_emit` writes: their state column, kind, a, b, c, width and type.
-    let device: Vec<(usize, u64, [u64; 3], u64, &DataType)> = columns
+    // The columns `stage_emit` writes, with their index among the state's.
+    let device: Vec<(usize, &Emitted)> = columns
         .iter()
         .enumerate()
         .filter_map(|(i, c)| match c {
-            Column::Device {
-                kind,
-                abc,
-                width,
-                emitted,
-            } => Some((i, *kind, *abc, *width, emitted)),
+            Column::Device(e) => Some((i, e)),
             Column::Extremes(_) => None,
         })
         .collect();
@@ -183,11 +181,11 @@ pub(crate) fn state_batch(
     let bitmap = count.div_ceil(32) * 4;
     let mut placed = Vec::with_capacity(device.len());
     let mut end = 0;
-    for &(_, kind, abc, width, _) in &device {
-        let (values_len, data_len) = match kind {
+    for (_, e) in &device {
+        let (values_len, data_len) = match e.kind {
             KEY_BOOL => (bitmap, 0),
-            KEY_STR => (count * 16, count * 8 * abc[2] as usize),
-            _ => (count * width as usize, 0),
+            KEY_STR => (count * 16, count * 8 * e.abc[2] as usize),
+            _ => (count * e.width as usize, 0),
         };
         if data_len > u32::MAX as usize {
             return Err(Outcome::GiveBack(format!(
@@ -213,14 +211,14 @@ pub(crate) fn state_batch(
     let descriptors: Vec<u8> = device
         .iter()
         .zip(&placed)
-        .flat_map(|(&(_, kind, abc, width, _), p)| {
+        .flat_map(|((_, e), p)| {
             let at = |offset: usize| base + offset as u64;
             [
-                kind,
-                abc[0],
-                abc[1],
-                abc[2],
-                width,
+                e.kind,
+                e.abc[0],
+                e.abc[1],
+                e.abc[2],
+                e.width,
                 at(p.values),
                 at(p.validity),
                 at(p.data),
@@ -246,18 +244,18 @@ pub(crate) fn state_batch(
 
     let mut fields = Vec::with_capacity(device.len());
     let mut arrays = Vec::with_capacity(device.len());
-    for (k, (&(i, kind, _, _, emitted), p)) in device.iter().zip(&placed).enumerate() {
+    for (k, (&(i, e), p)) in device.iter().zip(&placed).enumerate() {
         let n = u64::from_le_bytes(nulls[k * 8..k * 8 + 8].try_into().expect("8 bytes")) as usize;
         let validity = (n > 0).then(|| memory.slice(p.validity, bitmap)).transpose()?;
         let mut buffers = vec![memory.slice(p.values, p.values_len)?];
-        if kind == KEY_STR {
+        if e.kind == KEY_STR {
             buffers.push(memory.slice(p.data, p.data_len)?);
         }
-        let mut array = DeviceArrayData::try_new(emitted.clone(), count, 0, Some(n), validity, buffers, vec![])?;
+        let mut array = DeviceArrayData::try_new(e.emitted.clone(), count, 0, Some(n), validity, buffers, vec![])?;
         // Written by `stage_emit` from the stage's own keys and accumulators: valid by construction.
         array.trusted = true;
         arrays.push(array);
-        fields.push(Field::new(format!("c{i}"), emitted.clone(), true));
+        fields.push(Field::new(format!("c{i}"), e.emitted.clone(), true));
     }
     let copied = arrays.iter().map(DeviceArrayData::size_in_bytes).sum::<usize>() as u64;
     let emitted = DeviceRecordBatch::try_new(Arc::new(Schema::new(fields)), arrays, count, stream.record()?)?;
@@ -266,7 +264,7 @@ pub(crate) fn state_batch(
     let mut out = Vec::with_capacity(columns.len());
     for (c, field) in columns.iter().zip(plan.schema.fields()) {
         let column = match c {
-            Column::Device { .. } => downloaded
+            Column::Device(_) => downloaded
                 .next()
                 .cloned()
                 .ok_or_else(|| Error::InvalidData("a stage's emitted column is missing".into()))?,

@@ -407,7 +407,8 @@ fn integer(v: &ScalarValue) -> Option<i64> {
     }
 }
 
-/// What a stage accumulated on one device (or on the host): `count` groups, their key words
+/// What a stage accumulated on the host (a stage on a CUDA device emits its state batch there:
+/// `emit.rs`), or the initial groups of one that keeps no row: `count` groups, their key words
 /// (`count * words`, group-major), their accumulators (`slots * count`, slot-major) and, for each
 /// row-reference aggregate, its values (one per group, null without one).
 #[derive(Debug, Default)]

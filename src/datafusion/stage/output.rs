@@ -1,7 +1,8 @@
-//! A stage's output: its [`Groups`] as a batch of DataFusion's partial aggregate state (the group
-//! columns, then each aggregate's state fields as `AggregateFunctionExpr::state_fields` declares
-//! them), which DataFusion's `Final` aggregate merges, or which [`final_batch`] turns into the
-//! final rows with DataFusion's own accumulators.
+//! A stage's output: the [`Groups`] of a stage on the host as a batch of DataFusion's partial
+//! aggregate state (the group columns, then each aggregate's state fields as
+//! `AggregateFunctionExpr::state_fields` declares them; a stage on a CUDA device makes the same
+//! batch on the device, `emit.rs`), which DataFusion's `Final` aggregate merges, or which
+//! [`final_batch`] turns into the final rows with DataFusion's own accumulators.
 
 use std::sync::Arc;
 
