@@ -57,9 +57,9 @@ pub(crate) enum Filtered {
 }
 
 /// Allocations of a scan, in stream order on its device.
-struct Scratch {
-    resource: MemoryResource,
-    stream: Stream,
+pub(crate) struct Scratch {
+    pub(crate) resource: MemoryResource,
+    pub(crate) stream: Stream,
 }
 
 impl Scratch {
@@ -138,12 +138,10 @@ fn run(
     let mut args = vec![n64, sel.address(), lit.address()];
     let keep = column_args(batch, &cols, &mut args, scratch.resource, stream)?;
     launch(cuda, &pred, n64.div_ceil(BLOCK as u64), BLOCK, &args)?;
-    // 2. Count and prefix-sum the tiles.
-    let (tiles, total) = scan_u8(ctx, cuda, scratch, &sel, n64)?;
-    let m = (total as usize).min(limit);
-    if m == 0 {
+    // 2. and 3. The indices of the first `limit` selected rows.
+    let Some((idx, m)) = selected_rows(ctx, cuda, scratch, &sel, n, limit)? else {
         return Ok(Filtered::Empty);
-    }
+    };
     // A projected column without a compaction kernel: filter on the host.
     if output.iter().any(|&c| !compactable(batch.column(c).data_type())) {
         let mut bytes = vec![0u8; n];
@@ -153,16 +151,6 @@ fn run(
         let filtered = arrow_select::filter::filter_record_batch(&host, &mask)?;
         return Ok(Filtered::Host(filtered.slice(0, m)));
     }
-    // 3. Indices of the first m selected rows.
-    let idx = scratch.alloc(m * 4)?;
-    let select = function(ctx, SCAN_KERNELS, "select_indices")?;
-    launch(
-        cuda,
-        &select,
-        n64.div_ceil(TILE),
-        BLOCK,
-        &[sel.address(), n64, tiles.address(), m as u64, idx.address()],
-    )?;
     // 4. Compact the projected columns.
     let schema = Arc::new(batch.schema().project(output)?);
     let columns = output
@@ -215,6 +203,35 @@ pub(crate) fn gather_to_host(a: &DeviceArrayData, rows: &[u32], stream: &Stream)
     Ok(host.column(0).clone())
 }
 
+/// The indices (`u32`) of the first `limit` rows whose selection byte in `sel` (one per row of
+/// `n`) is nonzero, and their count; `None` when there are none. The count is the one value read
+/// back.
+pub(crate) fn selected_rows(
+    ctx: &Arc<CudaContext>,
+    cuda: &Arc<CudaStream>,
+    scratch: &Scratch,
+    sel: &DeviceBuffer,
+    n: usize,
+    limit: usize,
+) -> Result<Option<(DeviceBuffer, usize)>> {
+    let n64 = n as u64;
+    let (tiles, total) = scan_u8(ctx, cuda, scratch, sel, n64)?;
+    let m = (total as usize).min(limit);
+    if m == 0 {
+        return Ok(None);
+    }
+    let idx = scratch.alloc(m * 4)?;
+    let select = function(ctx, SCAN_KERNELS, "select_indices")?;
+    launch(
+        cuda,
+        &select,
+        n64.div_ceil(TILE),
+        BLOCK,
+        &[sel.address(), n64, tiles.address(), m as u64, idx.address()],
+    )?;
+    Ok(Some((idx, m)))
+}
+
 /// Counts the nonzero selection bytes: returns the exclusive prefix sums of the tiles (with the
 /// total at the end) and the total.
 fn scan_u8(
@@ -236,7 +253,7 @@ fn scan_u8(
 }
 
 /// Whether [`compact`] handles a column of this type.
-fn compactable(dt: &DataType) -> bool {
+pub(crate) fn compactable(dt: &DataType) -> bool {
     matches!(
         dt,
         DataType::Boolean
@@ -251,7 +268,7 @@ fn compactable(dt: &DataType) -> bool {
 }
 
 /// The rows `idx[0..m]` of `a`, in new device memory.
-fn compact(
+pub(crate) fn compact(
     ctx: &Arc<CudaContext>,
     cuda: &Arc<CudaStream>,
     scratch: &Scratch,

@@ -219,11 +219,106 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
          \x20   for (u64 s = 0; s < {nslots}; s++) {{\n        u64 v = 0;\n{init}\
          \x20       acc[s * stride + i] = v;\n    }}\n}}\n"
     ));
+    if let Some(rows) = &plan.rows {
+        source.push_str(&rows_kernels(&mut g, plan, &schema, &built, (&decls, &params), rows)?);
+    }
     let literals = g.literal_buffer()?;
     Ok(StageSource {
         source,
         literals,
         late: std::mem::take(&mut g.late),
+    })
+}
+
+/// A rows stage's kernels:
+///
+/// - `stage_select(n, sel, flags, lit, columns...)`: one thread per row runs the row pipeline and
+///   writes a selection byte, 1 for each row it keeps;
+/// - `stage_project(m, idx, flags, lit, nulls, outputs..., columns...)`: one thread per kept row
+///   (`idx`, the selected rows' indices) runs the pipeline for its row again, to reach the values
+///   its outputs read, and writes each computed output column at the thread's position: the
+///   value, and the validity bitmap (a boolean's values too) by warp votes, with the column's null
+///   count. Output columns that copy a table column are gathered by the scan's kernels instead.
+fn rows_kernels(
+    g: &mut Codegen,
+    plan: &StagePlan,
+    schema: &Schema,
+    built: &[usize],
+    (decls, params): (&str, &str),
+    rows: &[Arc<dyn PhysicalExpr>],
+) -> Result<String> {
+    g.body.clear();
+    let open = emit_rows(g, plan, schema, built)?;
+    let select = format!(
+        "extern \"C\" __global__ void stage_select(u64 n, unsigned char* sel, u32* flags, const unsigned char* lit{params}) {{\n\
+         \x20   u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;\n    if (i >= n) return;\n\
+         \x20   bool ovf = false, dz = false;\n    unsigned char keep = 0;\n{decls}{}    keep = 1;\n{}\
+         \x20   sel[i] = keep;\n\
+         \x20   if (ovf) atomicOr(flags, FLAG_OVERFLOW);\n    if (dz) atomicOr(flags, FLAG_DIV_ZERO);\n}}\n",
+        g.body,
+        "    }\n".repeat(open)
+    );
+    g.body.clear();
+    let open = emit_rows(g, plan, schema, built)?;
+    let (mut vars, mut outs, mut writes) = (String::new(), String::new(), String::new());
+    for (k, expr) in rows.iter().enumerate() {
+        if plan.gathered(k).is_some() {
+            continue;
+        }
+        let dt = plan.schema.field(k).data_type();
+        let val = ExprCompiler::new(g, schema).compile(expr)?;
+        if &val.dt != dt {
+            return Err(Error::Unsupported(format!("an output column of {} for {dt}", val.dt)));
+        }
+        let held = super::expr::c_type(dt).ok_or_else(|| Error::Unsupported(format!("an output column of {dt}")))?;
+        vars.push_str(&format!("    {held} rv{k} = 0; bool rk{k} = false;\n"));
+        g.body.push_str(&format!("    rv{k} = {}; rk{k} = {};\n", val.v, val.k));
+        outs.push_str(&format!(", void* ro{k}, u32* rb{k}"));
+        let value = match dt {
+            DataType::Boolean => format!(
+                "u32 bv = __ballot_sync(0xffffffffu, live && rk{k} && rv{k}); if (lane0) ((u32*)ro{k})[t >> 5] = bv;"
+            ),
+            _ => {
+                let ty = stored(dt)?;
+                format!("if (live) (({ty}*)ro{k})[t] = rk{k} ? ({ty})rv{k} : 0;")
+            }
+        };
+        writes.push_str(&format!(
+            "    {{\n    u32 b = __ballot_sync(0xffffffffu, live && rk{k});\n\
+             \x20   if (lane0) {{ rb{k}[t >> 5] = b; u32 z = alive & ~b; \
+             if (z) atomicAdd((unsigned long long*)&rnulls[{k}], (unsigned long long)__popc(z)); }}\n\
+             \x20   {value}\n    }}\n"
+        ));
+    }
+    let project = format!(
+        "extern \"C\" __global__ void stage_project(u64 m, const u32* idx, u32* flags, const unsigned char* lit, \
+         u64* rnulls{outs}{params}) {{\n\
+         \x20   u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;\n    bool live = t < m;\n\
+         \x20   u32 alive = __ballot_sync(0xffffffffu, live);\n    bool lane0 = live && (threadIdx.x & 31) == 0;\n\
+         \x20   bool ovf = false, dz = false;\n{vars}\
+         \x20   if (live) {{\n    u64 i = idx[t];\n{decls}{}{}    }}\n{writes}\
+         \x20   if (ovf) atomicOr(flags, FLAG_OVERFLOW);\n    if (dz) atomicOr(flags, FLAG_DIV_ZERO);\n}}\n",
+        g.body,
+        "    }\n".repeat(open)
+    );
+    Ok(select + &project)
+}
+
+/// The C type of an output column's values of `dt` (Arrow's layout).
+fn stored(dt: &DataType) -> Result<&'static str> {
+    use DataType::*;
+    Ok(match dt {
+        Int8 => "signed char",
+        Int16 => "short",
+        Int32 | Date32 => "int",
+        Int64 | Date64 => "long long",
+        UInt8 => "unsigned char",
+        UInt16 => "unsigned short",
+        UInt32 => "unsigned int",
+        Float32 => "float",
+        Float64 => "double",
+        Decimal128(..) => "i128",
+        other => return Err(Error::Unsupported(format!("an output column of {other}"))),
     })
 }
 

@@ -19,7 +19,7 @@ use arrow_array::{Array, ArrayRef, RecordBatch, new_null_array};
 use arrow_schema::{DataType, Schema};
 use arrow_select::interleave::interleave;
 
-use super::super::device_filter::{column_args, gather_to_host};
+use super::super::device_filter::{Scratch, column_args, compact, gather_to_host, selected_rows};
 use super::super::nvrtc::{BLOCK, cuda_stream, function, launch, launch_shared};
 use super::build::BuildRows;
 use super::codegen::StageSource;
@@ -54,6 +54,8 @@ struct Kernels {
     init: CudaFunction,
     rehash: CudaFunction,
     emit: CudaFunction,
+    /// A rows stage's `stage_select` and `stage_project`.
+    rows: Option<(CudaFunction, CudaFunction)>,
 }
 
 /// The device side of a stage over the batches of one device.
@@ -133,6 +135,16 @@ impl<'p> DeviceStage<'p> {
             init: function(&ctx, &source.source, "stage_init")?,
             rehash: function(&ctx, &source.source, "stage_rehash")?,
             emit: function(&ctx, &source.source, "stage_emit")?,
+            rows: plan
+                .rows
+                .is_some()
+                .then(|| {
+                    Ok::<_, Error>((
+                        function(&ctx, &source.source, "stage_select")?,
+                        function(&ctx, &source.source, "stage_project")?,
+                    ))
+                })
+                .transpose()?,
         };
         let compile_time = started.elapsed();
         let resource = MemoryResource::default_for(device);
@@ -415,6 +427,101 @@ impl<'p> DeviceStage<'p> {
         // The accumulation's flags are read with the next batch's groups, or by `finish`: a stage
         // without keys synchronises once, at the end.
         Ok(())
+    }
+
+    /// A rows stage's output for the rows of `batch` (on this stage's device) that its pipeline
+    /// keeps, and the bytes copied to the host; `None` when it keeps none. See
+    /// [`codegen`](super::codegen) for the kernels.
+    pub(crate) fn rows(&mut self, batch: &DeviceRecordBatch) -> StageResult<Option<(RecordBatch, u64)>> {
+        let plan = self.plan;
+        let (Some((select, project)), Some(rows)) = (self.kernels.rows.clone(), plan.rows.as_ref()) else {
+            return Err(Outcome::Fail(
+                Error::InvalidData("rows of a stage that aggregates".into()).into(),
+            ));
+        };
+        let n = batch.num_rows();
+        if n == 0 {
+            return Ok(None);
+        }
+        if n > u32::MAX as usize {
+            return Err(Outcome::GiveBack(format!("a batch of {n} rows")));
+        }
+        self.stream.wait(batch.ready())?;
+        let mut cols = Vec::new();
+        let _views = column_args(batch, &plan.columns, &mut cols, self.resource, &self.stream)?;
+        cols.extend_from_slice(&self.join_args);
+        let sel = self.alloc(n as u64)?;
+        let mut args = vec![n as u64, sel.address(), self.flags_address(), self.lit.address()];
+        args.extend_from_slice(&cols);
+        launch(&self.cuda, &select, (n as u64).div_ceil(BLOCK as u64), BLOCK, &args)?;
+        let ctx = self.cuda.context().clone();
+        let scratch = Scratch {
+            resource: self.resource,
+            stream: self.stream.clone(),
+        };
+        let selected = selected_rows(&ctx, &self.cuda, &scratch, &sel, n, usize::MAX)?;
+        // Reading the count back waited for the selection: its flags are in.
+        self.check(self.read_status()?.0)?;
+        let Some((idx, m)) = selected else {
+            return Ok(None);
+        };
+        let computed: Vec<usize> = (0..rows.len()).filter(|&k| plan.gathered(k).is_none()).collect();
+        let nulls = DeviceBuffer::zeroed(self.resource, computed.len().max(1) * 8, &self.stream)?;
+        let bitmap = m.div_ceil(32) * 4;
+        let mut args = vec![
+            m as u64,
+            idx.address(),
+            self.flags_address(),
+            self.lit.address(),
+            nulls.address(),
+        ];
+        let mut written = Vec::with_capacity(computed.len());
+        for &k in &computed {
+            let dt = plan.schema.field(k).data_type();
+            let len = match dt {
+                DataType::Boolean => m.div_ceil(8),
+                _ => {
+                    m * dt
+                        .primitive_width()
+                        .ok_or_else(|| Error::Unsupported(format!("an output column of {dt}")))?
+                }
+            };
+            let (values, validity) = (self.alloc(len.max(bitmap) as u64)?, self.alloc(bitmap as u64)?);
+            args.extend([values.address(), validity.address()]);
+            written.push((values.slice(0, len)?, validity.slice(0, m.div_ceil(8))?));
+        }
+        args.extend_from_slice(&cols);
+        launch(&self.cuda, &project, (m as u64).div_ceil(BLOCK as u64), BLOCK, &args)?;
+        let mut counts = vec![0u8; computed.len() * 8];
+        nulls.copy_to_host(0, &mut counts, &self.stream)?;
+        self.check(self.read_status()?.0)?;
+        let mut written = written.into_iter().zip(counts.chunks_exact(8));
+        let mut arrays = Vec::with_capacity(rows.len());
+        for (k, field) in plan.schema.fields().iter().enumerate() {
+            arrays.push(match plan.gathered(k) {
+                Some(c) => compact(&ctx, &self.cuda, &scratch, batch.column(c), &idx, m)?,
+                None => {
+                    let ((values, validity), count) = written
+                        .next()
+                        .ok_or_else(|| Error::InvalidData("a stage's output column is missing".into()))?;
+                    let count = u64::from_le_bytes(count.try_into().expect("8 bytes")) as usize;
+                    let validity = (count > 0).then_some(validity);
+                    DeviceArrayData::try_new(
+                        field.data_type().clone(),
+                        m,
+                        0,
+                        Some(count),
+                        validity,
+                        vec![values],
+                        vec![],
+                    )?
+                }
+            });
+        }
+        let bytes = arrays.iter().map(DeviceArrayData::size_in_bytes).sum::<usize>() as u64;
+        let out = DeviceRecordBatch::try_new(plan.schema.clone(), arrays, m, self.stream.record()?)?;
+        let host = crate::transfer::dtoh(&out, &self.stream)?;
+        Ok(Some((host, bytes)))
     }
 
     /// The stage's state batch (see [`emit`](super::emit)) and the bytes copied to the host.

@@ -31,7 +31,8 @@ use super::host::HostStage;
 use super::layout::{Groups, JoinKind, StagePlan, Step};
 use super::output::{final_batch, state_batch};
 use super::{Outcome, StageResult};
-use crate::device::Device;
+use crate::array::DeviceRecordBatch;
+use crate::device::{Device, Stream};
 
 /// A device stage: a GPU table's scan, its filters, computed projections and an aggregation, run
 /// where the table lives. When it covers the whole aggregation it emits the aggregate's final rows,
@@ -65,6 +66,9 @@ pub(crate) enum Output {
         aggr: Vec<Arc<AggregateFunctionExpr>>,
         schema: SchemaRef,
     },
+    /// The rows the pipeline keeps, with the columns of the projection or filter the stage
+    /// replaced (a rows stage: no aggregate above the pipeline).
+    Rows,
 }
 
 /// What the stage's run produced: each partition's batches, or the work given back to a fresh
@@ -88,8 +92,8 @@ impl DeviceStageExec {
     /// A stage that runs `plan` in place of `original`, which emits `output`.
     pub(crate) fn new(plan: StagePlan, output: Output, original: Arc<dyn ExecutionPlan>) -> Self {
         let properties = match &output {
-            // Unordered, partitioned as the aggregate it replaced.
-            Output::Final { .. } => original.properties().as_ref().clone(),
+            // Unordered, partitioned as the aggregate or the rows it replaced.
+            Output::Final { .. } | Output::Rows => original.properties().as_ref().clone(),
             Output::Partial => PlanProperties::new(
                 EquivalenceProperties::new(plan.schema.clone()),
                 Partitioning::UnknownPartitioning(original.properties().partitioning.partition_count()),
@@ -137,29 +141,31 @@ impl DeviceStageExec {
             .clone()
     }
 
-    /// What splits the stage's state batches (one per device) into each partition's: a share of
-    /// the groups each, or, for final rows partitioned by the hash of the keys, the groups of
-    /// that partition (each partition then merges its own, in parallel).
+    /// What splits the stage's batches (a state batch per device, or a rows stage's batches)
+    /// into each partition's: a share of the rows of each batch, or, for output partitioned by
+    /// the hash of columns, the rows of that partition (a final aggregate's partitions then merge
+    /// their own groups, in parallel); one partition merges every group of an otherwise
+    /// partitioned final aggregate.
     fn emitter(&self) -> impl FnOnce(Vec<RecordBatch>) -> DfResult<Vec<Vec<RecordBatch>>> + Send + 'static {
         let partitioning = self.properties.partitioning.clone();
-        let last = matches!(self.output, Output::Final { .. });
-        move |states| {
+        let output = self.output.clone();
+        move |batches| {
             let n = partitioning.partition_count();
-            match partitioning {
-                _ if !last => Ok(shares(&states, n)),
-                Partitioning::Hash(..) => {
+            match (output, partitioning) {
+                (Output::Partial, _) => Ok(shares(&batches, n)),
+                (_, partitioning @ Partitioning::Hash(..)) => {
                     let mut out = vec![Vec::new(); n];
-                    for batch in states {
+                    for batch in batches {
                         for (p, b) in hash_split(&partitioning, batch)?.into_iter().enumerate() {
                             out[p].push(b);
                         }
                     }
                     Ok(out)
                 }
-                // One partition merges every group.
-                _ => {
+                (Output::Rows, _) => Ok(shares(&batches, n)),
+                (Output::Final { .. }, _) => {
                     let mut out = vec![Vec::new(); n];
-                    out[0] = states;
+                    out[0] = batches;
                     Ok(out)
                 }
             }
@@ -197,15 +203,21 @@ impl DisplayAs for DeviceStageExec {
                 if !steps.is_empty() {
                     write!(f, ", steps=[{}]", steps.join(", "))?;
                 }
+                if let Some(rows) = &p.rows {
+                    return write!(f, ", rows=[{}]", list(rows));
+                }
                 write!(f, ", group_by=[{}]", list(&p.keys))?;
                 let aggs: Vec<&str> = p.aggs.iter().map(|a| a.name.as_str()).collect();
                 let output = match self.output {
-                    Output::Partial => "partial",
                     Output::Final { .. } => "final",
+                    Output::Partial | Output::Rows => "partial",
                 };
                 write!(f, ", aggr=[{}], output={output}", aggs.join(", "))
             }
-            DisplayFormatType::TreeRender => write!(f, "group_by={}\naggr={}", p.keys.len(), p.aggs.len()),
+            DisplayFormatType::TreeRender => match &p.rows {
+                Some(rows) => write!(f, "rows={}", rows.len()),
+                None => write!(f, "group_by={}\naggr={}", p.keys.len(), p.aggs.len()),
+            },
         }
     }
 }
@@ -309,7 +321,55 @@ impl Metrics {
     }
 }
 
-/// Runs the stage over every partition of the table, one state batch per device.
+/// The build sides for a stage on the host: every one's rows there.
+fn host_builds(builds: &[BuildRows]) -> StageResult<Vec<RecordBatch>> {
+    builds
+        .iter()
+        .map(|b| match b {
+            BuildRows::Host(b) => Ok(b.clone()),
+            BuildRows::Device(_) => Err(Outcome::GiveBack("a build side on a device".into())),
+        })
+        .collect()
+}
+
+/// A rows stage's output over `batches`, those of one device: a batch for each input batch of
+/// which the pipeline keeps rows.
+fn rows_of<'a>(
+    plan: &StagePlan,
+    device: Device,
+    stream: &Stream,
+    batches: impl Iterator<Item = &'a DeviceRecordBatch>,
+    builds: &[BuildRows],
+    metrics: &Metrics,
+) -> StageResult<Vec<RecordBatch>> {
+    let mut out = Vec::new();
+    if device.is_host_accessible() {
+        let stage = HostStage::new(plan, &host_builds(builds)?)?;
+        for b in batches {
+            metrics.rows_in.add(b.num_rows());
+            out.extend(stage.rows(b, stream)?);
+        }
+        return Ok(out);
+    }
+    let source = plan
+        .source
+        .as_ref()
+        .ok_or_else(|| Outcome::GiveBack("no kernels were generated".into()))?;
+    let batches: Vec<_> = batches.collect();
+    let mut stage = DeviceStage::new(plan, source, device, stream, &batches, builds)?;
+    metrics.compile_time.add_duration(stage.compile_time);
+    for b in batches {
+        metrics.rows_in.add(b.num_rows());
+        if let Some((rows, bytes)) = stage.rows(b)? {
+            metrics.bytes_to_host.add(bytes as usize);
+            out.push(rows);
+        }
+    }
+    Ok(out)
+}
+
+/// Runs the stage over every partition of the table: one state batch per device, or a rows
+/// stage's batches.
 async fn run(plan: Arc<StagePlan>, metrics: &Metrics, context: Arc<TaskContext>) -> StageResult<Vec<RecordBatch>> {
     let table = &plan.table;
     let mut devices: Vec<Device> = table.partition_devices.clone();
@@ -337,6 +397,13 @@ async fn run(plan: Arc<StagePlan>, metrics: &Metrics, context: Arc<TaskContext>)
             .zip(&table.partition_devices)
             .filter(|(_, d)| **d == device)
             .flat_map(|(p, _)| p.iter());
+        if plan.rows.is_some() {
+            if !none_kept {
+                out.extend(rows_of(&plan, device, stream, batches, &builds, metrics)?);
+            }
+            metrics.device_time.add_duration(started.elapsed());
+            continue;
+        }
         // Without keys there is always one group, as DataFusion's partial aggregate emits.
         let host_state = |groups: Groups| {
             let groups = if plan.keys.is_empty() && groups.count == 0 {
@@ -349,14 +416,7 @@ async fn run(plan: Arc<StagePlan>, metrics: &Metrics, context: Arc<TaskContext>)
         let batch = if none_kept {
             host_state(plan.initial_groups(0))?
         } else if device.is_host_accessible() {
-            let builds = builds
-                .iter()
-                .map(|b| match b {
-                    BuildRows::Host(b) => Ok(b.clone()),
-                    BuildRows::Device(_) => Err(Outcome::GiveBack("a build side on a device".into())),
-                })
-                .collect::<StageResult<Vec<_>>>()?;
-            let mut stage = HostStage::new(&plan, &builds)?;
+            let mut stage = HostStage::new(&plan, &host_builds(&builds)?)?;
             for b in batches {
                 metrics.rows_in.add(b.num_rows());
                 stage.add(b, stream)?;
@@ -445,7 +505,7 @@ impl ExecutionPlan for DeviceStageExec {
         let rows = MetricBuilder::new(&self.metrics).output_rows(partition);
         let merge_time = MetricBuilder::new(&self.metrics).subset_time("merge_time", partition);
         let last = match &self.output {
-            Output::Partial => None,
+            Output::Partial | Output::Rows => None,
             Output::Final { aggr, schema } => Some((aggr.clone(), schema.clone(), self.plan.keys.len())),
         };
         let fut = async move {

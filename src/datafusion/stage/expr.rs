@@ -21,7 +21,8 @@ use ::datafusion::logical_expr::Operator;
 use ::datafusion::physical_expr::PhysicalExpr;
 use ::datafusion::physical_expr::ScalarFunctionExpr;
 use ::datafusion::physical_expr::expressions::{
-    BinaryExpr, CaseExpr, CastExpr, Column, InListExpr, IsNotNullExpr, IsNullExpr, LikeExpr, Literal, NotExpr,
+    BinaryExpr, CaseExpr, CastExpr, Column, InListExpr, IsNotNullExpr, IsNullExpr, LikeExpr, Literal, NegativeExpr,
+    NotExpr,
 };
 use arrow_schema::{DataType, Schema};
 
@@ -163,6 +164,9 @@ impl<'c> ExprCompiler<'c> {
             self.line(format!("bool {k} = {}; bool {v} = !{};", a.k, a.v));
             return Ok(Val { v, k, len: None, dt });
         }
+        if let Some(n) = expr.downcast_ref::<NegativeExpr>() {
+            return self.negative(n.arg(), dt);
+        }
         if let Some(n) = expr.downcast_ref::<IsNullExpr>() {
             let a = self.compile(n.arg())?;
             let (v, k) = self.fresh();
@@ -192,6 +196,25 @@ impl<'c> ExprCompiler<'c> {
             return self.function(f, &dt);
         }
         unsupported(expr)
+    }
+
+    /// `-arg`, wrapping as arrow's `neg_wrapping` (which DataFusion's `NegativeExpr` runs):
+    /// signed integers at their width, decimals at 128 bits (no precision check), floats.
+    fn negative(&mut self, arg: &Arc<dyn PhysicalExpr>, dt: DataType) -> Result<Val> {
+        let a = self.compile(arg)?;
+        let body = match &a.dt {
+            DataType::Int8 | DataType::Int16 | DataType::Int32 | DataType::Int64 => {
+                let w = int_width(&a.dt).expect("integer");
+                format!("(long long)({w})(0ull - (unsigned long long){})", a.v)
+            }
+            DataType::Float32 | DataType::Float64 => format!("-{}", a.v),
+            DataType::Decimal128(..) => format!("(i128)((unsigned __int128)0 - (unsigned __int128){})", a.v),
+            other => return unsupported(format!("negation of {other}")),
+        };
+        let ty = c_type(&a.dt).map_or_else(|| unsupported(&a.dt), Ok)?;
+        let (v, k) = self.fresh();
+        self.line(format!("bool {k} = {}; {ty} {v} = {k} ? {body} : 0;", a.k));
+        Ok(Val { v, k, len: None, dt })
     }
 
     /// Column `c`'s value; a dictionary column's is its key's value, of the value type.

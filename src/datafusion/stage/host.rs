@@ -32,6 +32,8 @@ pub(crate) struct HostStage<'p> {
     plan: &'p StagePlan,
     steps: Vec<HostStep>,
     keys: Vec<Arc<dyn PhysicalExpr>>,
+    /// A rows stage's output columns.
+    rows: Vec<Arc<dyn PhysicalExpr>>,
     args: Vec<Arc<dyn PhysicalExpr>>,
     agg_filters: Vec<Option<Arc<dyn PhysicalExpr>>>,
     slots: Vec<SlotKind>,
@@ -279,6 +281,7 @@ impl<'p> HostStage<'p> {
         Ok(HostStage {
             steps,
             keys: plan.keys.iter().map(remap).collect::<StageResult<_>>()?,
+            rows: plan.rows.iter().flatten().map(remap).collect::<StageResult<_>>()?,
             args: plan.aggs.iter().map(|a| remap(&a.arg)).collect::<StageResult<_>>()?,
             agg_filters: plan
                 .aggs
@@ -316,11 +319,11 @@ impl<'p> HostStage<'p> {
         g
     }
 
-    /// Adds the rows of `batch` (on host-accessible memory).
-    pub(crate) fn add(&mut self, batch: &DeviceRecordBatch, stream: &Stream) -> StageResult<()> {
+    /// The rows of `batch` (on host-accessible memory) that the row pipeline keeps: the table
+    /// columns the stage reads, then the joins' build columns.
+    fn kept(&self, batch: &DeviceRecordBatch, stream: &Stream) -> StageResult<RecordBatch> {
         let plan = self.plan;
-        let host = crate::transfer::dtoh(&batch.project(&plan.columns)?, stream)?;
-        let mut kept = host;
+        let mut kept = crate::transfer::dtoh(&batch.project(&plan.columns)?, stream)?;
         if let Some(p) = &plan.predicate {
             let position = |c: usize| plan.columns.binary_search(&c).unwrap_or(0);
             let mask = p.evaluate(&kept, &position)?;
@@ -336,6 +339,34 @@ impl<'p> HostStage<'p> {
                 HostStep::Join(j) => j.apply(&kept)?,
             };
         }
+        Ok(kept)
+    }
+
+    /// A rows stage's output for the rows of `batch` that its pipeline keeps; `None` when it
+    /// keeps none.
+    pub(crate) fn rows(&self, batch: &DeviceRecordBatch, stream: &Stream) -> StageResult<Option<RecordBatch>> {
+        let kept = self.kept(batch, stream)?;
+        let m = kept.num_rows();
+        if m == 0 {
+            return Ok(None);
+        }
+        let columns = self
+            .rows
+            .iter()
+            .map(|e| e.evaluate(&kept)?.into_array(m))
+            .collect::<Result<Vec<_>, _>>()?;
+        let options = RecordBatchOptions::new().with_row_count(Some(m));
+        Ok(Some(RecordBatch::try_new_with_options(
+            self.plan.schema.clone(),
+            columns,
+            &options,
+        )?))
+    }
+
+    /// Adds the rows of `batch` (on host-accessible memory).
+    pub(crate) fn add(&mut self, batch: &DeviceRecordBatch, stream: &Stream) -> StageResult<()> {
+        let plan = self.plan;
+        let kept = self.kept(batch, stream)?;
         let groups = self.groups_of(&kept)?;
         if self.nw == 0 && self.index.is_empty() {
             self.group(&[]);

@@ -13,6 +13,7 @@ use ::datafusion::physical_expr::expressions::Column;
 use ::datafusion::physical_plan::ExecutionPlan;
 use arrow_schema::{DataType, FieldRef, Schema, SchemaRef};
 
+use super::super::device_filter::compactable;
 use super::super::predicate::Predicate;
 use super::super::table::TableData;
 use super::codegen::StageSource;
@@ -249,8 +250,9 @@ pub(crate) enum Step {
 }
 
 /// A lowered stage: a GPU table's scan with its pushed-down predicate, the filters and hash joins
-/// above it, the group keys and the aggregates. Expressions are over the stage's columns: the
-/// table's, then each join's build columns ([`StagePlan::columns_schema`]).
+/// above it, and either the group keys and the aggregates or, for a rows stage, the expressions of
+/// its output columns. Expressions are over the stage's columns: the table's, then each join's
+/// build columns ([`StagePlan::columns_schema`]).
 #[derive(Clone, Debug)]
 pub(crate) struct StagePlan {
     pub(crate) table: Arc<TableData>,
@@ -261,7 +263,11 @@ pub(crate) struct StagePlan {
     /// The words of each key (see [`key_words`]).
     pub(crate) key_words: Vec<usize>,
     pub(crate) aggs: Vec<AggSpec>,
-    /// The output: DataFusion's partial aggregate schema (group columns, then state fields).
+    /// A rows stage (no keys, no aggregates): the value of each output column for each row the
+    /// pipeline keeps.
+    pub(crate) rows: Option<Vec<Arc<dyn PhysicalExpr>>>,
+    /// The output: DataFusion's partial aggregate schema (group columns, then state fields), or
+    /// the rows' schema.
     pub(crate) schema: SchemaRef,
     /// The table columns the stage reads, ascending.
     pub(crate) columns: Vec<usize>,
@@ -319,7 +325,16 @@ impl StagePlan {
             out.push(&a.arg);
             out.extend(&a.filter);
         }
+        out.extend(self.rows.iter().flatten());
         out
+    }
+
+    /// For output column `k` of a rows stage: the table column it copies, when the stage gathers
+    /// that column's kept rows as they are rather than computing them.
+    pub(crate) fn gathered(&self, k: usize) -> Option<usize> {
+        let c = self.rows.as_ref()?.get(k)?.downcast_ref::<Column>()?.index();
+        let table = &self.table.schema;
+        (c < table.fields().len() && compactable(table.field(c).data_type())).then_some(c)
     }
 
     /// The first word of each key, and the number of key words (a last word holds the keys'

@@ -58,13 +58,17 @@ impl DeviceStageRule {
 impl PhysicalOptimizerRule for DeviceStageRule {
     fn optimize(&self, plan: Arc<dyn ExecutionPlan>, _config: &ConfigOptions) -> DfResult<Arc<dyn ExecutionPlan>> {
         let out = plan.transform_down(|node| {
-            let Some(agg) = node.downcast_ref::<AggregateExec>() else {
+            let placed = if let Some(agg) = node.downcast_ref::<AggregateExec>() {
+                self.stage(agg, &node)
+            } else if node.downcast_ref::<ProjectionExec>().is_some() || node.downcast_ref::<FilterExec>().is_some() {
+                self.rows_stage(&node)
+            } else {
                 return Ok(Transformed::no(node));
             };
-            match self.stage(agg, &node) {
+            match placed {
                 Ok(stage) => Ok(Transformed::yes(stage)),
                 Err(why) => {
-                    log::debug!("arrow-cuda: no device stage for {}: {why}", agg.name());
+                    log::debug!("arrow-cuda: no device stage for {}: {why}", node.name());
                     Ok(Transformed::no(node))
                 }
             }
@@ -483,25 +487,6 @@ impl DeviceStageRule {
         }
         let below = walk(agg.input())?;
         let table = below.scan.table().clone();
-        let devices = &table.partition_devices;
-        let cuda = devices.iter().all(|d| matches!(d, Device::Cuda(_)));
-        let host = devices.iter().all(|d| d.is_host_accessible());
-        if cuda && !gpu_kernels_available() {
-            log::info!("arrow-cuda: device stages are off: NVRTC or the GPU is not usable here");
-            return Err("no NVRTC".into());
-        }
-        if !(cuda || (host && self.host_stages)) {
-            return Err("the table's devices".into());
-        }
-        if table
-            .partitions
-            .iter()
-            .map(|p| p.iter().map(|b| b.num_rows()).sum::<usize>())
-            .sum::<usize>()
-            > u32::MAX as usize
-        {
-            return Err("more than 2^32 rows".into());
-        }
         let input_schema = agg.input_schema();
         let mut keys = Vec::new();
         let mut key_types = Vec::new();
@@ -592,18 +577,79 @@ impl DeviceStageRule {
                 name: a.name().to_string(),
             });
         }
-        let mut plan = StagePlan {
+        self.finish(StagePlan {
             predicate: below.scan.predicate().cloned(),
             steps: below.steps,
             keys,
             key_types,
             key_words,
             aggs,
+            rows: None,
             schema: agg.schema(),
             columns: vec![],
             source: None,
             table,
-        };
+        })
+    }
+
+    /// The rows stage that replaces `node`, a projection or a filter over a GPU table's scan
+    /// (through other projections and filters) with no aggregate above it that a stage runs: when
+    /// the stage does something the scan alone does not (a filter, a computed column) and every
+    /// output column is either a table column that the scan's compaction gathers or a value of a
+    /// fixed-width type that the stage computes.
+    fn rows_stage(&self, node: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>, String> {
+        if node.properties().output_ordering().is_some() {
+            return Err("an output ordering".into());
+        }
+        let below = walk(node)?;
+        if below.steps.iter().any(|s| matches!(s, Step::Join(_))) {
+            return Err("a join without an aggregate above it".into());
+        }
+        let width = below.scan.table().schema.fields().len();
+        let plain = |e: &Arc<dyn PhysicalExpr>| e.downcast_ref::<Column>().is_some_and(|c| c.index() < width);
+        if below.steps.is_empty() && below.outputs.iter().all(plain) {
+            return Err("nothing that the scan does not do".into());
+        }
+        let plan = self.finish(StagePlan {
+            predicate: below.scan.predicate().cloned(),
+            steps: below.steps,
+            keys: vec![],
+            key_types: vec![],
+            key_words: vec![],
+            aggs: vec![],
+            rows: Some(below.outputs),
+            schema: node.schema(),
+            columns: vec![],
+            source: None,
+            table: below.scan.table().clone(),
+        })?;
+        Ok(Arc::new(DeviceStageExec::new(plan, Output::Rows, node.clone())))
+    }
+
+    /// `plan` (without its columns and kernels) made ready to run: when the table is where the
+    /// stage can run, the table columns it reads, and its kernels, generated now so that a plan
+    /// the device cannot run is never chosen (they compile when the stage first runs).
+    fn finish(&self, mut plan: StagePlan) -> Result<StagePlan, String> {
+        let table = &plan.table;
+        let devices = &table.partition_devices;
+        let cuda = devices.iter().all(|d| matches!(d, Device::Cuda(_)));
+        let host = devices.iter().all(|d| d.is_host_accessible());
+        if cuda && !gpu_kernels_available() {
+            log::info!("arrow-cuda: device stages are off: NVRTC or the GPU is not usable here");
+            return Err("no NVRTC".into());
+        }
+        if !(cuda || (host && self.host_stages)) {
+            return Err("the table's devices".into());
+        }
+        if table
+            .partitions
+            .iter()
+            .map(|p| p.iter().map(|b| b.num_rows()).sum::<usize>())
+            .sum::<usize>()
+            > u32::MAX as usize
+        {
+            return Err("more than 2^32 rows".into());
+        }
         let width = plan.table.schema.fields().len();
         let mut columns: std::collections::BTreeSet<usize> =
             plan.stage_columns().into_iter().filter(|&c| c < width).collect();
@@ -621,8 +667,6 @@ impl DeviceStageRule {
         if let Some(why) = plan.joins().filter(on_host).find_map(|j| costly_build(j, &read)) {
             return Err(why);
         }
-        // The kernels are generated now, so a plan the device cannot run is never chosen; they
-        // compile when the stage first runs.
         let first = plan.table.partitions.iter().flatten().next().ok_or("an empty table")?;
         let source = codegen::generate(&plan, first).map_err(|e| e.to_string())?;
         plan.source = Some(source);
