@@ -19,6 +19,7 @@ use arrow_array::{
     Array, ArrayRef, DictionaryArray, Int16Array, Int32Array, Int64Array, ListArray, RecordBatch, StringArray,
     StructArray,
 };
+use arrow_cuda::device::DeviceUuid;
 use arrow_cuda::ipc::{
     self, BatchDescriptor, BufferLocation, DeviceMessage, IpcMemHandle, Receiver, ReceiverOptions, Sender, SenderEvent,
     SenderOptions,
@@ -709,6 +710,90 @@ fn malformed_descriptors_are_errors() {
     assert!(is_invalid_data(&BatchDescriptor::from_bytes(&bytes, more).unwrap_err()));
 }
 
+/// A UUID of no device (almost surely not one of this machine's).
+const NOWHERE: DeviceUuid = DeviceUuid([0xa5; 16]);
+
+/// Devices travel by UUID: a descriptor that names a GPU this process does not see (through its
+/// batch's device or a region's) is refused with [`Error::UnknownDevice`], naming it; other
+/// versions of the encoding are refused.
+#[test]
+fn descriptors_name_devices_by_uuid_and_refuse_unknown_ones() {
+    let batch = small_batch(10);
+    let on_device = upload(&batch, MemoryResource::SharedHost, &Stream::cpu());
+    let d = BatchDescriptor::describe(&on_device).unwrap();
+    assert_eq!(d.device_uuid, None);
+    let (bytes, fds) = d.to_bytes();
+    let owned = || fds.iter().map(|f| f.try_clone_to_owned().unwrap()).collect::<Vec<_>>();
+    assert_eq!(&bytes[..4], b"ACD\x02", "a tag, and version 2");
+    assert!(through_bytes(&d).device_uuid.is_none());
+    // The tag (4 bytes), the device type (4), the exporter's device id (8), the UUID (16).
+    let with_device = |device_type: u32, id: i64, uuid: DeviceUuid| {
+        let mut b = bytes.clone();
+        b[4..8].copy_from_slice(&device_type.to_le_bytes());
+        b[8..16].copy_from_slice(&id.to_le_bytes());
+        b[16..32].copy_from_slice(&uuid.0);
+        b
+    };
+    let refused = |what: &str, e: Error, uuid: DeviceUuid| {
+        eprintln!("{what}: {e}");
+        assert!(
+            matches!(e, Error::UnknownDevice { uuid: u, .. } if u == uuid),
+            "{what}: {e:?}"
+        );
+        let message = e.to_string();
+        assert!(message.contains(&uuid.to_string()), "{what}: {message}");
+    };
+    for (device_type, name) in [(2, "CUDA"), (3, "CUDA_HOST"), (13, "CUDA_MANAGED")] {
+        let e = BatchDescriptor::from_bytes(&with_device(device_type, 3, NOWHERE), owned()).unwrap_err();
+        assert!(
+            e.to_string().contains("GPU-a5a5a5a5-a5a5-a5a5-a5a5-a5a5a5a5a5a5"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("the sending process has it as cuda"), "{e}");
+        refused(name, e, NOWHERE);
+    }
+    // A CPU batch that names a device is malformed.
+    let e = BatchDescriptor::from_bytes(&with_device(1, -1, NOWHERE), owned()).unwrap_err();
+    assert!(is_invalid_data(&e), "{e}");
+    // Another version, and version 1 (no tag, devices by ordinal): refused.
+    let mut next = bytes.clone();
+    next[3] = 3;
+    let e = BatchDescriptor::from_bytes(&next, owned()).unwrap_err();
+    assert!(matches!(e, Error::Unsupported(_)), "{e}");
+    let version1: Vec<u8> = bytes[4..16].iter().chain(&bytes[32..]).copied().collect();
+    assert!(is_invalid_data(
+        &BatchDescriptor::from_bytes(&version1, owned()).unwrap_err()
+    ));
+    // A batch in GPU memory, as a GPU process describes one: its device and its region's by UUID.
+    let on_gpu = |device_uuid: DeviceUuid, region_uuid: DeviceUuid| {
+        let described = BatchDescriptor {
+            device: Device::Cuda(5),
+            device_uuid: Some(device_uuid),
+            dictionaries: vec![],
+            metadata: d.metadata.clone(),
+            regions: vec![ipc::RegionHandle::Cuda {
+                ordinal: 5,
+                uuid: region_uuid,
+                handle: IpcMemHandle::from_parts(4096, [7; ipc::HANDLE_BYTES]),
+            }],
+            locations: d.locations.clone(),
+        };
+        BatchDescriptor::from_bytes(&described.to_bytes().0, vec![])
+    };
+    refused("a GPU batch", on_gpu(NOWHERE, NOWHERE).unwrap_err(), NOWHERE);
+    if let Some(device) = common::cuda() {
+        let here = DeviceUuid::of(device.ordinal().unwrap()).unwrap();
+        refused("a region of another GPU", on_gpu(here, NOWHERE).unwrap_err(), NOWHERE);
+        // Both found: the received descriptor names the device by this process's ordinal.
+        let received = on_gpu(here, here).unwrap();
+        assert_eq!((received.device, received.device_uuid), (device, Some(here)));
+        assert!(matches!(
+            received.regions[..],
+            [ipc::RegionHandle::Cuda { ordinal, uuid, .. }] if Some(ordinal) == device.ordinal() && uuid == here
+        ));
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
@@ -895,6 +980,8 @@ const PEER: &str = "ARROW_CUDA_IPC_PEER";
 const PEER_SOCKET: &str = "ARROW_CUDA_IPC_SOCKET";
 const PEER_DEVICE: &str = "ARROW_CUDA_IPC_DEVICE";
 const PEER_COUNT: &str = "ARROW_CUDA_IPC_COUNT";
+/// The UUID the `unknown-device` peer expects its errors to name.
+const PEER_UUID: &str = "ARROW_CUDA_IPC_UUID";
 
 /// Batches in a stream: the corpus, sliced differently each time.
 const STREAM: usize = 6;
@@ -954,8 +1041,14 @@ struct Peer {
 
 impl Peer {
     fn spawn(role: &str, socket: &std::path::Path, device: Device, count: usize) -> Peer {
+        Peer::spawn_with(role, socket, device, count, &[])
+    }
+
+    /// [`Peer::spawn`], with more variables in the peer's environment (`CUDA_VISIBLE_DEVICES`).
+    fn spawn_with(role: &str, socket: &std::path::Path, device: Device, count: usize, env: &[(&str, &str)]) -> Peer {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "peer", "--nocapture", "--test-threads", "1"])
+            .envs(env.iter().copied())
             .env(PEER, role)
             .env(PEER_SOCKET, socket)
             .env(PEER_DEVICE, device_name(device))
@@ -1072,6 +1165,24 @@ fn peer() {
             say("held");
             until_parent_lets_go();
             drop(held);
+        }
+        "unknown-device" => {
+            // Its CUDA_VISIBLE_DEVICES leaves out the sender's GPU: each batch is refused, naming
+            // the device, and the stream goes on to its end.
+            let uuid = std::env::var(PEER_UUID).unwrap();
+            let mut r = Receiver::connect(&socket, patient()).unwrap();
+            for i in 0..count {
+                match r.recv() {
+                    Err(e @ Error::UnknownDevice { uuid: named, .. }) => {
+                        assert_eq!(named.to_string(), uuid, "batch {i}: {e}");
+                        assert!(e.to_string().contains(&uuid), "batch {i}: {e}");
+                        eprintln!("batch {i}: {e}");
+                    }
+                    other => panic!("batch {i}: expected UnknownDevice({uuid}), got {other:?}"),
+                }
+            }
+            assert!(r.recv().unwrap().is_none(), "the end of the stream");
+            say("done");
         }
         "send" => {
             let sender = Sender::bind(&socket, corpus().schema(), SenderOptions::default()).unwrap();
@@ -1273,6 +1384,52 @@ fn a_killed_sender_makes_the_receiver_fail() {
             }
         }
     });
+}
+
+/// A receiver whose `CUDA_VISIBLE_DEVICES` numbers the GPUs otherwise finds the sender's GPU by its
+/// UUID (with a second GPU, it sees that one first: the sender's device 0 is its device 1); one
+/// that does not see the sender's GPU refuses every batch with an error that names it, and the
+/// stream goes on to its end.
+#[test]
+fn receivers_find_the_senders_gpu_by_uuid() {
+    let Some(device) = common::cuda() else { return };
+    let stream = Stream::new(device).unwrap();
+    let ours = DeviceUuid::of(device.ordinal().unwrap()).unwrap();
+    let other = (0..arrow_cuda::device::cuda_device_count().unwrap())
+        .filter(|&o| Some(o) != device.ordinal())
+        .map(|o| DeviceUuid::of(o).unwrap())
+        .next();
+    let (visible, theirs) = match other {
+        Some(other) => (format!("{other},{ours}"), Device::Cuda(1)),
+        None => (ours.to_string(), Device::Cuda(0)),
+    };
+    // Without another GPU, the receiver that cannot see ours sees none.
+    let blind = other.map_or_else(|| "-1".to_string(), |o| o.to_string());
+    let runs = [("verify", visible, theirs), ("unknown-device", blind, Device::Cpu)];
+    for (role, visible, theirs) in runs {
+        eprintln!(
+            "{role}: the receiver runs with CUDA_VISIBLE_DEVICES={visible} and reads the batches of our {device} on its {theirs}"
+        );
+        let path = socket_path(&format!("uuid-{role}"));
+        let sender = Sender::bind(&path, corpus().schema(), SenderOptions::default()).unwrap();
+        let uuid = ours.to_string();
+        let env = [("CUDA_VISIBLE_DEVICES", visible.as_str()), (PEER_UUID, uuid.as_str())];
+        let peer = Peer::spawn_with(role, &path, theirs, STREAM, &env);
+        sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
+        for i in 0..STREAM {
+            assert_eq!(
+                sender.send(&device_stream_batch(i, device, &stream)).unwrap(),
+                1,
+                "{role}: batch {i}"
+            );
+        }
+        sender.finish().unwrap();
+        peer.passed();
+        // Refused batches are acknowledged too.
+        sender.wait_idle(Duration::from_secs(30)).unwrap();
+        let status = sender.status();
+        assert_eq!((status.sent, status.lost), (STREAM as u64, 0), "{role}: {status:?}");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1638,7 +1795,7 @@ fn hello(magic: &[u8; 8], version: u32, schema: &Schema) -> Vec<u8> {
 /// A fake sender: accepts one receiver, writes `greeting`, then runs `script` on the socket in a
 /// thread of its own while the receiver is returned.
 /// The channel protocol's version (`src/ipc/channel/protocol.rs`).
-const PROTOCOL: u32 = 3;
+const PROTOCOL: u32 = 4;
 
 fn with_fake_sender(
     name: &str,
