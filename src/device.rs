@@ -113,6 +113,90 @@ pub fn driver_version() -> Result<(i32, i32)> {
     Ok((v / 1000, (v % 1000) / 10))
 }
 
+/// The 16-byte UUID of a CUDA device (`cuDeviceGetUuid`). Unlike its ordinal, which depends on the
+/// `CUDA_VISIBLE_DEVICES` of each process, it names the same device in every process of the
+/// machine: it is how processes that exchange device memory agree on a device ([`crate::ipc`]).
+///
+/// Shown as `nvidia-smi -L` shows a GPU's (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`), the form
+/// `CUDA_VISIBLE_DEVICES` accepts too. (The driver gives a MIG instance a UUID of its own, which
+/// `nvidia-smi` writes with `MIG-` instead.)
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct DeviceUuid(pub [u8; 16]);
+
+impl DeviceUuid {
+    /// The UUID of CUDA device `ordinal` of this process.
+    pub fn of(ordinal: usize) -> Result<DeviceUuid> {
+        let uuids = cuda_device_uuids()?;
+        uuids.get(ordinal).copied().ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "CUDA device {ordinal} does not exist ({} visible)",
+                uuids.len()
+            ))
+        })
+    }
+
+    /// The ordinal, in this process, of the CUDA device with this UUID: [`Error::UnknownDevice`]
+    /// when this process sees no such device (another `CUDA_VISIBLE_DEVICES`, another machine, or no
+    /// GPU at all).
+    pub fn ordinal(&self) -> Result<usize> {
+        let uuids = cuda_device_uuids().map_err(|e| Error::UnknownDevice {
+            uuid: *self,
+            reason: e.to_string(),
+        })?;
+        uuids
+            .iter()
+            .position(|u| u == self)
+            .ok_or_else(|| Error::UnknownDevice {
+                uuid: *self,
+                reason: match uuids.len() {
+                    1 => format!("the one device it sees is {}", uuids[0]),
+                    n => format!(
+                        "the {n} devices it sees are {}",
+                        uuids.iter().map(|u| u.to_string()).collect::<Vec<_>>().join(", ")
+                    ),
+                },
+            })
+    }
+}
+
+impl fmt::Display for DeviceUuid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "GPU-")?;
+        for (i, b) in self.0.iter().enumerate() {
+            if matches!(i, 4 | 6 | 8 | 10) {
+                write!(f, "-")?;
+            }
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for DeviceUuid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DeviceUuid({self})")
+    }
+}
+
+/// The UUID of every CUDA device this process sees, by ordinal; read once (the devices a process
+/// sees do not change while it runs).
+fn cuda_device_uuids() -> Result<&'static [DeviceUuid]> {
+    static UUIDS: OnceLock<Vec<DeviceUuid>> = OnceLock::new();
+    if let Some(uuids) = UUIDS.get() {
+        return Ok(uuids);
+    }
+    let uuids = (0..cuda_device_count()?)
+        .map(|ordinal| {
+            // SAFETY: the driver is initialised (`cuda_device_count` probed it) and the ordinal is
+            // one it counts.
+            let device = unsafe { driver::device_get(ordinal) }?;
+            // SAFETY: a device handle the driver just gave.
+            unsafe { driver::device_uuid(device) }.map(DeviceUuid)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(UUIDS.get_or_init(|| uuids))
+}
+
 /// The primary context of a CUDA device, retained once per process.
 pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
     static CONTEXTS: OnceLock<Mutex<HashMap<usize, Arc<CudaContext>>>> = OnceLock::new();
@@ -182,6 +266,8 @@ pub struct CudaDeviceInfo {
     pub memory_pools: bool,
     /// PCI bus id, as `domain:bus:device`.
     pub pci_bus_id: String,
+    /// The device's UUID, the same in every process.
+    pub uuid: DeviceUuid,
 }
 
 /// Lists the CUDA devices (an error when there is no driver or no GPU).
@@ -208,6 +294,7 @@ fn cuda_device_info(ordinal: usize) -> Result<CudaDeviceInfo> {
             attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
             attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
         ),
+        uuid: DeviceUuid::of(ordinal)?,
     })
 }
 
@@ -421,6 +508,31 @@ mod tests {
                 assert_eq!(devices(), vec![Device::Cpu]);
             }
         }
+    }
+
+    #[test]
+    fn uuids_show_as_nvidia_smi_shows_them() {
+        let uuid = DeviceUuid(std::array::from_fn(|i| (i as u8) * 0x11));
+        assert_eq!(uuid.to_string(), "GPU-00112233-4455-6677-8899-aabbccddeeff");
+        match cuda_device_count() {
+            Ok(n) => {
+                let uuids: Vec<_> = (0..n).map(|o| DeviceUuid::of(o).expect("a UUID")).collect();
+                for (o, u) in uuids.iter().enumerate() {
+                    assert_eq!(u.ordinal().expect("found"), o);
+                    assert_eq!(cuda_device_info(o).expect("info").uuid, *u);
+                }
+                assert!(DeviceUuid::of(n).is_err());
+                assert!(!uuids.contains(&uuid));
+            }
+            Err(_) => assert!(DeviceUuid::of(0).is_err()),
+        }
+        // Nowhere (almost surely): named, with the reason.
+        let e = uuid.ordinal().unwrap_err();
+        assert!(matches!(e, Error::UnknownDevice { uuid: u, .. } if u == uuid), "{e}");
+        assert!(
+            e.to_string().contains("GPU-00112233-4455-6677-8899-aabbccddeeff"),
+            "{e}"
+        );
     }
 
     #[test]

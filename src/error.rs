@@ -3,7 +3,7 @@
 use arrow_schema::ArrowError;
 use cudarc::driver::DriverError;
 
-use crate::device::Device;
+use crate::device::{Device, DeviceUuid};
 use crate::driver::CUresult;
 
 /// Result with the crate's [`Error`].
@@ -49,6 +49,15 @@ pub enum Error {
         call: &'static str,
         /// The driver's error code.
         source: DriverError,
+    },
+    /// Another process named a CUDA device (by its UUID) that this process does not see: it runs
+    /// with another `CUDA_VISIBLE_DEVICES`, or has no GPU.
+    #[error("CUDA device {uuid} is not visible in this process ({reason}); check CUDA_VISIBLE_DEVICES")]
+    UnknownDevice {
+        /// The UUID asked for.
+        uuid: DeviceUuid,
+        /// What this process sees instead, or why it sees no device.
+        reason: String,
     },
     /// An allocation did not fit.
     #[error("out of memory on {device}: {requested} bytes requested")]

@@ -8,10 +8,11 @@ mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, mpsc};
 use std::time::{Duration, Instant};
 
 use arrow_array::types::Int16Type;
@@ -19,6 +20,7 @@ use arrow_array::{
     Array, ArrayRef, DictionaryArray, Int16Array, Int32Array, Int64Array, ListArray, RecordBatch, StringArray,
     StructArray,
 };
+use arrow_cuda::device::DeviceUuid;
 use arrow_cuda::ipc::{
     self, BatchDescriptor, BufferLocation, DeviceMessage, IpcMemHandle, Receiver, ReceiverOptions, Sender, SenderEvent,
     SenderOptions,
@@ -28,9 +30,25 @@ use arrow_cuda::transfer::{dtoh, htod_async};
 use arrow_cuda::{Device, DeviceBuffer, DeviceRecordBatch, Error, Event, MemoryResource, Stream};
 use arrow_ipc::writer::{DictionaryTracker, IpcDataGenerator, IpcWriteContext, IpcWriteOptions};
 use arrow_schema::{DataType, Field, Fields, Schema, SchemaRef};
+use common::check_batch;
 use common::corpus::{ROWS, every_type_batch};
-use common::{check_batch, each_device};
 use proptest::prelude::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// Held for reading by every case of this binary that may use a GPU, and for writing by the fault
+/// runs while they measure the device's free memory: no other case allocates meanwhile.
+static DEVICE_MEMORY: RwLock<()> = RwLock::new(());
+
+fn using_devices() -> RwLockReadGuard<'static, ()> {
+    DEVICE_MEMORY.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// [`common::each_device`], holding [`DEVICE_MEMORY`] for reading.
+fn each_device(case: impl FnMut(Device, &Stream)) {
+    let _devices = using_devices();
+    common::each_device(case)
+}
 
 // ---------------------------------------------------------------------------------------------
 // Batches.
@@ -521,6 +539,7 @@ fn only_plain_device_memory_exports_through_cuda_ipc() {
         let b = DeviceBuffer::alloc(resource, 256, &stream).unwrap();
         assert!(matches!(IpcMemHandle::export(&b), Err(Error::Unsupported(_))));
     }
+    let _devices = using_devices();
     let Some(device) = common::cuda() else { return };
     let o = device.ordinal().unwrap();
     let stream = Stream::new(device).unwrap();
@@ -709,6 +728,90 @@ fn malformed_descriptors_are_errors() {
     assert!(is_invalid_data(&BatchDescriptor::from_bytes(&bytes, more).unwrap_err()));
 }
 
+/// A UUID of no device (almost surely not one of this machine's).
+const NOWHERE: DeviceUuid = DeviceUuid([0xa5; 16]);
+
+/// Devices travel by UUID: a descriptor that names a GPU this process does not see (through its
+/// batch's device or a region's) is refused with [`Error::UnknownDevice`], naming it; other
+/// versions of the encoding are refused.
+#[test]
+fn descriptors_name_devices_by_uuid_and_refuse_unknown_ones() {
+    let batch = small_batch(10);
+    let on_device = upload(&batch, MemoryResource::SharedHost, &Stream::cpu());
+    let d = BatchDescriptor::describe(&on_device).unwrap();
+    assert_eq!(d.device_uuid, None);
+    let (bytes, fds) = d.to_bytes();
+    let owned = || fds.iter().map(|f| f.try_clone_to_owned().unwrap()).collect::<Vec<_>>();
+    assert_eq!(&bytes[..4], b"ACD\x02", "a tag, and version 2");
+    assert!(through_bytes(&d).device_uuid.is_none());
+    // The tag (4 bytes), the device type (4), the exporter's device id (8), the UUID (16).
+    let with_device = |device_type: u32, id: i64, uuid: DeviceUuid| {
+        let mut b = bytes.clone();
+        b[4..8].copy_from_slice(&device_type.to_le_bytes());
+        b[8..16].copy_from_slice(&id.to_le_bytes());
+        b[16..32].copy_from_slice(&uuid.0);
+        b
+    };
+    let refused = |what: &str, e: Error, uuid: DeviceUuid| {
+        eprintln!("{what}: {e}");
+        assert!(
+            matches!(e, Error::UnknownDevice { uuid: u, .. } if u == uuid),
+            "{what}: {e:?}"
+        );
+        let message = e.to_string();
+        assert!(message.contains(&uuid.to_string()), "{what}: {message}");
+    };
+    for (device_type, name) in [(2, "CUDA"), (3, "CUDA_HOST"), (13, "CUDA_MANAGED")] {
+        let e = BatchDescriptor::from_bytes(&with_device(device_type, 3, NOWHERE), owned()).unwrap_err();
+        assert!(
+            e.to_string().contains("GPU-a5a5a5a5-a5a5-a5a5-a5a5-a5a5a5a5a5a5"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("the sending process has it as cuda"), "{e}");
+        refused(name, e, NOWHERE);
+    }
+    // A CPU batch that names a device is malformed.
+    let e = BatchDescriptor::from_bytes(&with_device(1, -1, NOWHERE), owned()).unwrap_err();
+    assert!(is_invalid_data(&e), "{e}");
+    // Another version, and version 1 (no tag, devices by ordinal): refused.
+    let mut next = bytes.clone();
+    next[3] = 3;
+    let e = BatchDescriptor::from_bytes(&next, owned()).unwrap_err();
+    assert!(matches!(e, Error::Unsupported(_)), "{e}");
+    let version1: Vec<u8> = bytes[4..16].iter().chain(&bytes[32..]).copied().collect();
+    assert!(is_invalid_data(
+        &BatchDescriptor::from_bytes(&version1, owned()).unwrap_err()
+    ));
+    // A batch in GPU memory, as a GPU process describes one: its device and its region's by UUID.
+    let on_gpu = |device_uuid: DeviceUuid, region_uuid: DeviceUuid| {
+        let described = BatchDescriptor {
+            device: Device::Cuda(5),
+            device_uuid: Some(device_uuid),
+            dictionaries: vec![],
+            metadata: d.metadata.clone(),
+            regions: vec![ipc::RegionHandle::Cuda {
+                ordinal: 5,
+                uuid: region_uuid,
+                handle: IpcMemHandle::from_parts(4096, [7; ipc::HANDLE_BYTES]),
+            }],
+            locations: d.locations.clone(),
+        };
+        BatchDescriptor::from_bytes(&described.to_bytes().0, vec![])
+    };
+    refused("a GPU batch", on_gpu(NOWHERE, NOWHERE).unwrap_err(), NOWHERE);
+    if let Some(device) = common::cuda() {
+        let here = DeviceUuid::of(device.ordinal().unwrap()).unwrap();
+        refused("a region of another GPU", on_gpu(here, NOWHERE).unwrap_err(), NOWHERE);
+        // Both found: the received descriptor names the device by this process's ordinal.
+        let received = on_gpu(here, here).unwrap();
+        assert_eq!((received.device, received.device_uuid), (device, Some(here)));
+        assert!(matches!(
+            received.regions[..],
+            [ipc::RegionHandle::Cuda { ordinal, uuid, .. }] if Some(ordinal) == device.ordinal() && uuid == here
+        ));
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
@@ -895,6 +998,8 @@ const PEER: &str = "ARROW_CUDA_IPC_PEER";
 const PEER_SOCKET: &str = "ARROW_CUDA_IPC_SOCKET";
 const PEER_DEVICE: &str = "ARROW_CUDA_IPC_DEVICE";
 const PEER_COUNT: &str = "ARROW_CUDA_IPC_COUNT";
+/// The UUID the `unknown-device` peer expects its errors to name.
+const PEER_UUID: &str = "ARROW_CUDA_IPC_UUID";
 
 /// Batches in a stream: the corpus, sliced differently each time.
 const STREAM: usize = 6;
@@ -954,8 +1059,14 @@ struct Peer {
 
 impl Peer {
     fn spawn(role: &str, socket: &std::path::Path, device: Device, count: usize) -> Peer {
+        Peer::spawn_with(role, socket, device, count, &[])
+    }
+
+    /// [`Peer::spawn`], with more variables in the peer's environment (`CUDA_VISIBLE_DEVICES`).
+    fn spawn_with(role: &str, socket: &std::path::Path, device: Device, count: usize, env: &[(&str, &str)]) -> Peer {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "peer", "--nocapture", "--test-threads", "1"])
+            .envs(env.iter().copied())
             .env(PEER, role)
             .env(PEER_SOCKET, socket)
             .env(PEER_DEVICE, device_name(device))
@@ -1073,6 +1184,41 @@ fn peer() {
             until_parent_lets_go();
             drop(held);
         }
+        "unknown-device" => {
+            // Its CUDA_VISIBLE_DEVICES leaves out the sender's GPU: each batch is refused, naming
+            // the device, and the stream goes on to its end.
+            let uuid = std::env::var(PEER_UUID).unwrap();
+            let mut r = Receiver::connect(&socket, patient()).unwrap();
+            for i in 0..count {
+                match r.recv() {
+                    Err(e @ Error::UnknownDevice { uuid: named, .. }) => {
+                        assert_eq!(named.to_string(), uuid, "batch {i}: {e}");
+                        assert!(e.to_string().contains(&uuid), "batch {i}: {e}");
+                        eprintln!("batch {i}: {e}");
+                    }
+                    other => panic!("batch {i}: expected UnknownDevice({uuid}), got {other:?}"),
+                }
+            }
+            assert!(r.recv().unwrap().is_none(), "the end of the stream");
+            say("done");
+        }
+        "stream" => {
+            // Sends the batches of `device_stream_batch` (0, 1, 2, 0, ...) until it is killed, or
+            // nobody receives them any more.
+            let options = SenderOptions {
+                send_timeout: FAULT_TIMEOUT,
+                ..SenderOptions::default()
+            };
+            let sender = Sender::bind(&socket, corpus().schema(), options).unwrap();
+            sender.wait_for_receivers(1, FAULT_TIMEOUT).unwrap();
+            let batches: Vec<_> = (0..3).map(|i| device_stream_batch(i, device, &stream)).collect();
+            let start = Instant::now();
+            let mut i = 0;
+            while sender.send(&batches[i % 3]).unwrap() > 0 && start.elapsed() < Duration::from_secs(60) {
+                i += 1;
+            }
+            say("nobody left");
+        }
         "send" => {
             let sender = Sender::bind(&socket, corpus().schema(), SenderOptions::default()).unwrap();
             sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
@@ -1123,6 +1269,7 @@ fn cross_processes(role: &str) {
 /// receiver's reads wait on (a sender whose writes are done sends none).
 #[test]
 fn batches_still_being_written_are_ordered_by_an_ipc_event() {
+    let _devices = using_devices();
     let Some(device) = common::cuda() else { return };
     let stream = Stream::new(device).unwrap();
     let path = socket_path("unfinished");
@@ -1273,6 +1420,299 @@ fn a_killed_sender_makes_the_receiver_fail() {
             }
         }
     });
+}
+
+/// A receiver whose `CUDA_VISIBLE_DEVICES` numbers the GPUs otherwise finds the sender's GPU by its
+/// UUID (with a second GPU, it sees that one first: the sender's device 0 is its device 1); one
+/// that does not see the sender's GPU refuses every batch with an error that names it, and the
+/// stream goes on to its end.
+#[test]
+fn receivers_find_the_senders_gpu_by_uuid() {
+    let _devices = using_devices();
+    let Some(device) = common::cuda() else { return };
+    let stream = Stream::new(device).unwrap();
+    let ours = DeviceUuid::of(device.ordinal().unwrap()).unwrap();
+    let other = (0..arrow_cuda::device::cuda_device_count().unwrap())
+        .filter(|&o| Some(o) != device.ordinal())
+        .map(|o| DeviceUuid::of(o).unwrap())
+        .next();
+    let (visible, theirs) = match other {
+        Some(other) => (format!("{other},{ours}"), Device::Cuda(1)),
+        None => (ours.to_string(), Device::Cuda(0)),
+    };
+    // Without another GPU, the receiver that cannot see ours sees none.
+    let blind = other.map_or_else(|| "-1".to_string(), |o| o.to_string());
+    let runs = [("verify", visible, theirs), ("unknown-device", blind, Device::Cpu)];
+    for (role, visible, theirs) in runs {
+        eprintln!(
+            "{role}: the receiver runs with CUDA_VISIBLE_DEVICES={visible} and reads the batches of our {device} on its {theirs}"
+        );
+        let path = socket_path(&format!("uuid-{role}"));
+        let sender = Sender::bind(&path, corpus().schema(), SenderOptions::default()).unwrap();
+        let uuid = ours.to_string();
+        let env = [("CUDA_VISIBLE_DEVICES", visible.as_str()), (PEER_UUID, uuid.as_str())];
+        let peer = Peer::spawn_with(role, &path, theirs, STREAM, &env);
+        sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
+        for i in 0..STREAM {
+            assert_eq!(
+                sender.send(&device_stream_batch(i, device, &stream)).unwrap(),
+                1,
+                "{role}: batch {i}"
+            );
+        }
+        sender.finish().unwrap();
+        peer.passed();
+        // Refused batches are acknowledged too.
+        sender.wait_idle(Duration::from_secs(30)).unwrap();
+        let status = sender.status();
+        assert_eq!((status.sent, status.lost), (STREAM as u64, 0), "{role}: {status:?}");
+    }
+}
+
+/// How long a survivor of the fault runs may wait for its peer (to connect, to send, to take a
+/// batch): a survivor that waits longer hangs.
+const FAULT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How many times the fault runs kill each kind of peer (`ARROW_CUDA_FAULT_RUNS`, 100 unless set),
+/// and the seed of their random points (`ARROW_CUDA_FAULT_SEED`, from the clock unless set).
+fn fault_runs() -> (usize, u64) {
+    let var = |name: &str| std::env::var(name).ok().map(|v| v.parse::<u64>().unwrap());
+    let runs = var("ARROW_CUDA_FAULT_RUNS").unwrap_or(100) as usize;
+    let clock = || std::time::SystemTime::UNIX_EPOCH.elapsed().unwrap().as_nanos() as u64;
+    (runs, var("ARROW_CUDA_FAULT_SEED").unwrap_or_else(clock))
+}
+
+/// Says, when the test fails, how to replay it: `.0` is updated as the runs go.
+struct Replay(String);
+
+impl Drop for Replay {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let _ = writeln!(std::io::stderr(), "fault runs failed at {}", self.0);
+        }
+    }
+}
+
+/// A random point of a stream: after the `after`-th signal of the survivor (its first comes once
+/// it is connected, the next with each batch), and `delay` more.
+struct KillPoint {
+    after: usize,
+    delay: Duration,
+}
+
+impl KillPoint {
+    fn random(rng: &mut StdRng) -> KillPoint {
+        KillPoint {
+            after: rng.random_range(1..=16),
+            delay: Duration::from_micros(rng.random_range(0..3000)),
+        }
+    }
+
+    /// Kills `peer` with SIGKILL at this point of the signals from `signals` (at once should they
+    /// stop), reaps it and returns how it ended and when it was killed.
+    fn kill(
+        self,
+        mut peer: Peer,
+        signals: mpsc::Receiver<()>,
+    ) -> std::thread::JoinHandle<(std::process::ExitStatus, Instant)> {
+        std::thread::spawn(move || {
+            for _ in 0..self.after {
+                if signals.recv().is_err() {
+                    break;
+                }
+            }
+            std::thread::sleep(self.delay);
+            let _ = peer.child.kill();
+            let killed = Instant::now();
+            (peer.child.wait().unwrap(), killed)
+        })
+    }
+}
+
+/// The free memory of CUDA device `ordinal`, once it is back within 1 MiB of `start` (the driver
+/// frees a killed process's memory as it tears the process down): fails after 10 seconds.
+fn free_memory_returns_to(ordinal: usize, start: usize, what: &str) {
+    let free = || arrow_cuda::device::cuda_devices().unwrap()[ordinal].free_memory;
+    let since = Instant::now();
+    let mut now = free();
+    while now + (1 << 20) < start && since.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+        now = free();
+    }
+    eprintln!("{what}: {now} bytes free, {start} at the start");
+    assert!(
+        now + (1 << 20) >= start,
+        "{what}: free device memory did not return within 10 s: {} bytes short",
+        start - now
+    );
+}
+
+/// The devices the fault runs go through, with [`DEVICE_MEMORY`] held for writing on a GPU (they
+/// measure the device's free memory).
+fn for_fault_runs(mut runs: impl FnMut(Device, &Stream)) {
+    for device in common::devices() {
+        let _alone = (device != Device::Cpu).then(|| DEVICE_MEMORY.write().unwrap_or_else(PoisonError::into_inner));
+        eprintln!("device {device}");
+        runs(device, &Stream::new(device).unwrap());
+    }
+}
+
+/// Issue #23's repeated fault runs, senders' side: a sender killed (SIGKILL) at a random point of
+/// its stream, 100 times per device. The receiver's next receive fails at once
+/// (`UnexpectedEof`), never waits out its timeout, and stays failed; batches it still holds read
+/// intact on the CPU (on a GPU they must be dropped unread); on a GPU the device's free memory
+/// returns to where it was.
+#[test]
+fn senders_killed_at_random_points_never_hang_their_receivers() {
+    let (runs, seed) = fault_runs();
+    let mut replay = Replay(format!("seed {seed} (ARROW_CUDA_FAULT_SEED={seed} replays it)"));
+    let mut rng = StdRng::seed_from_u64(seed);
+    let options = ReceiverOptions {
+        connect_timeout: FAULT_TIMEOUT,
+        recv_timeout: Some(FAULT_TIMEOUT),
+        ..ReceiverOptions::default()
+    };
+    let started = Instant::now();
+    for_fault_runs(|device, stream| {
+        let mut baseline = None;
+        let mut received = 0;
+        for run in 0..runs {
+            let what = format!("{device}, run {run}, seed {seed}");
+            replay.0 = format!("{what} (ARROW_CUDA_FAULT_SEED={seed} replays it)");
+            let path = socket_path(&format!("fault-s-{}", device_name(device)));
+            let peer = Peer::spawn("stream", &path, device, 0);
+            let mut r = Receiver::connect(&path, options.clone()).unwrap();
+            let (signal, signals) = mpsc::channel();
+            let killer = KillPoint::random(&mut rng).kill(peer, signals);
+            let _ = signal.send(());
+            let mut held = Vec::new();
+            let mut n = 0;
+            let error = loop {
+                let waited = Instant::now();
+                let outcome = r.recv();
+                assert!(waited.elapsed() < FAULT_TIMEOUT, "{what}: a receive hung: {outcome:?}");
+                match outcome {
+                    Ok(Some(batch)) => {
+                        if held.len() < 4 && rng.random_bool(0.3) {
+                            held.push((n % 3, batch));
+                        }
+                        n += 1;
+                        let _ = signal.send(());
+                    }
+                    Ok(None) => panic!("{what}: the stream ended"),
+                    Err(e) => break e,
+                }
+            };
+            drop(signal);
+            let (status, _) = killer.join().unwrap();
+            assert_eq!(
+                status.signal(),
+                Some(libc::SIGKILL),
+                "{what}: the sender ended before it was killed"
+            );
+            assert_eq!(
+                error.io_kind(),
+                Some(std::io::ErrorKind::UnexpectedEof),
+                "{what}: {error}"
+            );
+            assert!(r.recv().is_err(), "{what}: a broken receiver stays broken");
+            let _ = std::fs::remove_file(&path);
+            if device == Device::Cpu {
+                // Shared memory outlives its creator.
+                for (i, b) in &held {
+                    check_batch(&what, &dtoh(b, stream).unwrap(), &stream_batch(*i));
+                }
+            }
+            drop((held, r));
+            received += n;
+            if let Some(o) = device.ordinal() {
+                match baseline {
+                    // The first run leaves what stays for the process (streams, pools) in place.
+                    None => baseline = Some(arrow_cuda::device::cuda_devices().unwrap()[o].free_memory),
+                    Some(start) if run + 1 == runs => free_memory_returns_to(o, start, &what),
+                    Some(_) => {}
+                }
+            }
+        }
+        eprintln!("{device}: {runs} senders killed, {received} batches received");
+    });
+    eprintln!("fault runs took {:?}", started.elapsed());
+}
+
+/// Issue #23's repeated fault runs, receivers' side: a receiver killed (SIGKILL) at a random
+/// point of a stream, 100 times per device. No send waits out its timeout; everything the
+/// receiver held is reclaimed (the memory the sender's again) and the sender finishes; on a GPU
+/// the device's free memory returns to where it was.
+#[test]
+fn receivers_killed_at_random_points_are_always_reclaimed() {
+    let (runs, seed) = fault_runs();
+    let mut replay = Replay(format!("seed {seed} (ARROW_CUDA_FAULT_SEED={seed} replays it)"));
+    let mut rng = StdRng::seed_from_u64(seed);
+    let options = SenderOptions {
+        send_timeout: FAULT_TIMEOUT,
+        ..SenderOptions::default()
+    };
+    let started = Instant::now();
+    for_fault_runs(|device, stream| {
+        // Copied into a message, encoded through the host; a batch lent as it is comes new with
+        // each run (below).
+        let copied: Vec<_> = (1..3).map(|i| device_stream_batch(i, device, stream)).collect();
+        let mut baseline = None;
+        let mut slowest = Duration::ZERO;
+        for run in 0..runs {
+            let what = format!("{device}, run {run}, seed {seed}");
+            replay.0 = format!("{what} (ARROW_CUDA_FAULT_SEED={seed} replays it)");
+            let path = socket_path(&format!("fault-r-{}", device_name(device)));
+            let sender = Sender::bind(&path, corpus().schema(), options.clone()).unwrap();
+            let lent = device_stream_batch(0, device, stream);
+            let memory = lent.column(1).buffers()[0].parent().unwrap();
+            let batches = [&lent, &copied[0], &copied[1]];
+            let peer = Peer::spawn("drain", &path, device, 0);
+            sender.wait_for_receivers(1, FAULT_TIMEOUT).unwrap();
+            let (signal, signals) = mpsc::channel();
+            let killer = KillPoint::random(&mut rng).kill(peer, signals);
+            let _ = signal.send(());
+            for i in 0.. {
+                let waited = Instant::now();
+                let sent = sender.send(batches[i % 3]);
+                assert!(waited.elapsed() < FAULT_TIMEOUT, "{what}: a send hung: {sent:?}");
+                if sent.unwrap() == 0 {
+                    break;
+                }
+                let _ = signal.send(());
+            }
+            drop(signal);
+            let (status, killed) = killer.join().unwrap();
+            assert_eq!(
+                status.signal(),
+                Some(libc::SIGKILL),
+                "{what}: the receiver ended before it was killed"
+            );
+            let reclaimed =
+                |s: &ipc::SenderStatus| (s.in_flight_batches, s.in_flight_bytes, s.receivers, s.lost) == (0, 0, 0, 1);
+            while !reclaimed(&sender.status()) && killed.elapsed() < FAULT_TIMEOUT {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            slowest = slowest.max(killed.elapsed());
+            let status = sender.status();
+            assert!(reclaimed(&status), "{what}: not reclaimed: {status:?}");
+            drop(lent);
+            assert!(memory.is_mutable(), "{what}: the lent memory was not given back");
+            let finishing = Instant::now();
+            sender.finish().unwrap();
+            drop(sender);
+            assert!(finishing.elapsed() < FAULT_TIMEOUT, "{what}: finishing hung");
+            if let Some(o) = device.ordinal() {
+                match baseline {
+                    None => baseline = Some(arrow_cuda::device::cuda_devices().unwrap()[o].free_memory),
+                    Some(start) if run + 1 == runs => free_memory_returns_to(o, start, &what),
+                    Some(_) => {}
+                }
+            }
+        }
+        eprintln!("{device}: {runs} receivers killed, all reclaimed within {slowest:?} of the kill");
+    });
+    eprintln!("fault runs took {:?}", started.elapsed());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1638,7 +2078,7 @@ fn hello(magic: &[u8; 8], version: u32, schema: &Schema) -> Vec<u8> {
 /// A fake sender: accepts one receiver, writes `greeting`, then runs `script` on the socket in a
 /// thread of its own while the receiver is returned.
 /// The channel protocol's version (`src/ipc/channel/protocol.rs`).
-const PROTOCOL: u32 = 3;
+const PROTOCOL: u32 = 4;
 
 fn with_fake_sender(
     name: &str,

@@ -5,7 +5,8 @@
 //! values (the flatbuffer's field nodes and buffers, the descriptors' offsets and lengths and the
 //! frames' length prefixes are such words), the input cut short. Decoding must return, `Ok` or an
 //! error, without a panic or a read out of bounds; whatever is accepted is copied to the host,
-//! which validates it fully (and reads every byte a buffer claims).
+//! which validates it fully (and reads every byte a buffer claims). Descriptors that name a GPU by
+//! a UUID this process does not see are refused, naming it, whatever else they hold.
 //!
 //! CI runs 256 cases per target. For a longer run on demand, set `PROPTEST_CASES`:
 //!
@@ -23,10 +24,11 @@ use std::os::fd::OwnedFd;
 use std::sync::OnceLock;
 
 use arrow_array::RecordBatch;
+use arrow_cuda::device::DeviceUuid;
 use arrow_cuda::ipc::testing::{Decoded, decode_frame, frame_payloads, read_wire};
 use arrow_cuda::ipc::{self, BatchDescriptor};
 use arrow_cuda::transfer::{dtoh, htod_async};
-use arrow_cuda::{DeviceBuffer, DeviceRecordBatch, Event, MemoryResource, Stream};
+use arrow_cuda::{DeviceBuffer, DeviceRecordBatch, Error, Event, MemoryResource, Stream};
 use common::corpus::every_type_batch;
 use common::fuzz::config;
 use proptest::prelude::*;
@@ -169,6 +171,35 @@ proptest! {
             && let Ok(read) = received.import(&on_device.schema().clone(), Event::completed(), ())
         {
             download(&read);
+        }
+    }
+
+    /// A descriptor whose batch is on a GPU of any id and UUID (not one of this machine's), its
+    /// regions, metadata and locations mutated as above: refused with `UnknownDevice`, naming the
+    /// UUID (the device is found before anything else is read).
+    #[test]
+    fn devices(
+        rows in 0usize..12,
+        device_type in prop_oneof![Just(2u32), Just(3), Just(13)],
+        id in edge64(),
+        uuid in any::<[u8; 16]>(),
+        changes in mutations(),
+    ) {
+        let uuid = DeviceUuid(uuid);
+        prop_assume!(uuid.ordinal().is_err(), "a device of this machine");
+        let on_device = shared(rows);
+        let d = BatchDescriptor::describe(&on_device).unwrap();
+        let (mut bytes, fds) = d.to_bytes();
+        // The header: a tag (4 bytes), the device type (4), its id (8) and its UUID (16).
+        mutate(&mut bytes, 32, &changes);
+        bytes[4..8].copy_from_slice(&device_type.to_le_bytes());
+        bytes[8..16].copy_from_slice(&id.to_le_bytes());
+        bytes[16..32].copy_from_slice(&uuid.0);
+        match BatchDescriptor::from_bytes(&bytes, dup(&fds)) {
+            Err(Error::UnknownDevice { uuid: named, .. }) => prop_assert_eq!(named, uuid),
+            // A negative id is no CUDA ordinal: refused before the UUID is read.
+            Err(Error::InvalidData(m)) if id < 0 => prop_assert!(m.contains("device id"), "{}", m),
+            other => prop_assert!(false, "{:?}", other),
         }
     }
 

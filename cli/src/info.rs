@@ -16,9 +16,10 @@ pub fn run() -> Result<()> {
     println!("driver: CUDA {major}.{minor}");
     for d in gpus {
         println!(
-            "device cuda:{}: {}, compute {}.{}, {:.1} GiB total, {:.1} GiB free, PCI {}, memory pools: {}",
+            "device cuda:{}: {}, {}, compute {}.{}, {:.1} GiB total, {:.1} GiB free, PCI {}, memory pools: {}",
             d.ordinal,
             d.name,
+            d.uuid,
             d.compute_capability.0,
             d.compute_capability.1,
             d.total_memory as f64 / GIB,

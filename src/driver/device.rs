@@ -1,6 +1,9 @@
-//! The driver itself and its devices: initialisation, counts, versions, default memory pools.
+//! The driver itself and its devices: initialisation, counts, versions, UUIDs, default memory pools.
 
-use cudarc::driver::sys::{CUdevice, CUmemPool_attribute, CUmemoryPool};
+use cudarc::driver::sys::{CUdevice, CUmemPool_attribute, CUmemoryPool, CUuuid};
+
+/// The size of a device UUID (`CUuuid`).
+const UUID_BYTES: usize = 16;
 
 driver_calls! {
     /// Initialises the driver (`cuInit`); repeated calls are cheap.
@@ -21,6 +24,32 @@ driver_calls! {
         // SAFETY: an initialised driver (caller) and a valid out-parameter.
         unsafe { cuDeviceGetCount(&mut n) }.result()?;
         Ok(usize::try_from(n).unwrap_or(0))
+    }
+
+    /// The handle of the device with `ordinal` among those this process sees (`cuDeviceGet`).
+    ///
+    /// # Safety
+    /// The driver is initialised ([`available`](super::available) returned `Ok`).
+    pub(crate) unsafe fn device_get(ordinal: usize) -> CUdevice = cuDeviceGet {
+        // An ordinal past `c_int` names no device: the driver says so (CUDA_ERROR_INVALID_DEVICE).
+        let ordinal = i32::try_from(ordinal).unwrap_or(-1);
+        let mut device = 0;
+        // SAFETY: an initialised driver (caller) and a valid out-parameter; the driver checks the
+        // ordinal.
+        unsafe { cuDeviceGet(&mut device, ordinal) }.result()?;
+        Ok(device)
+    }
+
+    /// The 16-byte UUID of `device` (`cuDeviceGetUuid_v2`): the same in every process, whatever
+    /// ordinal `CUDA_VISIBLE_DEVICES` gives the device there (a MIG instance has a UUID of its own).
+    ///
+    /// # Safety
+    /// `device` is a device handle of the initialised driver ([`device_get`]).
+    pub(crate) unsafe fn device_uuid(device: CUdevice) -> [u8; UUID_BYTES] = cuDeviceGetUuid_v2 {
+        let mut uuid = CUuuid { bytes: [0; UUID_BYTES] };
+        // SAFETY: a valid device (caller) and a valid out-parameter.
+        unsafe { cuDeviceGetUuid_v2(&mut uuid, device) }.result()?;
+        Ok(uuid.bytes.map(|c| c as u8))
     }
 
     /// The CUDA version the driver supports, as `1000 * major + 10 * minor`.

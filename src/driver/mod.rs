@@ -30,7 +30,7 @@
 //! | `probe.rs` | [`available`]: the driver library, every checked symbol, `cuInit`, at least one GPU |
 //! | `nvrtc.rs` | [`nvrtc_available`] (with DataFusion): NVRTC and the module/launch entry points |
 //! | `symbols.rs` | the checked lists, cudarc's safe calls, the source-scanning tests |
-//! | `device.rs` | initialisation, device count, driver version, default memory pools |
+//! | `device.rs` | initialisation, device count and handles, UUIDs, driver version, default memory pools |
 //! | `memory.rs` | allocation and free of every kind, pinning, memset, 1D and 2D copies |
 //! | `pointer.rs` | address ranges, whether memory is pinned |
 //! | `event.rs` | events cudarc does not own, stream waits |
@@ -58,7 +58,8 @@ mod symbols;
 
 pub(crate) use cudarc::driver::sys::{CUdevice_attribute, CUevent, CUresult, CUstream};
 pub(crate) use device::{
-    default_mem_pool, device_count, driver_version, mem_pool_idle_bytes, mem_pool_set_release_threshold,
+    default_mem_pool, device_count, device_get, device_uuid, driver_version, mem_pool_idle_bytes,
+    mem_pool_set_release_threshold,
 };
 pub(crate) use event::{event_create_interprocess, event_destroy, event_record, event_synchronize, stream_wait_event};
 pub(crate) use ipc::{

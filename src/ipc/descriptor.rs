@@ -9,6 +9,11 @@
 //! [`crate::ipc::handle`] and [`crate::ipc::shm`]) and builds the arrays as views of them,
 //! checking every location against its region.
 //!
+//! Devices travel by UUID ([`DeviceUuid`]), never by ordinal: two processes with different
+//! `CUDA_VISIBLE_DEVICES` number the same GPU differently. A received descriptor names its devices
+//! by the ordinals of the receiving process, found by UUID when it is decoded; a UUID this process
+//! does not see is [`Error::UnknownDevice`].
+//!
 //! The metadata is the `RecordBatch` message the batch would have as an ordinary IPC message (its
 //! buffer offsets are those of a contiguous body), after a `DictionaryBatch` message for each of its
 //! dictionaries; the locations say where each buffer really is, the dictionaries' first.
@@ -21,7 +26,7 @@ use std::sync::Arc;
 use arrow_schema::SchemaRef;
 
 use crate::array::DeviceRecordBatch;
-use crate::device::{Device, Event};
+use crate::device::{Device, DeviceUuid, Event};
 use crate::error::{Error, Result};
 use crate::ipc::handle::{IpcMemHandle, OpenedHandle};
 use crate::ipc::layout::{BodyLayout, needs_normalising};
@@ -36,8 +41,12 @@ use crate::memory::{DeviceBuffer, MemoryResource};
 pub enum RegionHandle {
     /// Device memory of a GPU, by CUDA IPC handle.
     Cuda {
-        /// The device's ordinal in the exporting process.
+        /// The device's ordinal in this process: the exporter's own ordinal where the region was
+        /// exported, the ordinal of the device with [`uuid`](RegionHandle::Cuda::uuid) where it was
+        /// received. Only the UUID travels.
         ordinal: usize,
+        /// The device's UUID, the same in every process.
+        uuid: DeviceUuid,
         /// The handle (with the allocation's size).
         handle: IpcMemHandle,
     },
@@ -79,8 +88,12 @@ impl BufferLocation {
 /// A batch described for another process: metadata, exported regions and buffer locations.
 #[derive(Debug)]
 pub struct BatchDescriptor {
-    /// The device the batch lives on (in the exporting process).
+    /// The device the batch lives on, by its ordinal in this process (see
+    /// [`device_uuid`](BatchDescriptor::device_uuid)).
     pub device: Device,
+    /// The UUID of [`device`](BatchDescriptor::device)'s GPU (`None` for the CPU): what travels in
+    /// place of its ordinal, and what the receiving process finds its own ordinal of the device by.
+    pub device_uuid: Option<DeviceUuid>,
     /// The flatbuffer `Message`s with the `DictionaryBatch` headers of the batch's dictionaries,
     /// in id order.
     pub dictionaries: Vec<Vec<u8>>,
@@ -118,6 +131,7 @@ impl BatchDescriptor {
             Device::Cuda(o) => (
                 RegionHandle::Cuda {
                     ordinal: o,
+                    uuid: DeviceUuid::of(o)?,
                     handle: IpcMemHandle::export(buffer)?,
                 },
                 buffer.offset(),
@@ -146,6 +160,7 @@ impl BatchDescriptor {
         let (batch, dictionaries) = message.parts().split_last().expect("a message holds a batch");
         Ok(BatchDescriptor {
             device,
+            device_uuid: device_uuid(device)?,
             dictionaries: dictionaries.iter().map(|p| p.metadata().to_vec()).collect(),
             metadata: batch.metadata().to_vec(),
             regions: vec![region],
@@ -178,7 +193,7 @@ impl BatchDescriptor {
             .regions
             .into_iter()
             .map(|r| match (r, device) {
-                (RegionHandle::Cuda { ordinal, handle }, Device::Cuda(o)) if ordinal == o => {
+                (RegionHandle::Cuda { ordinal, handle, .. }, Device::Cuda(o)) if ordinal == o => {
                     Ok(Mapping::Cuda(handle::open(&handle, ordinal)?))
                 }
                 (RegionHandle::Host(h), Device::Cpu) => Ok(Mapping::Host(h.open()?)),
@@ -227,32 +242,41 @@ impl BatchDescriptor {
         Ok((batch, mappings))
     }
 
-    /// The bytes [`BatchDescriptor::encode`] appends.
+    /// The bytes [`BatchDescriptor::encode`] appends (at most: a host region takes fewer).
     pub(crate) fn encoded_len(&self) -> usize {
-        let region = 1 + 8 + IpcMemHandle::SERIALIZED_LEN;
+        let region = 1 + UUID_LEN + IpcMemHandle::SERIALIZED_LEN;
         let metadata: usize = self
             .dictionaries
             .iter()
             .chain([&self.metadata])
             .map(|m| 4 + m.len())
             .sum();
-        4 + 8 + 4 + region * self.regions.len() + 4 + metadata + 4 + 20 * self.locations.len()
+        FORMAT.len() + 4 + 8 + UUID_LEN + 4 + region * self.regions.len() + 4 + metadata + 4 + 20 * self.locations.len()
     }
 
     /// Appends the descriptor to a frame payload; the host regions' descriptors go to `fds`.
+    ///
+    /// The encoding, little-endian: the format tag `ACD` and version ([`FORMAT`]); the device as
+    /// its C Device Data Interface type (`u32`) and the exporter's id (`i64`, for messages only),
+    /// then the device's UUID (16 bytes, zero for the CPU); the regions (`u32` count; each a kind
+    /// byte, then for CUDA memory (3) the device's UUID and the serialized IPC handle, for shared
+    /// host memory (2) its size, its descriptor attached); the dictionaries' and the batch's
+    /// metadata (`u32` length, bytes); the locations (`u32` count, 20 bytes each).
     pub(crate) fn encode<'a>(&'a self, w: &mut Writer, fds: &mut Vec<BorrowedFd<'a>>) {
+        w.raw(&FORMAT);
         w.u32(self.device.device_type().0 as u32);
         w.i64(self.device.device_id());
+        w.raw(&self.device_uuid.unwrap_or_default().0);
         w.u32(self.regions.len() as u32);
         for r in &self.regions {
             match r {
-                RegionHandle::Cuda { ordinal, handle } => {
-                    w.u8(1);
-                    w.u64(*ordinal as u64);
+                RegionHandle::Cuda { uuid, handle, .. } => {
+                    w.u8(REGION_CUDA);
+                    w.raw(&uuid.0);
                     w.raw(&handle.serialize());
                 }
                 RegionHandle::Host(h) => {
-                    w.u8(2);
+                    w.u8(REGION_HOST);
                     w.u64(h.size() as u64);
                     fds.push(h.fd());
                 }
@@ -275,11 +299,36 @@ impl BatchDescriptor {
     }
 
     /// Reads a descriptor from a frame payload, taking the host regions' descriptors from `fds` in
-    /// order. Every count is checked against the bytes left; malformed input is [`Error::InvalidData`].
+    /// order, and finds the devices it names among this process's by UUID. Every count is checked
+    /// against the bytes left; malformed input is [`Error::InvalidData`], another version of the
+    /// encoding [`Error::Unsupported`], and a device this process does not see
+    /// [`Error::UnknownDevice`].
     pub(crate) fn decode(r: &mut Reader<'_>, fds: &mut std::vec::IntoIter<OwnedFd>) -> Result<BatchDescriptor> {
         let invalid = |m: String| Error::InvalidData(m);
+        let format = r.array::<4>()?;
+        if format[..3] != FORMAT[..3] {
+            return Err(invalid(format!(
+                "not a batch descriptor (it starts with {format:02x?})"
+            )));
+        }
+        if format[3] != FORMAT[3] {
+            return Err(Error::Unsupported(format!(
+                "batch descriptor version {}; this build reads version {}",
+                format[3], FORMAT[3]
+            )));
+        }
         let device_type = crate::abi::DeviceType(r.u32()? as i32);
-        let device = Device::from_c(device_type, r.i64()?).map_err(|e| invalid(format!("batch device: {e}")))?;
+        let theirs = Device::from_c(device_type, r.i64()?).map_err(|e| invalid(format!("batch device: {e}")))?;
+        let uuid = DeviceUuid(r.array::<UUID_LEN>()?);
+        let (device, device_uuid) = match theirs {
+            Device::Cpu if uuid != DeviceUuid::default() => {
+                return Err(invalid(format!("a CPU batch with a device UUID {uuid}")));
+            }
+            Device::Cpu => (Device::Cpu, None),
+            Device::Cuda(_) => (Device::Cuda(local_ordinal(uuid, theirs)?), Some(uuid)),
+            Device::CudaHost(_) => (Device::CudaHost(local_ordinal(uuid, theirs)?), Some(uuid)),
+            Device::CudaManaged(_) => (Device::CudaManaged(local_ordinal(uuid, theirs)?), Some(uuid)),
+        };
         let n = r.u32()? as usize;
         if n > r.remaining() / 9 {
             return Err(invalid(format!("{n} regions in a frame of {} bytes", r.remaining())));
@@ -287,13 +336,16 @@ impl BatchDescriptor {
         let mut regions = Vec::with_capacity(n);
         for _ in 0..n {
             let region = match r.u8()? {
-                1 => {
-                    let ordinal =
-                        usize::try_from(r.u64()?).map_err(|_| invalid("a CUDA ordinal out of range".into()))?;
+                REGION_CUDA => {
+                    let uuid = DeviceUuid(r.array::<UUID_LEN>()?);
                     let handle = IpcMemHandle::deserialize(r.take(IpcMemHandle::SERIALIZED_LEN)?)?;
-                    RegionHandle::Cuda { ordinal, handle }
+                    RegionHandle::Cuda {
+                        ordinal: local_ordinal(uuid, theirs)?,
+                        uuid,
+                        handle,
+                    }
                 }
-                2 => {
+                REGION_HOST => {
                     let size = usize::try_from(r.u64()?).map_err(|_| invalid("a region size out of range".into()))?;
                     let fd = fds
                         .next()
@@ -332,6 +384,7 @@ impl BatchDescriptor {
             .collect();
         Ok(BatchDescriptor {
             device,
+            device_uuid,
             dictionaries,
             metadata,
             regions,
@@ -360,6 +413,32 @@ impl BatchDescriptor {
         }
         Ok(d)
     }
+}
+
+/// The tag that starts an encoded descriptor: `ACD` and the version of the encoding. Version 2
+/// names devices by UUID (version 1, untagged, named them by the exporter's ordinal).
+const FORMAT: [u8; 4] = *b"ACD\x02";
+/// The bytes of a device UUID.
+const UUID_LEN: usize = 16;
+/// Region kinds on the wire (1 was a CUDA region by ordinal, before UUIDs).
+const REGION_HOST: u8 = 2;
+const REGION_CUDA: u8 = 3;
+
+/// The UUID of `device`'s GPU, `None` for the CPU.
+fn device_uuid(device: Device) -> Result<Option<DeviceUuid>> {
+    device.ordinal().map(DeviceUuid::of).transpose()
+}
+
+/// The ordinal in this process of the device with `uuid`, which the sending process has as
+/// `theirs`: [`Error::UnknownDevice`] when this process does not see it.
+fn local_ordinal(uuid: DeviceUuid, theirs: Device) -> Result<usize> {
+    uuid.ordinal().map_err(|e| match e {
+        Error::UnknownDevice { uuid, reason } => Error::UnknownDevice {
+            uuid,
+            reason: format!("{reason}; the sending process has it as {theirs}"),
+        },
+        other => other,
+    })
 }
 
 /// IPC buffer `index`, of `len` bytes according to the metadata, as a view of its region, once its
@@ -505,6 +584,7 @@ impl Located<'_> {
             .map(|r| match (device, r.shared) {
                 (Device::Cuda(o), _) => Ok(RegionHandle::Cuda {
                     ordinal: o,
+                    uuid: DeviceUuid::of(o)?,
                     handle: IpcMemHandle::export(r.buffer)?,
                 }),
                 (_, Some(region)) => Ok(RegionHandle::Host(region.handle()?)),
@@ -514,6 +594,7 @@ impl Located<'_> {
         let batch = layouts.pop().expect("a batch's layout");
         Ok(BatchDescriptor {
             device,
+            device_uuid: device_uuid(device)?,
             dictionaries: layouts.iter().map(BodyLayout::metadata).collect(),
             metadata: batch.metadata(),
             regions,

@@ -70,7 +70,11 @@ impl IpcEvent {
         Ok(IpcEvent { event, ordinal, ctx })
     }
 
-    /// Opens a peer's event on device `ordinal` (`cuIpcOpenEventHandle`).
+    /// Opens a peer's event on device `ordinal` of this process (`cuIpcOpenEventHandle`): the
+    /// device the event was created on, which this process may number differently from the peer
+    /// (`CUDA_VISIBLE_DEVICES`). Have the peer send the device's UUID
+    /// ([`DeviceUuid::of`](crate::device::DeviceUuid::of)) with the handle and find the ordinal
+    /// here with [`DeviceUuid::ordinal`](crate::device::DeviceUuid::ordinal), as the channel does.
     pub fn open(handle: &IpcEventHandle, ordinal: usize) -> Result<IpcEvent> {
         let ctx = device::context(ordinal)?;
         ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;

@@ -123,10 +123,16 @@ impl IpcMemHandle {
         Ok(IpcMemHandle { size, bytes: handle })
     }
 
-    /// Opens the allocation in this process on device `ordinal` (`cuIpcOpenMemHandle` with
+    /// Opens the allocation in this process on device `ordinal` of this process (`cuIpcOpenMemHandle` with
     /// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`), or returns the mapping this process already has of the
     /// same handle, whatever ordinal it was opened on. The mapping is closed when the last `Arc`
     /// drops. A handle that announces more bytes than the driver maps is [`Error::InvalidData`].
+    ///
+    /// The ordinal is this process's number for the exporter's device, which differs from the
+    /// exporter's own where the two run with different `CUDA_VISIBLE_DEVICES`: send the device's
+    /// UUID ([`DeviceUuid::of`](crate::device::DeviceUuid::of)) with the handle and find the
+    /// ordinal here with [`DeviceUuid::ordinal`](crate::device::DeviceUuid::ordinal), as
+    /// [`BatchDescriptor`](crate::ipc::BatchDescriptor)s do.
     pub fn open(&self, ordinal: usize) -> Result<Arc<OpenedHandle>> {
         open(self, ordinal)
     }

@@ -17,6 +17,21 @@
 //! [`Error::Io`](crate::error::Error::Io); [`Error::io_kind`](crate::error::Error::io_kind) says
 //! what happened ([`std::io::ErrorKind::TimedOut`] for timeouts).
 //!
+//! # Which device
+//!
+//! Processes may see different GPUs, in a different order: each numbers the devices its
+//! `CUDA_VISIBLE_DEVICES` shows it from 0. So a device never crosses the process boundary by its
+//! ordinal: descriptors and the channel's batch frames carry the device's 16-byte UUID
+//! ([`DeviceUuid`](crate::device::DeviceUuid), `cuDeviceGetUuid`), and the receiving process opens
+//! memory and events on the device of its own with that UUID; its batches report that device
+//! ([`Device::Cuda`](crate::device::Device::Cuda) with its own ordinal). A UUID the receiver does
+//! not see (a `CUDA_VISIBLE_DEVICES` that leaves the sender's GPU out) is
+//! [`Error::UnknownDevice`](crate::error::Error::UnknownDevice), naming it; through the channel that
+//! batch is refused (and acknowledged) and the stream goes on. [`IpcMemHandle::open`] and
+//! [`IpcEvent::open`] take an ordinal of the opening process: callers that pass handles
+//! themselves send the UUID along and look the ordinal up with
+//! [`DeviceUuid::ordinal`](crate::device::DeviceUuid::ordinal).
+//!
 //! # Who can reach the memory
 //!
 //! A CUDA IPC memory handle is a capability: any process of the same user (and root) that learns

@@ -1,7 +1,8 @@
 //! A channel of device record batches between processes on one machine, over a Unix socket.
 //!
 //! A [`Sender`] binds a socket path; [`Receiver`]s connect to it. Frames are length-prefixed
-//! (see `protocol.rs`): the schema first, then batches, each with an id, its device, its metadata, the
+//! (see `protocol.rs`): the schema first, then batches, each with an id, its device (by UUID: the
+//! receiver finds its own ordinal of the device, whatever its `CUDA_VISIBLE_DEVICES`), its metadata, the
 //! handles of the memory regions its buffers lie in (CUDA IPC handles; memfds passed with
 //! `SCM_RIGHTS` for CPU batches, so the whole channel runs without a GPU) and, for CUDA batches, an
 //! IPC event to wait on; then the end of the stream, or an error. After the schema, a sender's

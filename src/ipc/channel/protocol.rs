@@ -21,7 +21,8 @@ use crate::ipc::handle::HANDLE_BYTES;
 use crate::ipc::wire::{self, Reader, Writer};
 
 const MAGIC: &[u8; 8] = b"ACUDAIPC";
-const VERSION: u32 = 3;
+/// 4: devices by UUID in batch descriptors (issue #23, finding 8).
+const VERSION: u32 = 4;
 
 const HELLO: u8 = 1;
 const BATCH: u8 = 2;

@@ -228,6 +228,13 @@ impl Receiver {
                 ));
             }
             Err(RecvError::Broken(e)) => {
+                // A sender that dies with acknowledgements of ours unread resets the connection
+                // rather than ending it: the same death, reported as one (found by the fault runs
+                // of tests/ipc.rs).
+                let e = match e.io_kind() {
+                    Some(io::ErrorKind::ConnectionReset) => ended(),
+                    _ => e,
+                };
                 self.state = State::Broken(e.to_string());
                 return Err(e);
             }
@@ -466,6 +473,16 @@ mod tests {
             let e = r.recv().unwrap_err();
             assert_eq!(e.io_kind(), Some(io::ErrorKind::UnexpectedEof), "{e}");
         }
+
+        // Ended with an acknowledgement unread, which resets the connection instead: the same.
+        let (acked, ack_sent) = mpsc::channel::<()>();
+        let (mut r, fake) = fake_sender("reset", move |_, _| ack_sent.recv().unwrap());
+        r.link.send(&Frame::Ack(1)).unwrap();
+        acked.send(()).unwrap();
+        fake.join().unwrap();
+        let e = r.recv().unwrap_err();
+        assert_eq!(e.io_kind(), Some(io::ErrorKind::UnexpectedEof), "{e}");
+        assert!(r.recv().is_err(), "the receiver is broken from then on");
 
         // Nothing comes: a timeout, after which the receiver goes on.
         let (tx, rx) = mpsc::channel::<()>();
