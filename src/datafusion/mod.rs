@@ -78,7 +78,7 @@
 //!
 //! - expressions: see `stage/expr.rs` (arithmetic on integers, floats and `Decimal128` with DataFusion's
 //!   types, precision and overflow errors; comparisons; three-valued `AND`/`OR`/`NOT`; `IS [NOT]
-//!   NULL`; `CASE WHEN`; `CAST` between integer, float and decimal types; `IN` lists; `LIKE` with `%`
+//!   NULL`; `CASE WHEN`; `CAST` between integer, float and decimal types; negation; `IN` lists; `LIKE` with `%`
 //!   and `_`; `date_part` of year and month);
 //! - group keys of integers, dates, booleans, decimals and strings of up to 255 bytes (each string
 //!   key takes the words its column's longest value needs, measured while staging; a longer string
@@ -120,6 +120,21 @@
 //! outer, full and mark joins). A build side of more than 2^20 rows (or of rows statistics do
 //! not bound) whose strings the stage reads stays with DataFusion unless it is such a device
 //! scan: copying its strings to the host and back costs more than the join saves.
+//!
+//! ## Rows stages
+//!
+//! A projection or a filter over a [`GpuScan`] (through other projections, filters and
+//! repartitioning) with no aggregate above it that a stage runs becomes a rows stage when it does
+//! something the scan alone does not: a computed column, or a filter the scan cannot take (two
+//! columns compared, an expression). The stage runs the row pipeline on the device, once to select
+//! the rows it keeps and once, for those rows only, to compute its output columns of fixed-width
+//! types (integers, floats, decimals, dates, booleans; values and validity bitmaps written by warp
+//! votes); output columns that are table columns as they are (strings among them) are gathered
+//! by the scan's compaction kernels. Only the kept rows' output columns cross to the host, one
+//! batch per table batch with kept rows, split among the partitions of the node it replaced (by
+//! the hash of columns where that node's output was hash-partitioned). A projection that
+//! computes a string, or one over a join, stays with DataFusion. TPC-H Q4 and Q21 run their
+//! lineitem filter (`l_commitdate < l_receiptdate`) this way.
 //!
 //! Uncorrelated scalar subqueries (`x > (select avg(y) from t)`) in a stage's expressions are
 //! literals whose values the stage reads when it runs, after DataFusion's `ScalarSubqueryExec`

@@ -261,10 +261,9 @@ fn rows_kernels(
     g.body.clear();
     let open = emit_rows(g, plan, schema, built)?;
     let (mut vars, mut outs, mut writes) = (String::new(), String::new(), String::new());
-    for (k, expr) in rows.iter().enumerate() {
-        if plan.gathered(k).is_some() {
-            continue;
-        }
+    // `n`: the output's place among the computed ones (its null count's).
+    let computed = rows.iter().enumerate().filter(|(k, _)| plan.gathered(*k).is_none());
+    for (n, (k, expr)) in computed.enumerate() {
         let dt = plan.schema.field(k).data_type();
         let val = ExprCompiler::new(g, schema).compile(expr)?;
         if &val.dt != dt {
@@ -286,7 +285,7 @@ fn rows_kernels(
         writes.push_str(&format!(
             "    {{\n    u32 b = __ballot_sync(0xffffffffu, live && rk{k});\n\
              \x20   if (lane0) {{ rb{k}[t >> 5] = b; u32 z = alive & ~b; \
-             if (z) atomicAdd((unsigned long long*)&rnulls[{k}], (unsigned long long)__popc(z)); }}\n\
+             if (z) atomicAdd((unsigned long long*)&rnulls[{n}], (unsigned long long)__popc(z)); }}\n\
              \x20   {value}\n    }}\n"
         ));
     }

@@ -34,8 +34,9 @@ use super::{Outcome, StageResult};
 use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Stream};
 
-/// A device stage: a GPU table's scan, its filters, computed projections and an aggregation, run
-/// where the table lives. When it covers the whole aggregation it emits the aggregate's final rows,
+/// A device stage: a GPU table's scan, its filters, joins, computed projections and an aggregation,
+/// run where the table lives (or, for a rows stage, the scan, filters and computed projections,
+/// whose kept rows it emits, partitioned as the node it replaced). When it covers the whole aggregation it emits the aggregate's final rows,
 /// partitioned as the `Final` aggregate it replaced partitioned them; when DataFusion's `Final`
 /// aggregate stays above it, it emits DataFusion's partial aggregate state in as many partitions
 /// as the partial aggregate it replaced (each partition a share of the groups, merged above in

@@ -1,5 +1,5 @@
-//! [`DeviceStageRule`]: the physical optimizer rule that replaces aggregations over GPU table scans
-//! with device stages.
+//! [`DeviceStageRule`]: the physical optimizer rule that replaces aggregations over GPU table scans,
+//! and projections and filters over them without such an aggregate above, with device stages.
 
 use std::sync::Arc;
 
@@ -33,8 +33,10 @@ use super::layout::{self, Acc, AggKind, AggSpec, JoinKind, JoinStep, StagePlan, 
 use super::output::state_type_supported;
 use crate::device::Device;
 
-/// Replaces each aggregation over a GPU table scan (through projections and filters) with one
-/// [`DeviceStageExec`], when the device can run all of it; everything else stays with DataFusion. See the [module docs](crate::datafusion#device-stages) for where it sits among DataFusion's rules.
+/// Replaces each aggregation over a GPU table scan (through projections, filters and joins) with
+/// one [`DeviceStageExec`], when the device can run all of it, and each projection or filter over
+/// such a scan that no stage above covers with a rows stage, when it computes something the scan
+/// does not; everything else stays with DataFusion. See the [module docs](crate::datafusion#device-stages) for where it sits among DataFusion's rules.
 #[derive(Debug, Default, Clone)]
 pub struct DeviceStageRule {
     host_stages: bool,
