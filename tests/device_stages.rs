@@ -382,6 +382,9 @@ fn joins_inside_stages() {
         "select g, count(*) from f where not exists (select 1 from d where d.k = f.k) group by g",
         "select count(*), sum(f.amount - d.w) from f join d on f.k = d.k and f.amount > d.w",
         "select g, count(*) from f where exists (select 1 from d where d.k = f.k and d.w < f.amount) group by g",
+        // Duplicate keys: a semi or anti join's filter is tried on every row with the key.
+        "select count(*) from f where exists (select 1 from dd where dd.k = f.k and dd.w < f.amount)",
+        "select g, count(*) from f where not exists (select 1 from dd where dd.k = f.k and dd.w > f.amount) group by g",
         "select count(*), sum(amount) from f join e on f.k = e.k",
         "select count(*), sum(amount) from f where not exists (select 1 from e where e.k = f.k)",
         "select count(*), sum(f.amount), count(e.w) from f left join e on f.k = e.k",
@@ -392,11 +395,12 @@ fn joins_inside_stages() {
          and not exists (select 1 from f where f.k = d.k) group by name",
         "select count(*), sum(w) from d where w < (select max(amount) / 3 from f) \
          and k in (select k from f where g = 'g1')",
+        // ... and the larger side is a rows stage (a filter over two columns, a computed key),
+        // whose kept rows stay on the device for the stage's table to probe.
+        "select name, count(*) from d where exists (select 1 from f where f.k = d.k and f.k2 < f.k) group by name",
+        "select name, count(*), sum(w) from d where k + 1 in (select k + 1 from f where g = 'g2') group by name",
     ];
-    let given_back = [
-        "select d.name, count(*), sum(f.amount) from f join dd as d on f.k = d.k group by d.name",
-        "select count(*) from f where exists (select 1 from dd where dd.k = f.k and dd.w < f.amount)",
-    ];
+    let given_back = ["select d.name, count(*), sum(f.amount) from f join dd as d on f.k = d.k group by d.name"];
     common::each_device(|device, _| {
         let (gpu, mem) = sessions(&refs, device);
         for sql in joined.iter().chain(&given_back) {
@@ -412,6 +416,11 @@ fn joins_inside_stages() {
                 "{sql}\n{text}"
             );
             eprintln!("{n} rows, given back: {back}: {sql}");
+        }
+        for sql in &joined[joined.len() - 2..] {
+            let plan = explain(&gpu, sql);
+            assert_eq!(plan.matches("DeviceStageExec").count(), 2, "{sql}\n{plan}");
+            assert!(plan.contains("rows=["), "{sql}\n{plan}");
         }
         // NOT IN is a null-aware anti join, which DataFusion runs.
         let sql = "select count(*) from f where k not in (select k from d)";

@@ -109,9 +109,11 @@
 //! match, right outer joins every row (the build columns null without a match), right semi and
 //! anti joins (`IN`, `EXISTS`, `NOT EXISTS`) the rows with or without one. A left semi or anti
 //! join whose left input leads to the stage's scan (DataFusion builds on the smaller side, here
-//! the stage's table) is a step too when its right input is a GPU scan on the stage's device: the
-//! stage hashes that side instead, and the table's rows probe it; so is an inner join built on
-//! its larger side, when the smaller is such a scan. Where the stage reads a match's
+//! the stage's table) is a step too when its right input is a GPU scan on the stage's device, or
+//! a projection or filter over one that a rows stage runs there (see below; its kept rows stay on
+//! the device): the stage hashes that side instead, and the table's rows probe it; so is an inner
+//! join built on its larger side, when the smaller is such a scan. A semi or anti join's filter
+//! is tried on every build row with the probe's keys. Where the stage reads a match's
 //! columns, the match must be the only one: a build side with duplicate keys there makes the
 //! stage give its work back, and the rule does not place such a join where statistics say the
 //! build side has more rows than the table (it cannot then be the unique side of the key). Keys

@@ -1,7 +1,8 @@
 //! The build sides of a stage's hash joins: a GPU table scan on the stage's device is filtered,
 //! projected and concatenated there ([`device_batches`](GpuScan::device_batches),
-//! [`concat_batches`]) and never leaves it; any other build side is a DataFusion plan whose rows
-//! the stage collects on the host (and copies to the device when it runs there).
+//! [`concat_batches`]) and never leaves it, and so are the rows a rows stage keeps over such a
+//! table ([`DeviceStage::device_rows`]); any other build side is a DataFusion plan whose rows the
+//! stage collects on the host (and copies to the device when it runs there).
 
 use std::sync::Arc;
 
@@ -13,6 +14,8 @@ use arrow_select::concat::concat_batches as concat_host;
 
 use super::super::device_concat::{concat_batches, concatenable};
 use super::super::source::GpuScan;
+use super::device::DeviceStage;
+use super::exec::DeviceStageExec;
 use super::layout::StagePlan;
 use super::{Outcome, StageResult};
 use crate::array::DeviceRecordBatch;
@@ -47,6 +50,22 @@ pub(crate) fn device_scan(build: &Arc<dyn ExecutionPlan>, device: Device) -> Opt
     (here && types && scan.limit().is_none()).then_some(scan)
 }
 
+/// The rows stage that `build` is, when it runs on `device` (holding its whole table) and its
+/// kept rows can stay there for a stage on that device: no joins of its own, and output columns
+/// [`concat_batches`] takes.
+pub(crate) fn device_rows(build: &Arc<dyn ExecutionPlan>, device: Device) -> Option<&StagePlan> {
+    let plan = build.downcast_ref::<DeviceStageExec>()?.stage_plan();
+    let here = plan.table.partition_devices.iter().all(|d| *d == device);
+    let types = build.schema().fields().iter().all(|f| concatenable(f.data_type()));
+    (plan.rows.is_some() && plan.joins().next().is_none() && here && types).then_some(plan)
+}
+
+/// Whether `build`'s rows stay on `device` for a stage there (see [`device_scan`] and
+/// [`device_rows`]).
+pub(crate) fn stays_on(build: &Arc<dyn ExecutionPlan>, device: Device) -> bool {
+    device_scan(build, device).is_some() || device_rows(build, device).is_some()
+}
+
 /// The rows of each join's build side of `plan`, for a stage on `device`: those of GPU scans
 /// there stay on the device; the others DataFusion runs (all at once).
 pub(crate) async fn build_sides(
@@ -78,25 +97,54 @@ pub(crate) async fn build_sides(
 }
 
 /// The rows of `build` concatenated on `device`, when it is a GPU scan there (see
-/// [`device_scan`]) whose filtered columns the device compacts; an empty build side comes as an
-/// empty host batch.
+/// [`device_scan`]) whose filtered columns the device compacts, or a rows stage there (see
+/// [`device_rows`]); an empty build side comes as an empty host batch.
 async fn on_device(build: &Arc<dyn ExecutionPlan>, device: Device) -> StageResult<Option<BuildRows>> {
-    let scan = match device_scan(build, device) {
-        Some(scan) if matches!(device, Device::Cuda(_)) => scan,
-        _ => return Ok(None),
-    };
-    let lease = scan.table().lanes[&device].acquire().await?;
-    let stream = lease.stream();
-    let Some(batches) = scan.device_batches(stream)? else {
+    if !matches!(device, Device::Cuda(_)) {
+        return Ok(None);
+    }
+    let batches = if let Some(scan) = device_scan(build, device) {
+        let lease = scan.table().lanes[&device].acquire().await?;
+        let stream = lease.stream();
+        let Some(batches) = scan.device_batches(stream)? else {
+            return Ok(None);
+        };
+        concatenated(build, batches, device, stream)?
+    } else if let Some(plan) = device_rows(build, device) {
+        let source = plan
+            .source
+            .as_ref()
+            .ok_or_else(|| Outcome::GiveBack("no kernels were generated".into()))?;
+        let lease = plan.table.lanes[&device].acquire().await?;
+        let stream = lease.stream();
+        let table: Vec<&DeviceRecordBatch> = plan.table.partitions.iter().flatten().collect();
+        let mut stage = DeviceStage::new(plan, source, device, stream, &table, &[])?;
+        let mut kept = Vec::new();
+        for b in table {
+            kept.extend(stage.device_rows(b)?);
+        }
+        concatenated(build, kept, device, stream)?
+    } else {
         return Ok(None);
     };
+    Ok(Some(batches))
+}
+
+/// `batches` (of `build`'s schema, on `device`) as one batch there; an empty host batch when they
+/// hold no row.
+fn concatenated(
+    build: &Arc<dyn ExecutionPlan>,
+    batches: Vec<DeviceRecordBatch>,
+    device: Device,
+    stream: &crate::device::Stream,
+) -> StageResult<BuildRows> {
     if batches.iter().all(|b| b.num_rows() == 0) {
-        return Ok(Some(BuildRows::Host(RecordBatch::new_empty(build.schema()))));
+        return Ok(BuildRows::Host(RecordBatch::new_empty(build.schema())));
     }
-    Ok(Some(BuildRows::Device(concat_batches(
+    Ok(BuildRows::Device(concat_batches(
         build.schema(),
         &batches,
         device,
         stream,
-    )?)))
+    )?))
 }

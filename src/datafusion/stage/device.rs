@@ -181,7 +181,7 @@ impl<'p> DeviceStage<'p> {
             let build = function(&ctx, &source.source, &format!("join{k}_build"))?;
             let unique = j
                 .kind
-                .needs_unique_keys(j.filter.is_some())
+                .needs_unique_keys()
                 .then(|| function(&ctx, &source.source, "join_unique"))
                 .transpose()?;
             let kernels = (&build, unique.as_ref());
@@ -430,9 +430,19 @@ impl<'p> DeviceStage<'p> {
     }
 
     /// A rows stage's output for the rows of `batch` (on this stage's device) that its pipeline
-    /// keeps, and the bytes copied to the host; `None` when it keeps none. See
-    /// [`codegen`](super::codegen) for the kernels.
+    /// keeps, and the bytes copied to the host; `None` when it keeps none.
     pub(crate) fn rows(&mut self, batch: &DeviceRecordBatch) -> StageResult<Option<(RecordBatch, u64)>> {
+        let Some(out) = self.device_rows(batch)? else {
+            return Ok(None);
+        };
+        let bytes = out.columns().iter().map(DeviceArrayData::size_in_bytes).sum::<usize>() as u64;
+        Ok(Some((crate::transfer::dtoh(&out, &self.stream)?, bytes)))
+    }
+
+    /// A rows stage's output for the rows of `batch` that its pipeline keeps, in device memory
+    /// (the kernels done); `None` when it keeps none. See [`codegen`](super::codegen) for the
+    /// kernels.
+    pub(crate) fn device_rows(&mut self, batch: &DeviceRecordBatch) -> StageResult<Option<DeviceRecordBatch>> {
         let plan = self.plan;
         let (Some((select, project)), Some(rows)) = (self.kernels.rows.clone(), plan.rows.as_ref()) else {
             return Err(Outcome::Fail(
@@ -492,14 +502,22 @@ impl<'p> DeviceStage<'p> {
         }
         args.extend_from_slice(&cols);
         launch(&self.cuda, &project, (m as u64).div_ceil(BLOCK as u64), BLOCK, &args)?;
+        let mut gathered = (0..rows.len())
+            .map(|k| {
+                plan.gathered(k)
+                    .map(|c| compact(&ctx, &self.cuda, &scratch, batch.column(c), &idx, m))
+            })
+            .collect::<Vec<_>>()
+            .into_iter();
+        // Reading the counts back waits for the kernels: the scratch memory can go on return.
         let mut counts = vec![0u8; computed.len() * 8];
         nulls.copy_to_host(0, &mut counts, &self.stream)?;
         self.check(self.read_status()?.0)?;
         let mut written = written.into_iter().zip(counts.chunks_exact(8));
         let mut arrays = Vec::with_capacity(rows.len());
-        for (k, field) in plan.schema.fields().iter().enumerate() {
-            arrays.push(match plan.gathered(k) {
-                Some(c) => compact(&ctx, &self.cuda, &scratch, batch.column(c), &idx, m)?,
+        for field in plan.schema.fields() {
+            arrays.push(match gathered.next().flatten().transpose()? {
+                Some(column) => column,
                 None => {
                     let ((values, validity), count) = written
                         .next()
@@ -518,10 +536,12 @@ impl<'p> DeviceStage<'p> {
                 }
             });
         }
-        let bytes = arrays.iter().map(DeviceArrayData::size_in_bytes).sum::<usize>() as u64;
-        let out = DeviceRecordBatch::try_new(plan.schema.clone(), arrays, m, self.stream.record()?)?;
-        let host = crate::transfer::dtoh(&out, &self.stream)?;
-        Ok(Some((host, bytes)))
+        Ok(Some(DeviceRecordBatch::try_new(
+            plan.schema.clone(),
+            arrays,
+            m,
+            self.stream.record()?,
+        )?))
     }
 
     /// The stage's state batch (see [`emit`](super::emit)) and the bytes copied to the host.

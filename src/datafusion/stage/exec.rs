@@ -174,7 +174,6 @@ impl DeviceStageExec {
     }
 
     /// What the stage runs.
-    #[cfg(test)]
     pub(crate) fn stage_plan(&self) -> &StagePlan {
         &self.plan
     }

@@ -83,7 +83,7 @@ impl HostJoin {
             }
             rows.entry(key).or_default().push(r as u32);
         }
-        if j.kind.needs_unique_keys(j.filter.is_some()) && rows.values().any(|r| r.len() > 1) {
+        if j.kind.needs_unique_keys() && rows.values().any(|r| r.len() > 1) {
             return Err(Outcome::GiveBack("a join's build side has duplicate keys".into()));
         }
         Ok(HostJoin {

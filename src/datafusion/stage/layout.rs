@@ -206,10 +206,12 @@ pub(crate) enum JoinKind {
 }
 
 impl JoinKind {
-    /// Whether the stage reads the matched build row's columns, which must then be the only
-    /// match: a build side with duplicate keys makes the stage give its work back.
-    pub(crate) fn needs_unique_keys(self, filtered: bool) -> bool {
-        filtered || matches!(self, JoinKind::Inner | JoinKind::Right)
+    /// Whether the stage reads the matched build row's columns after the join, so that the match
+    /// must be the only one: a build side with duplicate keys makes the stage give its work back.
+    /// Semi and anti joins only ask whether a match exists (with a join filter, whether one of
+    /// the rows with equal keys passes it: the probe walks them all), so duplicates are fine.
+    pub(crate) fn needs_unique_keys(self) -> bool {
+        matches!(self, JoinKind::Inner | JoinKind::Right)
     }
 }
 

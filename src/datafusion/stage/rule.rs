@@ -26,7 +26,7 @@ use arrow_schema::DataType;
 use super::super::error::DfResult;
 use super::super::nvrtc::gpu_kernels_available;
 use super::super::source::GpuScan;
-use super::build::device_scan;
+use super::build::stays_on;
 use super::codegen;
 use super::exec::{DeviceStageExec, Output};
 use super::layout::{self, Acc, AggKind, AggSpec, JoinKind, JoinStep, StagePlan, Step};
@@ -234,26 +234,33 @@ fn estimated_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<usize> {
 }
 
 /// A hash join whose probe side (DataFusion's right input) leads to the stage's scan, as a step
-/// of the stage; its build side stays a DataFusion plan that the stage runs. A left semi or anti
-/// join whose left input leads to the scan is a step too when its right input is a GPU scan on the
-/// stage's device: the stage hashes that side where it lives and probes it with the table's rows.
+/// of the stage; its build side stays a DataFusion plan that the stage runs (a rows stage where
+/// one can run it on the stage's device). A left semi or anti join whose left input leads to the
+/// scan is a step too when its right input is a GPU scan, or a rows stage, on the stage's device:
+/// the stage hashes that side where it lives and probes it with the table's rows.
 /// So is an inner join that cannot be placed the first way (DataFusion built on the larger side).
-fn walk_join(j: &HashJoinExec) -> Result<Lowered<'_>, String> {
+fn walk_join<'a>(rule: &DeviceStageRule, j: &'a HashJoinExec) -> Result<Lowered<'a>, String> {
     match j.join_type() {
-        JoinType::Inner => walk_join_as(j, JoinKind::Inner, false).or_else(|e| {
-            walk_join_as(j, JoinKind::Inner, true).map_err(|swapped| format!("{e}; with the sides swapped: {swapped}"))
+        JoinType::Inner => walk_join_as(rule, j, JoinKind::Inner, false).or_else(|e| {
+            walk_join_as(rule, j, JoinKind::Inner, true)
+                .map_err(|swapped| format!("{e}; with the sides swapped: {swapped}"))
         }),
-        JoinType::Right => walk_join_as(j, JoinKind::Right, false),
-        JoinType::RightSemi => walk_join_as(j, JoinKind::Semi, false),
-        JoinType::RightAnti => walk_join_as(j, JoinKind::Anti, false),
-        JoinType::LeftSemi => walk_join_as(j, JoinKind::Semi, true),
-        JoinType::LeftAnti => walk_join_as(j, JoinKind::Anti, true),
+        JoinType::Right => walk_join_as(rule, j, JoinKind::Right, false),
+        JoinType::RightSemi => walk_join_as(rule, j, JoinKind::Semi, false),
+        JoinType::RightAnti => walk_join_as(rule, j, JoinKind::Anti, false),
+        JoinType::LeftSemi => walk_join_as(rule, j, JoinKind::Semi, true),
+        JoinType::LeftAnti => walk_join_as(rule, j, JoinKind::Anti, true),
         other => Err(format!("a {other} join")),
     }
 }
 
 /// [`walk_join`] with the stage's table on the left side of `j` (`scan_left`) or its right.
-fn walk_join_as(j: &HashJoinExec, kind: JoinKind, scan_left: bool) -> Result<Lowered<'_>, String> {
+fn walk_join_as<'a>(
+    rule: &DeviceStageRule,
+    j: &'a HashJoinExec,
+    kind: JoinKind,
+    scan_left: bool,
+) -> Result<Lowered<'a>, String> {
     if j.null_equality() != NullEquality::NullEqualsNothing || j.null_aware || j.fetch().is_some() {
         return Err("a join where nulls match, a null-aware anti join or a join with a limit".into());
     }
@@ -266,23 +273,32 @@ fn walk_join_as(j: &HashJoinExec, kind: JoinKind, scan_left: bool) -> Result<Low
     } else {
         (j.right(), j.left())
     };
-    let mut below = walk(scanned)?;
-    let build = build_input(hashed);
+    let mut below = walk(rule, scanned)?;
+    let original = build_input(hashed);
     let devices = &below.scan.table().partition_devices;
-    let on_device = devices
-        .first()
-        .is_some_and(|d| devices.iter().all(|e| e == d) && device_scan(&build, *d).is_some());
+    let device = devices.first().copied().filter(|d| devices.iter().all(|e| e == d));
+    // A build side that a rows stage can run on the stage's device (a filter the scan cannot
+    // take, computed columns) becomes one: its kept rows stay there too.
+    let build = match device {
+        Some(d) if !stays_on(&original, d) => rule
+            .rows_stage(&original)
+            .ok()
+            .filter(|stage| stays_on(stage, d))
+            .unwrap_or_else(|| original.clone()),
+        _ => original.clone(),
+    };
+    let on_device = device.is_some_and(|d| stays_on(&build, d));
     if scan_left && !on_device {
         return Err(format!(
-            "a {} join whose right side is not a GPU scan on the stage's device",
+            "a {} join whose right side is neither a GPU scan nor a rows stage on the stage's device",
             j.join_type()
         ));
     }
     // A build side with more rows than the stage's table is not the unique side of a key: an
     // inner or outer join would find duplicate keys and give the work back.
-    if kind.needs_unique_keys(j.filter().is_some()) {
+    if kind.needs_unique_keys() {
         let table_rows = below.scan.table().stats.num_rows;
-        if let (Some(b), Some(t)) = (estimated_rows(&build), table_rows.get_value())
+        if let (Some(b), Some(t)) = (estimated_rows(&original), table_rows.get_value())
             && b > *t
         {
             return Err(format!("a build side of {b} rows for a table of {t}"));
@@ -326,7 +342,7 @@ fn walk_join_as(j: &HashJoinExec, kind: JoinKind, scan_left: bool) -> Result<Low
             Some(substitute(f.expression(), &sides)?)
         }
     };
-    below.longest.extend(build_longest(&build));
+    below.longest.extend(build_longest(&original));
     below.steps.push(Step::Join(JoinStep {
         build,
         kind,
@@ -349,7 +365,7 @@ fn walk_join_as(j: &HashJoinExec, kind: JoinKind, scan_left: bool) -> Result<Low
     Ok(below)
 }
 
-fn walk(plan: &Arc<dyn ExecutionPlan>) -> Result<Lowered<'_>, String> {
+fn walk<'a>(rule: &DeviceStageRule, plan: &'a Arc<dyn ExecutionPlan>) -> Result<Lowered<'a>, String> {
     if let Some(source) = plan.downcast_ref::<DataSourceExec>() {
         let scan = source
             .data_source()
@@ -372,7 +388,7 @@ fn walk(plan: &Arc<dyn ExecutionPlan>) -> Result<Lowered<'_>, String> {
         });
     }
     if let Some(p) = plan.downcast_ref::<ProjectionExec>() {
-        let mut below = walk(p.input())?;
+        let mut below = walk(rule, p.input())?;
         below.outputs = p
             .expr()
             .iter()
@@ -381,7 +397,7 @@ fn walk(plan: &Arc<dyn ExecutionPlan>) -> Result<Lowered<'_>, String> {
         return Ok(below);
     }
     if let Some(f) = plan.downcast_ref::<FilterExec>() {
-        let mut below = walk(f.input())?;
+        let mut below = walk(rule, f.input())?;
         let predicate = substitute(f.predicate(), &below.outputs)?;
         below.steps.push(Step::Filter(predicate));
         if let Some(projection) = f.projection() {
@@ -390,10 +406,10 @@ fn walk(plan: &Arc<dyn ExecutionPlan>) -> Result<Lowered<'_>, String> {
         return Ok(below);
     }
     if let Some(j) = plan.downcast_ref::<HashJoinExec>() {
-        return walk_join(j);
+        return walk_join(rule, j);
     }
     if moves_rows(plan) {
-        return walk(plan.children()[0]);
+        return walk(rule, plan.children()[0]);
     }
     Err(format!("{} under the aggregate", plan.name()))
 }
@@ -487,7 +503,7 @@ impl DeviceStageRule {
         if agg.group_expr().has_grouping_set() || agg.limit_options().is_some() {
             return Err("grouping sets or a limit".into());
         }
-        let below = walk(agg.input())?;
+        let below = walk(self, agg.input())?;
         let table = below.scan.table().clone();
         let input_schema = agg.input_schema();
         let mut keys = Vec::new();
@@ -603,7 +619,7 @@ impl DeviceStageRule {
         if node.properties().output_ordering().is_some() {
             return Err("an output ordering".into());
         }
-        let below = walk(node)?;
+        let below = walk(self, node)?;
         if below.steps.iter().any(|s| matches!(s, Step::Join(_))) {
             return Err("a join without an aggregate above it".into());
         }
@@ -665,7 +681,7 @@ impl DeviceStageRule {
             [first, rest @ ..] if rest.iter().all(|d| d == first) => *first,
             _ => Device::Cpu,
         };
-        let on_host = |j: &&JoinStep| device_scan(&j.build, device).is_none();
+        let on_host = |j: &&JoinStep| !stays_on(&j.build, device);
         if let Some(why) = plan.joins().filter(on_host).find_map(|j| costly_build(j, &read)) {
             return Err(why);
         }
