@@ -135,8 +135,9 @@
 //! by the scan's compaction kernels. Only the kept rows' output columns cross to the host, one
 //! batch per table batch with kept rows, split among the partitions of the node it replaced (by
 //! the hash of columns where that node's output was hash-partitioned). A projection that
-//! computes a string, or one over a join, stays with DataFusion. TPC-H Q4 and Q21 run their
-//! lineitem filter (`l_commitdate < l_receiptdate`) this way.
+//! computes a string, or one over a join, stays with DataFusion. A rows stage that is a join's
+//! build side for a stage on the same device keeps its rows there (TPC-H Q4 and Q21: lineitem
+//! filtered by `l_commitdate < l_receiptdate`, hashed for the stage's semi and anti joins).
 //!
 //! Uncorrelated scalar subqueries (`x > (select avg(y) from t)`) in a stage's expressions are
 //! literals whose values the stage reads when it runs, after DataFusion's `ScalarSubqueryExec`
