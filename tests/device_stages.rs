@@ -545,14 +545,7 @@ fn aggregation_by_group_count() {
 fn rows_stages_compute_projections_and_filters() {
     let _gpu = gpu_shared();
     let data = grouped(150_000, 1000);
-    let big = 10i128.pow(37);
-    let d: ArrayRef = Arc::new(
-        Decimal128Array::from(vec![Some(big), Some(-big), None, Some(5)])
-            .with_precision_and_scale(38, 0)
-            .unwrap(),
-    );
-    let a: ArrayRef = Arc::new(Int64Array::from(vec![Some(1), Some(2), None, Some(0)]));
-    let errors = Data::new(vec![vec![RecordBatch::try_from_iter([("d", d), ("a", a)]).unwrap()]]);
+    let errors = error_table();
     common::each_device(|device, _| {
         let (gpu, mem) = sessions(&[("g", &data), ("e", &errors)], device);
         for sql in [
@@ -587,10 +580,8 @@ fn rows_stages_compute_projections_and_filters() {
     });
 }
 
-/// Decimal overflow and division by zero are errors on the device as in DataFusion.
-#[test]
-fn arithmetic_errors_match_datafusion() {
-    let _gpu = gpu_shared();
+/// A table whose `d * d` overflows `Decimal128(38, 0)` and whose `a - a` is zero.
+fn error_table() -> Data {
     let big = 10i128.pow(37);
     let d: ArrayRef = Arc::new(
         Decimal128Array::from(vec![Some(big), Some(-big), None, Some(5)])
@@ -598,8 +589,14 @@ fn arithmetic_errors_match_datafusion() {
             .unwrap(),
     );
     let a: ArrayRef = Arc::new(Int64Array::from(vec![Some(1), Some(2), None, Some(0)]));
-    let batch = RecordBatch::try_from_iter([("d", d), ("a", a)]).unwrap();
-    let data = Data::new(vec![vec![batch]]);
+    Data::new(vec![vec![RecordBatch::try_from_iter([("d", d), ("a", a)]).unwrap()]])
+}
+
+/// Decimal overflow and division by zero are errors on the device as in DataFusion.
+#[test]
+fn arithmetic_errors_match_datafusion() {
+    let _gpu = gpu_shared();
+    let data = error_table();
     common::each_device(|device, _| {
         let (gpu, mem) = sessions(&[("e", &data)], device);
         for sql in [

@@ -1626,18 +1626,23 @@ fn senders_killed_at_random_points_never_hang_their_receivers() {
             }
             drop((held, r));
             received += n;
-            if let Some(o) = device.ordinal() {
-                match baseline {
-                    // The first run leaves what stays for the process (streams, pools) in place.
-                    None => baseline = Some(arrow_cuda::device::cuda_devices().unwrap()[o].free_memory),
-                    Some(start) if run + 1 == runs => free_memory_returns_to(o, start, &what),
-                    Some(_) => {}
-                }
-            }
+            check_free_memory(device, &mut baseline, run + 1 == runs, &what);
         }
         eprintln!("{device}: {runs} senders killed, {received} batches received");
     });
     eprintln!("fault runs took {:?}", started.elapsed());
+}
+
+/// After each fault run on a GPU: the first run's free device memory is the baseline (it leaves
+/// what stays for the process, streams and pools, in place); after the last, free memory must
+/// return to it.
+fn check_free_memory(device: Device, baseline: &mut Option<usize>, last: bool, what: &str) {
+    let Some(o) = device.ordinal() else { return };
+    match *baseline {
+        None => *baseline = Some(arrow_cuda::device::cuda_devices().unwrap()[o].free_memory),
+        Some(start) if last => free_memory_returns_to(o, start, what),
+        Some(_) => {}
+    }
 }
 
 /// Issue #23's repeated fault runs, receivers' side: a receiver killed (SIGKILL) at a random
@@ -1703,13 +1708,7 @@ fn receivers_killed_at_random_points_are_always_reclaimed() {
             sender.finish().unwrap();
             drop(sender);
             assert!(finishing.elapsed() < FAULT_TIMEOUT, "{what}: finishing hung");
-            if let Some(o) = device.ordinal() {
-                match baseline {
-                    None => baseline = Some(arrow_cuda::device::cuda_devices().unwrap()[o].free_memory),
-                    Some(start) if run + 1 == runs => free_memory_returns_to(o, start, &what),
-                    Some(_) => {}
-                }
-            }
+            check_free_memory(device, &mut baseline, run + 1 == runs, &what);
         }
         eprintln!("{device}: {runs} receivers killed, all reclaimed within {slowest:?} of the kill");
     });

@@ -24,7 +24,7 @@ use ::datafusion::physical_expr::expressions::Column;
 use arrow_schema::{DataType, Schema};
 
 use super::super::predicate_codegen::{Codegen, LateLiteral, PREDICATE_PRELUDE};
-use super::expr::{ExprCompiler, Val};
+use super::expr::{ExprCompiler, Val, int_width};
 use super::layout::{
     Acc, JoinKind, JoinStep, SlotKind, StagePlan, Step, join_key_layout, key_value_type, string_capacity,
 };
@@ -305,20 +305,12 @@ fn rows_kernels(
 
 /// The C type of an output column's values of `dt` (Arrow's layout).
 fn stored(dt: &DataType) -> Result<&'static str> {
-    use DataType::*;
-    Ok(match dt {
-        Int8 => "signed char",
-        Int16 => "short",
-        Int32 | Date32 => "int",
-        Int64 | Date64 => "long long",
-        UInt8 => "unsigned char",
-        UInt16 => "unsigned short",
-        UInt32 => "unsigned int",
-        Float32 => "float",
-        Float64 => "double",
-        Decimal128(..) => "i128",
-        other => return Err(Error::Unsupported(format!("an output column of {other}"))),
-    })
+    match dt {
+        DataType::Float32 => Ok("float"),
+        DataType::Float64 => Ok("double"),
+        DataType::Decimal128(..) => Ok("i128"),
+        other => int_width(other).ok_or_else(|| Error::Unsupported(format!("an output column of {other}"))),
+    }
 }
 
 /// The base column of the join whose build side stage column `c` belongs to.

@@ -64,7 +64,7 @@ pub(crate) fn c_type(dt: &DataType) -> Option<&'static str> {
 }
 
 /// The C type that wraps an integer result of `dt` to its width.
-fn int_width(dt: &DataType) -> Option<&'static str> {
+pub(crate) fn int_width(dt: &DataType) -> Option<&'static str> {
     use DataType::*;
     Some(match dt {
         Int8 => "signed char",
