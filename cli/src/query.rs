@@ -1,5 +1,6 @@
 //! `arrow-cuda query`: TPC-H (generated in process) or Parquet / CSV files staged on the GPU, then SQL.
 
+use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -21,18 +22,28 @@ pub struct Args {
     /// Generate the 8 TPC-H tables at this scale factor and stage them.
     #[arg(long)]
     tpch: Option<f64>,
-    /// Stage a Parquet file as a table named after the file (repeatable).
+    /// Stage a Parquet file, or a directory of them, as a table named after it, or `NAME=PATH`
+    /// (repeatable).
     #[arg(long)]
     parquet: Vec<String>,
-    /// Stage a CSV file with a header row as a table named after the file (repeatable).
+    /// Stage a CSV file with a header row, or a directory of them, as a table named after it, or
+    /// `NAME=PATH` (repeatable).
     #[arg(long)]
     csv: Vec<String>,
     /// `cuda` (the default, when a GPU is present) or `cpu`.
     #[arg(long)]
     device: Option<crate::DeviceArg>,
-    /// Also run each query on DataFusion's MemTable over the same batches and print both times.
+    /// Also run each query on DataFusion's MemTable over the same batches, print both times and
+    /// check that both return the same rows (a difference fails the query).
     #[arg(long)]
     compare: bool,
+    /// How results are written: a text table, CSV with a header, JSON lines or an Arrow IPC stream.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
+    /// Write the results to this file instead of stdout; for several queries, one file each,
+    /// `NAME-q6.EXT` for a TPC-H query, `NAME-2.EXT` for the second query given as SQL.
+    #[arg(long)]
+    output: Option<std::path::PathBuf>,
     /// Runs of each query (the best time is printed).
     #[arg(long, default_value_t = 3)]
     runs: usize,
@@ -40,15 +51,40 @@ pub struct Args {
     queries: Vec<String>,
 }
 
+/// How `arrow-cuda query` writes results.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// A text table (with the query's name and time).
+    Table,
+    /// CSV with a header row.
+    Csv,
+    /// One JSON object per row.
+    Json,
+    /// An Arrow IPC stream.
+    Arrow,
+}
+
+impl Format {
+    fn extension(self) -> &'static str {
+        match self {
+            Format::Table => "txt",
+            Format::Csv => "csv",
+            Format::Json => "json",
+            Format::Arrow => "arrows",
+        }
+    }
+}
+
 /// `arrow-cuda query`: stages the tables, then runs each query on them with device stages (and on
-/// `MemTable`s with `--compare`), printing its result and times.
+/// `MemTable`s with `--compare`), writing its result and printing its times. A failing query
+/// prints its error and the others still run; the command fails when any did.
 pub fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let device = match args.device {
         Some(d) => d.resolve()?,
         None => match arrow_cuda::device::cuda_device_count() {
             Ok(_) => arrow_cuda::Device::Cuda(0),
             Err(e) => {
-                println!("no GPU ({e}); running on the CPU device");
+                eprintln!("no GPU ({e}); running on the CPU device");
                 arrow_cuda::Device::Cpu
             }
         },
@@ -65,15 +101,17 @@ pub fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         let t = Instant::now();
         let generated = tpch::tables(sf, cores, tpch::LARGE_BATCH_SIZE)?;
         tables.extend(generated.into_iter().map(|t| (t.name.to_string(), t.partitions)));
-        println!("generated the 8 TPC-H tables at SF {sf} in {:.2?}", t.elapsed());
+        eprintln!("generated the 8 TPC-H tables at SF {sf} in {:.2?}", t.elapsed());
     }
-    for path in &args.parquet {
-        let df = runtime.block_on(host.read_parquet(path.as_str(), Default::default()))?;
-        tables.push((table_name(path), vec![runtime.block_on(df.collect())?]));
+    for arg in &args.parquet {
+        let (name, path) = named(arg);
+        let df = runtime.block_on(host.read_parquet(path, Default::default()))?;
+        tables.push((name, vec![runtime.block_on(df.collect())?]));
     }
-    for path in &args.csv {
-        let df = runtime.block_on(host.read_csv(path.as_str(), CsvReadOptions::new()))?;
-        tables.push((table_name(path), vec![runtime.block_on(df.collect())?]));
+    for arg in &args.csv {
+        let (name, path) = named(arg);
+        let df = runtime.block_on(host.read_csv(path, CsvReadOptions::new()))?;
+        tables.push((name, vec![runtime.block_on(df.collect())?]));
     }
     if tables.is_empty() {
         return Err("nothing to query: give --tpch SF, --parquet FILE or --csv FILE".into());
@@ -85,7 +123,7 @@ pub fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             None => continue,
         };
         let (table, secs) = stage(&name, schema.clone(), partitions.clone(), device)?;
-        println!(
+        eprintln!(
             "staged {name}: {} rows, {:.1} MB on {device} in {:.3} s ({:.1} GB/s)",
             table.num_rows(),
             table.size_in_bytes() as f64 / 1e6,
@@ -103,23 +141,120 @@ pub fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     } else {
         args.queries.clone()
     };
-    for q in &queries {
+    let mut failed = Vec::new();
+    for (i, q) in queries.iter().enumerate() {
         let sql = tpch::query(q).unwrap_or(q.as_str());
-        let (out, gpu_secs) = runtime.block_on(time_query(&gpu, sql, args.runs))?;
-        println!("{q}:\n{}", pretty_format_batches(&out)?);
-        if args.compare {
-            let (_, host_secs) = runtime.block_on(time_query(&host, sql, args.runs))?;
-            println!(
+        // A file per query: a TPC-H query's name, else the query's place on the command line.
+        let label = match tpch::query(q) {
+            Some(_) => q.to_lowercase(),
+            None => (i + 1).to_string(),
+        };
+        let output = args.output.as_ref().map(|path| match queries.len() {
+            1 => path.clone(),
+            _ => {
+                let stem = path
+                    .file_stem()
+                    .map_or("out".into(), |s| s.to_string_lossy().into_owned());
+                let ext = path
+                    .extension()
+                    .map_or(args.format.extension().into(), |e| e.to_string_lossy().into_owned());
+                path.with_file_name(format!("{stem}-{label}.{ext}"))
+            }
+        });
+        let outcome = runtime.block_on(async {
+            let (out, gpu_secs) = time_query(&gpu, sql, args.runs).await?;
+            let host_run = match args.compare {
+                true => Some(time_query(&host, sql, args.runs).await?),
+                false => None,
+            };
+            Ok::<_, Box<dyn std::error::Error>>((out, gpu_secs, host_run))
+        });
+        let result = outcome.and_then(|(out, gpu_secs, host_run)| {
+            write_result(q, &out, args.format, output.as_deref())?;
+            let Some((theirs, host_secs)) = host_run else {
+                eprintln!("{q}: {:.2} ms", gpu_secs * 1e3);
+                return Ok(());
+            };
+            eprintln!(
                 "{q}: {:.2} ms on the {device} table, {:.2} ms on MemTable ({:.1}x)",
                 gpu_secs * 1e3,
                 host_secs * 1e3,
                 host_secs / gpu_secs
             );
-        } else {
-            println!("{q}: {:.2} ms", gpu_secs * 1e3);
+            let ordered = sql.to_lowercase().contains("order by");
+            if rows(&out, ordered)? != rows(&theirs, ordered)? {
+                return Err(format!("the {device} table's rows differ from MemTable's").into());
+            }
+            Ok(())
+        });
+        if let Err(e) = result {
+            eprintln!("{q}: error: {e}");
+            failed.push(q.as_str());
         }
     }
+    match failed.as_slice() {
+        [] => Ok(()),
+        some => Err(format!(
+            "{} of {} queries failed: {}",
+            some.len(),
+            queries.len(),
+            some.join(", ")
+        )
+        .into()),
+    }
+}
+
+/// Writes the result of query `q` as `format` to `path`, or to stdout.
+fn write_result(
+    q: &str,
+    batches: &[RecordBatch],
+    format: Format,
+    path: Option<&std::path::Path>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let mut out: Box<dyn Write> = match path {
+        Some(p) => Box::new(std::io::BufWriter::new(std::fs::File::create(p)?)),
+        None => Box::new(std::io::stdout().lock()),
+    };
+    match format {
+        Format::Table => writeln!(out, "{q}:\n{}", pretty_format_batches(batches)?)?,
+        Format::Csv => {
+            let mut w = arrow_csv::Writer::new(&mut out);
+            batches.iter().try_for_each(|b| w.write(b))?;
+        }
+        Format::Json => {
+            let mut w = arrow_json::LineDelimitedWriter::new(&mut out);
+            batches.iter().try_for_each(|b| w.write(b))?;
+            w.finish()?;
+        }
+        Format::Arrow => {
+            let Some(schema) = batches.first().map(|b| b.schema()) else {
+                return Err("an empty result has no schema to write as Arrow".into());
+            };
+            let mut w = arrow_ipc::writer::StreamWriter::try_new(&mut out, &schema)?;
+            batches.iter().try_for_each(|b| w.write(b))?;
+            w.finish()?;
+        }
+    }
+    out.flush()?;
     Ok(())
+}
+
+/// A result's rows as text lines, sorted unless the query orders them: what `--compare` checks.
+fn rows(batches: &[RecordBatch], ordered: bool) -> Result<Vec<String>, Box<dyn std::error::Error>> {
+    let text = pretty_format_batches(batches)?.to_string();
+    let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+    if !ordered {
+        lines.sort();
+    }
+    Ok(lines)
+}
+
+/// A table's name and path from `NAME=PATH`, or from `PATH` (the name is the file's stem).
+fn named(arg: &str) -> (String, &str) {
+    match arg.split_once('=') {
+        Some((name, path)) if !name.is_empty() && !name.contains('/') => (name.to_string(), path),
+        _ => (table_name(arg), arg),
+    }
 }
 
 /// A session whose physical plans run the partial aggregates over GPU tables in device stages

@@ -77,6 +77,85 @@ fn query_runs_on_the_cpu_device() {
     assert!(out.contains("MemTable"), "{out}");
 }
 
+/// `query` writes results as CSV, JSON lines or an Arrow IPC stream, to stdout or one file per
+/// query; a failing query prints its error, the others still run, and the exit status says so.
+#[test]
+fn query_writes_formats_and_goes_on_after_a_failure() {
+    let dir = std::env::temp_dir().join(format!("arrow-cuda-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let base = ["query", "--tpch", "0.01", "--device", "cpu", "--runs", "1"];
+    let q = "select n_nationkey, n_name from nation where n_nationkey < 3 order by n_nationkey";
+    let csv = arrow_cuda(&[&base[..], &["--format", "csv", q]].concat(), &[]);
+    assert!(csv.status.success(), "{}", text(&csv));
+    assert_eq!(
+        String::from_utf8_lossy(&csv.stdout),
+        "n_nationkey,n_name\n0,ALGERIA\n1,ARGENTINA\n2,BRAZIL\n"
+    );
+    let out = dir.join("r.json");
+    let json = arrow_cuda(
+        &[
+            &base[..],
+            &["--format", "json", "--output", out.to_str().unwrap(), q, "q6"],
+        ]
+        .concat(),
+        &[],
+    );
+    assert!(json.status.success(), "{}", text(&json));
+    let first = std::fs::read_to_string(dir.join("r-1.json"));
+    assert!(first.is_ok_and(|t| t.starts_with(r#"{"n_nationkey":0,"n_name":"ALGERIA"}"#)));
+    assert!(
+        std::fs::read_to_string(dir.join("r-q6.json"))
+            .unwrap()
+            .contains("revenue")
+    );
+    let arrow = dir.join("q6.arrows");
+    let o = arrow_cuda(
+        &[
+            &base[..],
+            &["--format", "arrow", "--output", arrow.to_str().unwrap(), "q6"],
+        ]
+        .concat(),
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let reader = arrow_ipc::reader::StreamReader::try_new(std::fs::File::open(&arrow).unwrap(), None).unwrap();
+    let batches: Vec<_> = reader.map(Result::unwrap).collect();
+    assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 1);
+    assert_eq!(batches[0].schema().field(0).name(), "revenue");
+    let o = arrow_cuda(&[&base[..], &["select * from nowhere", "q6"]].concat(), &[]);
+    assert!(!o.status.success(), "{}", text(&o));
+    let out = text(&o);
+    assert!(
+        out.contains("select * from nowhere: error:") && out.contains("revenue"),
+        "{out}"
+    );
+    assert!(out.contains("1 of 2 queries failed"), "{out}");
+    // A directory of CSV files as one table named on the command line.
+    let files = dir.join("files");
+    std::fs::create_dir_all(&files).unwrap();
+    std::fs::write(files.join("a.csv"), "k,v\n1,10\n2,20\n").unwrap();
+    std::fs::write(files.join("b.csv"), "k,v\n3,30\n").unwrap();
+    let table = format!("people={}", files.to_str().unwrap());
+    let o = arrow_cuda(
+        &[
+            "query",
+            "--device",
+            "cpu",
+            "--runs",
+            "1",
+            "--format",
+            "csv",
+            "--csv",
+            &table,
+            "select sum(v) as s from people",
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "s\n60\n");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// `bench` prints one table with transfer (GPU only), IPC and TPC-H rows (every query).
 #[test]
 fn bench_prints_one_table() {
