@@ -153,6 +153,20 @@ fn query_writes_formats_and_goes_on_after_a_failure() {
     );
     assert!(o.status.success(), "{}", text(&o));
     assert_eq!(String::from_utf8_lossy(&o.stdout), "s\n60\n");
+    // DataFusion's regex, array, hash and math functions are there.
+    let sql = "select regexp_like('abc', 'b') as r, array_length(make_array(1, 2, 3)) as n, md5('a') as h, \
+               gcd(12, 18) as g from people limit 1";
+    let o = arrow_cuda(
+        &[
+            "query", "--device", "cpu", "--runs", "1", "--format", "csv", "--csv", &table, sql,
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        "r,n,h,g\ntrue,3,0cc175b9c0f1b6a831c399e269772661,6\n"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
