@@ -115,7 +115,7 @@ pub fn driver_version() -> Result<(i32, i32)> {
 
 /// The 16-byte UUID of a CUDA device (`cuDeviceGetUuid`). Unlike its ordinal, which depends on the
 /// `CUDA_VISIBLE_DEVICES` of each process, it names the same device in every process of the
-/// machine: it is how processes that exchange device memory agree on a device ([`crate::ipc`]).
+/// machine: it is how processes that exchange device memory agree on a device.
 ///
 /// Shown as `nvidia-smi -L` shows a GPU's (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`), the form
 /// `CUDA_VISIBLE_DEVICES` accepts too. (The driver gives a MIG instance a UUID of its own, which

@@ -111,14 +111,10 @@ async fn on_device(build: &Arc<dyn ExecutionPlan>, device: Device) -> StageResul
         };
         concatenated(build, batches, device, stream)?
     } else if let Some(plan) = device_rows(build, device) {
-        let source = plan
-            .source
-            .as_ref()
-            .ok_or_else(|| Outcome::GiveBack("no kernels were generated".into()))?;
         let lease = plan.table.lanes[&device].acquire().await?;
         let stream = lease.stream();
         let table: Vec<&DeviceRecordBatch> = plan.table.partitions.iter().flatten().collect();
-        let mut stage = DeviceStage::new(plan, source, device, stream, &table, &[])?;
+        let mut stage = DeviceStage::new(plan, device, stream, &table, &[])?;
         let mut kept = Vec::new();
         for b in table {
             kept.extend(stage.device_rows(b)?);

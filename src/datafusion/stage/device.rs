@@ -22,7 +22,6 @@ use arrow_select::interleave::interleave;
 use super::super::device_filter::{Scratch, column_args, compact, gather_to_host, selected_rows};
 use super::super::nvrtc::{BLOCK, cuda_stream, function, launch, launch_shared};
 use super::build::BuildRows;
-use super::codegen::StageSource;
 use super::emit::{self, GroupTable};
 use super::expr::late_literals;
 use super::layout::{JoinStep, NO_ROW, StagePlan, join_key_layout};
@@ -116,12 +115,15 @@ impl<'p> DeviceStage<'p> {
     /// per context; [`add`](Self::add) must then be given the same batches in the same order.
     pub(crate) fn new(
         plan: &'p StagePlan,
-        source: &StageSource,
         device: Device,
         stream: &Stream,
         batches: &[&DeviceRecordBatch],
         builds: &[BuildRows],
     ) -> StageResult<Self> {
+        let source = plan
+            .source
+            .as_ref()
+            .ok_or_else(|| Outcome::GiveBack("no kernels were generated".into()))?;
         let rows = batches.iter().map(|b| b.num_rows() as u64).sum::<u64>();
         let (stream, cuda) = cuda_stream(stream, device, "a device stage")?;
         let ctx = cuda.context().clone();

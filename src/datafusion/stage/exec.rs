@@ -36,8 +36,8 @@ use crate::device::{Device, Stream};
 
 /// A device stage: a GPU table's scan, its filters, joins, computed projections and an aggregation,
 /// run where the table lives (or, for a rows stage, the scan, filters and computed projections,
-/// whose kept rows it emits, partitioned as the node it replaced). When it covers the whole aggregation it emits the aggregate's final rows,
-/// partitioned as the `Final` aggregate it replaced partitioned them; when DataFusion's `Final`
+/// whose kept rows it emits, partitioned as the node it replaced). When it covers the whole
+/// aggregation it emits the aggregate's final rows, partitioned as the `Final` aggregate it replaced partitioned them; when DataFusion's `Final`
 /// aggregate stays above it, it emits DataFusion's partial aggregate state in as many partitions
 /// as the partial aggregate it replaced (each partition a share of the groups, merged above in
 /// parallel). The stage runs once, shared by its partitions. When the device cannot finish (a
@@ -351,12 +351,8 @@ fn rows_of<'a>(
         }
         return Ok(out);
     }
-    let source = plan
-        .source
-        .as_ref()
-        .ok_or_else(|| Outcome::GiveBack("no kernels were generated".into()))?;
     let batches: Vec<_> = batches.collect();
-    let mut stage = DeviceStage::new(plan, source, device, stream, &batches, builds)?;
+    let mut stage = DeviceStage::new(plan, device, stream, &batches, builds)?;
     metrics.compile_time.add_duration(stage.compile_time);
     for b in batches {
         metrics.rows_in.add(b.num_rows());
@@ -423,12 +419,8 @@ async fn run(plan: Arc<StagePlan>, metrics: &Metrics, context: Arc<TaskContext>)
             }
             host_state(stage.finish()?)?
         } else {
-            let source = plan
-                .source
-                .as_ref()
-                .ok_or_else(|| Outcome::GiveBack("no kernels were generated".into()))?;
             let batches: Vec<_> = batches.collect();
-            let mut stage = DeviceStage::new(&plan, source, device, stream, &batches, &builds)?;
+            let mut stage = DeviceStage::new(&plan, device, stream, &batches, &builds)?;
             metrics.compile_time.add_duration(stage.compile_time);
             for b in batches {
                 metrics.rows_in.add(b.num_rows());
