@@ -366,7 +366,8 @@ fn join_tables() -> Vec<(&'static str, Data)> {
 /// the build side of the join before), outer joins that keep every fact row, semi and anti joins
 /// (`IN`, `EXISTS`, `NOT EXISTS`), join filters, empty build sides and keys that are null. Each
 /// returns what `MemTable` returns, with the join inside the stage; a build side with duplicate
-/// keys where the stage reads the match makes the stage give its work back (same answer).
+/// keys where the stage reads the match makes the stage give its work back (same answer). A build
+/// side that is an inner join of GPU scans is flattened into the stage's joins.
 #[test]
 fn joins_inside_stages() {
     let _gpu = gpu_shared();
@@ -400,10 +401,21 @@ fn joins_inside_stages() {
         "select name, count(*) from d where exists (select 1 from f where f.k = d.k and f.k2 < f.k) group by name",
         "select name, count(*), sum(w) from d where k + 1 in (select k + 1 from f where g = 'g2') group by name",
     ];
-    let given_back = ["select d.name, count(*), sum(f.amount) from f join dd as d on f.k = d.k group by d.name"];
+    // A build side that is itself an inner join of GPU scans whose columns stay on the device
+    // (DataFusion joins the tables in FROM order): the stage joins the fact rows with each of
+    // them in turn, filtered after.
+    let flattened = [
+        "select d3.c, sum(f.amount), count(*) from d3, d, f where d.c = d3.c and f.k = d.k group by d3.c",
+        "select d3.c, count(*), sum(d.w) from d3, d, f where d.c = d3.c and f.k = d.k and f.k2 = d.k2 \
+         and f.amount > d.w group by d3.c",
+    ];
+    let given_back = [
+        "select d.name, count(*), sum(f.amount) from f join dd as d on f.k = d.k group by d.name",
+        "select d3.c, count(*) from d3, dd, f where dd.c = d3.c and f.k = dd.k group by d3.c",
+    ];
     common::each_device(|device, _| {
         let (gpu, mem) = sessions(&refs, device);
-        for sql in joined.iter().chain(&given_back) {
+        for sql in joined.iter().chain(&flattened).chain(&given_back) {
             let plan = explain(&gpu, sql);
             let stage = plan.lines().find(|l| l.contains("DeviceStageExec")).unwrap_or_default();
             assert!(stage.contains(" join("), "{sql}\n{plan}");
@@ -416,6 +428,12 @@ fn joins_inside_stages() {
                 "{sql}\n{text}"
             );
             eprintln!("{n} rows, given back: {back}: {sql}");
+        }
+        for sql in flattened.iter().chain(&given_back[1..]) {
+            let plan = explain(&gpu, sql);
+            let stage = plan.lines().find(|l| l.contains("DeviceStageExec")).unwrap_or_default();
+            assert_eq!(stage.matches("inner join(").count(), 2, "{sql}\n{plan}");
+            assert!(!plan.contains("HashJoinExec"), "{sql}\n{plan}");
         }
         for sql in &joined[joined.len() - 2..] {
             let plan = explain(&gpu, sql);

@@ -90,6 +90,7 @@ impl PhysicalOptimizerRule for DeviceStageRule {
 /// The subtree under an aggregate, down to the scan: its filters and joins, and the expressions
 /// of its output columns, all over the stage's columns (the table's, then each join's build
 /// side's).
+#[derive(Clone)]
 struct Lowered<'a> {
     scan: &'a GpuScan,
     steps: Vec<Step>,
@@ -261,7 +262,7 @@ fn walk_join_as<'a>(
     kind: JoinKind,
     scan_left: bool,
 ) -> Result<Lowered<'a>, String> {
-    if j.null_equality() != NullEquality::NullEqualsNothing || j.null_aware || j.fetch().is_some() {
+    if !plain_equi_join(j) {
         return Err("a join where nulls match, a null-aware anti join or a join with a limit".into());
     }
     if kind == JoinKind::Right && j.filter().is_some() {
@@ -274,6 +275,164 @@ fn walk_join_as<'a>(
         (j.right(), j.left())
     };
     let mut below = walk(rule, scanned)?;
+    let scanned_schema = scanned.schema();
+    let mut keys = Vec::new();
+    for (l, r) in j.on() {
+        let (h, s) = if scan_left { (r, l) } else { (l, r) };
+        keys.push(JoinKey {
+            build: h
+                .downcast_ref::<Column>()
+                .ok_or("a build key that is not a column")?
+                .index(),
+            probe: substitute(s, &below.outputs)?,
+            probe_type: s.data_type(&scanned_schema).map_err(|e| e.to_string())?,
+        });
+    }
+    let steps = below.steps.len();
+    let build_columns = join_steps(rule, &mut below, hashed, kind, keys, scan_left)?;
+    if let Some(f) = j.filter() {
+        let sides = f
+            .column_indices()
+            .iter()
+            .map(|ci| match (ci.side, scan_left) {
+                (JoinSide::Left, false) | (JoinSide::Right, true) => Ok(build_columns[ci.index].clone()),
+                (JoinSide::Right, false) | (JoinSide::Left, true) => Ok(below.outputs[ci.index].clone()),
+                (JoinSide::None, _) => Err("a join filter over a mark column".to_string()),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let filter = substitute(f.expression(), &sides)?;
+        // One join step holds its filter; an inner join flattened into several is filtered after them.
+        match &mut below.steps[steps..] {
+            [Step::Join(step)] => step.filter = Some(filter),
+            _ => below.steps.push(Step::Filter(filter)),
+        }
+    }
+    // DataFusion's output: the left input's columns then the right's (inner and outer joins), or
+    // one side's (semi and anti joins: the stage's).
+    let outputs: Vec<_> = match kind {
+        JoinKind::Inner | JoinKind::Right if scan_left => below.outputs.into_iter().chain(build_columns).collect(),
+        JoinKind::Inner | JoinKind::Right => build_columns.into_iter().chain(below.outputs).collect(),
+        JoinKind::Semi | JoinKind::Anti => below.outputs,
+    };
+    below.outputs = match &j.projection {
+        Some(p) => p.iter().map(|&i| outputs[i].clone()).collect(),
+        None => outputs,
+    };
+    Ok(below)
+}
+
+/// Whether `j` matches rows on equal, non-null keys, with no limit and not as a null-aware anti
+/// join: what a stage's join steps do.
+fn plain_equi_join(j: &HashJoinExec) -> bool {
+    j.null_equality() == NullEquality::NullEqualsNothing && !j.null_aware && j.fetch().is_none()
+}
+
+/// A key of a join the stage runs: the build side's column and the value the stage's rows probe
+/// it with (over the stage's columns), of type `probe_type`.
+struct JoinKey {
+    build: usize,
+    probe: Arc<dyn PhysicalExpr>,
+    probe_type: DataType,
+}
+
+/// Adds the steps that join the stage's rows with `hashed`, a join's build side, on `keys`, and
+/// returns `hashed`'s columns as expressions over the stage's columns. An inner join whose build
+/// side is itself an inner join of sides the stage keeps on its device is flattened (see
+/// [`flattened`]); `on_device`: the build side must stay on the stage's device.
+fn join_steps(
+    rule: &DeviceStageRule,
+    below: &mut Lowered,
+    hashed: &Arc<dyn ExecutionPlan>,
+    kind: JoinKind,
+    keys: Vec<JoinKey>,
+    on_device: bool,
+) -> Result<Vec<Arc<dyn PhysicalExpr>>, String> {
+    if kind == JoinKind::Inner {
+        let mut flat = below.clone();
+        match flattened(rule, &mut flat, hashed, &keys) {
+            Ok(columns) => {
+                *below = flat;
+                return Ok(columns);
+            }
+            Err(why) => log::trace!("arrow-cuda: a build side not flattened: {why}"),
+        }
+    }
+    join_step(rule, below, hashed, kind, keys, on_device)
+}
+
+/// The steps of an inner join with `hashed` when it is an inner join of two sides, A and B, that
+/// stay on the stage's device (GPU scans, rows stages, or such joins again) and `keys` are all
+/// B's: the stage's rows join B, then A on the inner join's keys, and no row of A or B crosses to
+/// the host (`L ⋈ (A ⋈ B) = (L ⋈ B) ⋈ A` for inner joins). Returns `hashed`'s columns.
+fn flattened(
+    rule: &DeviceStageRule,
+    below: &mut Lowered,
+    hashed: &Arc<dyn ExecutionPlan>,
+    keys: &[JoinKey],
+) -> Result<Vec<Arc<dyn PhysicalExpr>>, String> {
+    let input = build_input(hashed);
+    let j = input.downcast_ref::<HashJoinExec>().ok_or("not a join")?;
+    if *j.join_type() != JoinType::Inner || j.filter().is_some() || !plain_equi_join(j) {
+        return Err(format!(
+            "a {} join with a filter, a limit or matching nulls",
+            j.join_type()
+        ));
+    }
+    let left_width = j.left().schema().fields().len();
+    let column = |i: usize| j.projection.as_ref().map_or(i, |p| p[i]);
+    let (keyed_left, keyed) = if keys.iter().all(|k| column(k.build) < left_width) {
+        (true, j.left())
+    } else if keys.iter().all(|k| column(k.build) >= left_width) {
+        (false, j.right())
+    } else {
+        return Err("keys on both sides of the build side's join".into());
+    };
+    let offset = if keyed_left { 0 } else { left_width };
+    let keyed_keys = keys
+        .iter()
+        .map(|k| JoinKey {
+            build: column(k.build) - offset,
+            probe: k.probe.clone(),
+            probe_type: k.probe_type.clone(),
+        })
+        .collect();
+    let keyed_columns = join_steps(rule, below, keyed, JoinKind::Inner, keyed_keys, true)?;
+    let (other, keyed_schema) = (if keyed_left { j.right() } else { j.left() }, keyed.schema());
+    let mut other_keys = Vec::new();
+    for (l, r) in j.on() {
+        let (k, o) = if keyed_left { (l, r) } else { (r, l) };
+        other_keys.push(JoinKey {
+            build: o
+                .downcast_ref::<Column>()
+                .ok_or("a build key that is not a column")?
+                .index(),
+            probe: substitute(k, &keyed_columns)?,
+            probe_type: k.data_type(&keyed_schema).map_err(|e| e.to_string())?,
+        });
+    }
+    let other_columns = join_steps(rule, below, other, JoinKind::Inner, other_keys, true)?;
+    let all: Vec<_> = if keyed_left {
+        keyed_columns.into_iter().chain(other_columns).collect()
+    } else {
+        other_columns.into_iter().chain(keyed_columns).collect()
+    };
+    Ok(match &j.projection {
+        Some(p) => p.iter().map(|&i| all[i].clone()).collect(),
+        None => all,
+    })
+}
+
+/// The step that joins the stage's rows with `hashed` (a build side the stage hashes whole) on
+/// `keys`; returns `hashed`'s columns. Its build side is the plan itself, or the rows stage that
+/// runs it on the stage's device; `on_device`: it must stay there.
+fn join_step(
+    rule: &DeviceStageRule,
+    below: &mut Lowered,
+    hashed: &Arc<dyn ExecutionPlan>,
+    kind: JoinKind,
+    keys: Vec<JoinKey>,
+    on_device: bool,
+) -> Result<Vec<Arc<dyn PhysicalExpr>>, String> {
     let original = build_input(hashed);
     let devices = &below.scan.table().partition_devices;
     let device = devices.first().copied().filter(|d| devices.iter().all(|e| e == d));
@@ -287,11 +446,10 @@ fn walk_join_as<'a>(
             .unwrap_or_else(|| original.clone()),
         _ => original.clone(),
     };
-    let on_device = device.is_some_and(|d| stays_on(&build, d));
-    if scan_left && !on_device {
+    if on_device && !device.is_some_and(|d| stays_on(&build, d)) {
         return Err(format!(
-            "a {} join whose right side is neither a GPU scan nor a rows stage on the stage's device",
-            j.join_type()
+            "a build side ({}) that is neither a GPU scan nor a rows stage on the stage's device",
+            original.name()
         ));
     }
     // A build side with more rows than the stage's table is not the unique side of a key: an
@@ -304,65 +462,31 @@ fn walk_join_as<'a>(
             return Err(format!("a build side of {b} rows for a table of {t}"));
         }
     }
-    let (hashed_schema, scanned_schema) = (hashed.schema(), scanned.schema());
+    let hashed_schema = hashed.schema();
+    for k in &keys {
+        let ht = hashed_schema.field(k.build).data_type();
+        if *ht != k.probe_type || !layout::join_key_supported(ht) {
+            return Err(format!("join keys of {ht} and {}", k.probe_type));
+        }
+    }
     let base = below.longest.len();
-    let build_columns: Vec<Arc<dyn PhysicalExpr>> = hashed_schema
+    let build_columns = hashed_schema
         .fields()
         .iter()
         .enumerate()
         .map(|(i, f)| Arc::new(Column::new(f.name(), base + i)) as Arc<dyn PhysicalExpr>)
         .collect();
-    let mut keys = Vec::new();
-    let mut probe = Vec::new();
-    for (l, r) in j.on() {
-        let (h, s) = if scan_left { (r, l) } else { (l, r) };
-        let c = h.downcast_ref::<Column>().ok_or("a build key that is not a column")?;
-        let (ht, st) = (
-            h.data_type(&hashed_schema).map_err(|e| e.to_string())?,
-            s.data_type(&scanned_schema).map_err(|e| e.to_string())?,
-        );
-        if ht != st || !layout::join_key_supported(&ht) {
-            return Err(format!("join keys of {ht} and {st}"));
-        }
-        keys.push(c.index());
-        probe.push(substitute(s, &below.outputs)?);
-    }
-    let filter = match j.filter() {
-        None => None,
-        Some(f) => {
-            let sides = f
-                .column_indices()
-                .iter()
-                .map(|ci| match (ci.side, scan_left) {
-                    (JoinSide::Left, false) | (JoinSide::Right, true) => Ok(build_columns[ci.index].clone()),
-                    (JoinSide::Right, false) | (JoinSide::Left, true) => Ok(below.outputs[ci.index].clone()),
-                    (JoinSide::None, _) => Err("a join filter over a mark column".to_string()),
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            Some(substitute(f.expression(), &sides)?)
-        }
-    };
     below.longest.extend(build_longest(&original));
+    let (keys, probe) = keys.into_iter().map(|k| (k.build, k.probe)).unzip();
     below.steps.push(Step::Join(JoinStep {
         build,
         kind,
         probe,
         keys,
-        filter,
+        filter: None,
         base,
     }));
-    // DataFusion's output: the left input's columns then the right's (inner and outer joins), or
-    // one side's (semi and anti joins: the stage's).
-    let outputs: Vec<_> = match kind {
-        JoinKind::Inner | JoinKind::Right if scan_left => below.outputs.into_iter().chain(build_columns).collect(),
-        JoinKind::Inner | JoinKind::Right => build_columns.into_iter().chain(below.outputs).collect(),
-        JoinKind::Semi | JoinKind::Anti => below.outputs,
-    };
-    below.outputs = match &j.projection {
-        Some(p) => p.iter().map(|&i| outputs[i].clone()).collect(),
-        None => outputs,
-    };
-    Ok(below)
+    Ok(build_columns)
 }
 
 fn walk<'a>(rule: &DeviceStageRule, plan: &'a Arc<dyn ExecutionPlan>) -> Result<Lowered<'a>, String> {
