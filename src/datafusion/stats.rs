@@ -9,7 +9,7 @@ use arrow_schema::{DataType, Schema};
 
 /// Running statistics of one column. Minimum and maximum use DataFusion's own `MIN` / `MAX`
 /// accumulators, so the statistics agree with what those aggregates compute; a type they do
-/// not handle gets no minimum or maximum.
+/// not handle, and a nested type (list, struct, map), gets no minimum or maximum.
 #[derive(Clone)]
 struct ColumnStats {
     nulls: usize,
@@ -45,8 +45,14 @@ impl StatsBuilder {
                 .map(|f| ColumnStats {
                     nulls: 0,
                     non_null: 0,
-                    min: MinAccumulator::try_new(f.data_type()).ok(),
-                    max: MaxAccumulator::try_new(f.data_type()).ok(),
+                    // No extremes of lists and structs: the minimum of partial minima (scalars)
+                    // can differ from the minimum of all values (arrays) where fields are null.
+                    min: (!f.data_type().is_nested())
+                        .then(|| MinAccumulator::try_new(f.data_type()).ok())
+                        .flatten(),
+                    max: (!f.data_type().is_nested())
+                        .then(|| MaxAccumulator::try_new(f.data_type()).ok())
+                        .flatten(),
                     max_bytes: longest_string(&arrow_array::new_empty_array(f.data_type())),
                     bytes: 0,
                 })
