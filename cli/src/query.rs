@@ -35,8 +35,9 @@ pub struct Args {
     /// `cuda` (the default, when a GPU is present) or `cpu`.
     #[arg(long)]
     device: Option<crate::DeviceArg>,
-    /// Also run each query on DataFusion's MemTable over the same batches, print both times and
-    /// check that both return the same rows (a difference fails the query).
+    /// Also run each query on DataFusion's MemTable over the same batches (of the tables given
+    /// with --tpch, --parquet and --csv), print both times and check that both return the same
+    /// rows (a difference fails the query).
     #[arg(long)]
     compare: bool,
     /// How results are written: a text table, CSV with a header, JSON lines or an Arrow IPC stream.
