@@ -3,7 +3,7 @@
 //! to its device while other runs are still being decoded (see `staging::stage_parallel`).
 
 use std::fs::File;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use ::datafusion::common::DataFusionError;
 use ::datafusion::parquet::arrow::arrow_reader::{
@@ -120,11 +120,11 @@ fn runs(metadata: &[ArrowReaderMetadata], rows: usize) -> Vec<Run> {
     runs
 }
 
-fn open(path: &PathBuf) -> DfResult<File> {
+fn open(path: &Path) -> DfResult<File> {
     File::open(path).map_err(|e| in_file(path, e))
 }
 
 /// An error reading `path`, naming it.
-fn in_file(path: &PathBuf, e: impl std::fmt::Display) -> DataFusionError {
+fn in_file(path: &Path, e: impl std::fmt::Display) -> DataFusionError {
     DataFusionError::Execution(format!("{}: {e}", path.display()))
 }
