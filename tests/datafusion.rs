@@ -1040,3 +1040,222 @@ fn random_predicates_are_pushed_down() {
         assert!(plan.contains("full_filters="), "{sql}: {plan}");
     }
 }
+
+// ---- files and SQL ------------------------------------------------------------------------------
+
+/// A fresh temporary directory for one case on one device.
+fn temp_dir(case: &str, device: Device) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("arrow-cuda-{case}-{}-{device}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+/// `random_data` with dictionary, list and struct columns too, as one batch.
+fn wide_batch(rows: usize, seed: u64) -> RecordBatch {
+    use arrow_array::cast::AsArray;
+    use arrow_array::types::Int32Type;
+    use arrow_array::{ListArray, StructArray};
+    let data = random_data(rows, seed);
+    let batch = arrow_select::concat::concat_batches(&data.schema, data.partitions.iter().flatten()).expect("concat");
+    let dict = arrow_cast::cast(
+        batch.column_by_name("utf8").unwrap(),
+        &DataType::Dictionary(Box::new(DataType::Int32), Box::new(DataType::Utf8)),
+    )
+    .expect("dictionary");
+    let ints = batch.column_by_name("i32").unwrap().as_primitive::<Int32Type>();
+    let list: ArrayRef = Arc::new(ListArray::from_iter_primitive::<Int32Type, _, _>(
+        ints.iter()
+            .map(|v| v.map(|v| (0..v.rem_euclid(4)).map(|k| Some(v + k)).collect::<Vec<_>>())),
+    ));
+    let st: ArrayRef = Arc::new(StructArray::from(vec![
+        (
+            Arc::new(Field::new("n", DataType::Int64, true)),
+            batch.column_by_name("i64").unwrap().clone(),
+        ),
+        (
+            Arc::new(Field::new("s", DataType::Utf8, true)),
+            batch.column_by_name("utf8").unwrap().clone(),
+        ),
+    ]));
+    let mut fields: Vec<Field> = batch.schema().fields().iter().map(|f| f.as_ref().clone()).collect();
+    let mut columns = batch.columns().to_vec();
+    for (name, c) in [("dict", dict), ("list", list), ("st", st)] {
+        fields.push(Field::new(name, c.data_type().clone(), true));
+        columns.push(c);
+    }
+    RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).expect("wide batch")
+}
+
+/// Writes `batch` as Parquet files `a.parquet` and `b.parquet` (half the rows each) in `dir`, in
+/// row groups of 250 rows.
+fn write_parquet(dir: &std::path::Path, batch: &RecordBatch) {
+    use datafusion::parquet::arrow::ArrowWriter;
+    use datafusion::parquet::file::properties::WriterProperties;
+    let half = batch.num_rows() / 2;
+    for (name, part) in [
+        ("a", batch.slice(0, half)),
+        ("b", batch.slice(half, batch.num_rows() - half)),
+    ] {
+        let file = std::fs::File::create(dir.join(format!("{name}.parquet"))).expect("create");
+        let props = WriterProperties::builder()
+            .set_max_row_group_row_count(Some(250))
+            .build();
+        let mut w = ArrowWriter::try_new(file, part.schema(), Some(props)).expect("writer");
+        w.write(&part).expect("write");
+        w.close().expect("close");
+    }
+}
+
+/// DataFusion's read of the Parquet files at `path`, in file and row order.
+fn datafusion_read(path: &str) -> RecordBatch {
+    let ctx = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(1));
+    let batches = runtime()
+        .block_on(async { ctx.read_parquet(path, Default::default()).await?.collect().await })
+        .expect("read parquet");
+    arrow_select::concat::concat_batches(&batches[0].schema(), &batches).expect("concat")
+}
+
+/// Staging from Parquet keeps every value (of every type the reader makes: view strings,
+/// dictionaries, lists, structs, decimals, timestamps, nulls) in file order, as DataFusion reads
+/// them; its runs of row groups make the partitions asked for; its statistics are those of the
+/// same rows staged from host batches.
+#[test]
+fn parquet_staging_keeps_values_partitions_and_statistics() {
+    common::each_device(|device, _| {
+        let dir = temp_dir("parquet", device);
+        write_parquet(&dir, &wide_batch(3000, 11));
+        let path = format!("{}/", dir.display());
+        let expected = datafusion_read(&path);
+        for partitions in [None, Some(1), Some(3)] {
+            let mut options = LoadOptions::new().with_device(device).with_batch_rows(600);
+            if let Some(n) = partitions {
+                options = options.with_partitions(n);
+            }
+            let seen: Arc<Mutex<Vec<Progress>>> = Arc::default();
+            let s = seen.clone();
+            let options = options.with_progress(move |p| s.lock().unwrap().push(p));
+            let table = runtime()
+                .block_on(GpuTable::from_parquet(&dir, &options))
+                .expect("from parquet");
+            assert_eq!(table.schema(), expected.schema(), "{partitions:?}");
+            if let Some(n) = partitions {
+                assert_eq!(table.partitions().len(), n);
+            }
+            // Runs of row groups: 250-row groups gathered up to 600 rows (fewer on machines with
+            // many cores), never more than one file's.
+            assert!(table.partitions().iter().flatten().all(|b| b.num_rows() <= 750));
+            let back: Vec<RecordBatch> = table
+                .partitions()
+                .iter()
+                .flatten()
+                .map(|b| b.to_record_batch().expect("download"))
+                .collect();
+            let back = arrow_select::concat::concat_batches(&expected.schema(), &back).expect("concat");
+            assert_eq!(back, expected, "{partitions:?}");
+
+            let host = GpuTable::try_new(
+                expected.schema(),
+                vec![vec![expected.clone()]],
+                &LoadOptions::new().with_device(device),
+            )
+            .expect("stage host batch");
+            // (Byte sizes are estimates, which differ with the batches.)
+            let (ours, theirs) = (table.statistics().unwrap(), host.statistics().unwrap());
+            assert_eq!(ours.num_rows, Precision::Exact(expected.num_rows()));
+            assert_eq!(ours.num_rows, theirs.num_rows);
+            assert_eq!(ours.column_statistics, theirs.column_statistics, "{partitions:?}");
+            assert!(matches!(ours.column_statistics[0].min_value, Precision::Exact(_)));
+
+            let seen = seen.lock().unwrap().clone();
+            let last = seen.last().expect("progress");
+            assert_eq!(last.rows, expected.num_rows() as u64);
+            assert_eq!(last.total_rows, Some(expected.num_rows() as u64));
+            assert!(last.decoded >= last.bytes && last.bytes > 0, "{last:?}");
+            assert!(
+                seen.windows(2)
+                    .all(|w| w[0].decoded <= w[1].decoded && w[0].bytes <= w[1].bytes)
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
+
+/// A session with `STORED AS GPU` on `device`.
+fn sql_session(device: Device) -> SessionContext {
+    use datafusion::execution::SessionStateBuilder;
+    let builder = SessionStateBuilder::new()
+        .with_default_features()
+        .with_config(SessionConfig::new().with_target_partitions(PARTITIONS));
+    let state = arrow_cuda::datafusion::with_gpu_tables(builder, LoadOptions::new().with_device(device)).build();
+    SessionContext::new_with_state(state)
+}
+
+fn sql(ctx: &SessionContext, statement: &str) -> Result<Vec<RecordBatch>, DataFusionError> {
+    runtime().block_on(async { ctx.sql(statement).await?.collect().await })
+}
+
+/// `CREATE EXTERNAL TABLE ... STORED AS GPU` stages Parquet files (a directory) and CSV files
+/// (with DataFusion's CSV options) as GPU tables that answer as DataFusion's own tables over the
+/// same files; bad locations, formats and options are clear errors.
+#[test]
+fn create_external_table_stored_as_gpu() {
+    common::each_device(|device, _| {
+        let dir = temp_dir("sql", device);
+        write_parquet(&dir, &wide_batch(1200, 5));
+        let csv = dir.join("t.csv");
+        std::fs::write(&csv, "id|name|price\n1|a|1.5\n2||-2\n3|ccc|\n4|a|0.25\n").expect("csv");
+        let ctx = sql_session(device);
+        let (d, c) = (dir.display(), csv.display());
+        for statement in [
+            format!("create external table g stored as gpu location '{d}/'"),
+            format!("create external table p stored as parquet location '{d}/'"),
+            format!(
+                "create external table gc stored as gpu location '{c}' options ('has_header' 'true', 'delimiter' '|')"
+            ),
+            format!(
+                "create external table gc2 stored as gpu location '{c}' \
+                 options ('format' 'csv', 'format.has_header' 'true', 'delimiter' '|')"
+            ),
+            format!(
+                "create external table pc stored as csv location '{c}' options ('has_header' 'true', 'delimiter' '|')"
+            ),
+        ] {
+            sql(&ctx, &statement).unwrap_or_else(|e| panic!("{statement}: {e}"));
+        }
+        for name in ["g", "gc", "gc2"] {
+            let provider = runtime().block_on(ctx.table_provider(name)).expect("provider");
+            assert!(provider.downcast_ref::<GpuTable>().is_some(), "{name} is a GPU table");
+        }
+        let same = |a: &str, b: &str| {
+            let ga = rows(&sql(&ctx, a).expect(a), false);
+            assert!(!ga.is_empty(), "{a}");
+            assert_eq!(ga, rows(&sql(&ctx, b).expect(b), false), "{a}");
+        };
+        same("select * from g", "select * from p");
+        same(
+            "select * from g where i64 > 0 and utf8 = 'ab'",
+            "select * from p where i64 > 0 and utf8 = 'ab'",
+        );
+        same("select * from gc", "select * from pc");
+        same("select * from gc2 where price > 0", "select * from pc where price > 0");
+
+        let error = |statement: String| sql(&ctx, &statement).expect_err(&statement).to_string();
+        let missing = error(format!(
+            "create external table e1 stored as gpu location '{d}/nothing.parquet'"
+        ));
+        assert!(missing.contains("does not exist"), "{missing}");
+        let format = error(format!(
+            "create external table e2 stored as gpu location '{d}/' options ('format' 'orc')"
+        ));
+        assert!(format.contains("Parquet or CSV"), "{format}");
+        // A CSV file read as Parquet, and a CSV option on Parquet files.
+        error(format!(
+            "create external table e3 stored as gpu location '{c}' options ('format' 'parquet')"
+        ));
+        error(format!(
+            "create external table e4 stored as gpu location '{d}/' options ('has_header' 'true')"
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}

@@ -525,7 +525,7 @@ fn query_rows(args: &Args, device: Device, rows: &mut Vec<Row>, notes: &mut Vec<
     let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
     eprintln!("bench: generating the TPC-H tables at SF {sf}");
     let config = SessionConfig::new().with_target_partitions(cores);
-    let gpu = crate::query::device_session(config.clone());
+    let gpu = crate::query::device_session(config.clone(), device);
     let host = SessionContext::new_with_config(config);
     for t in tpch::tables(sf, cores, tpch::BATCH_SIZE)? {
         let (table, _) = crate::query::stage(t.name, t.schema.clone(), t.partitions.clone(), device)?;

@@ -170,6 +170,55 @@ fn query_writes_formats_and_goes_on_after_a_failure() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `query` stages Parquet files given with `--parquet` (and compares with DataFusion's read of
+/// them), and files named by `CREATE EXTERNAL TABLE ... STORED AS GPU` in the queries, which run
+/// once however many runs the queries get; a bad location fails that statement only.
+#[test]
+fn query_stages_files_from_the_command_line_and_from_sql() {
+    use std::sync::Arc;
+    let dir = std::env::temp_dir().join(format!("arrow-cuda-cli-files-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let csv = dir.join("people.csv");
+    std::fs::write(&csv, "k,v\n1,10\n2,20\n3,30\n").unwrap();
+    let parquet = dir.join("numbers.parquet");
+    let values: arrow_array::ArrayRef = Arc::new(arrow_array::Int64Array::from_iter_values(0..1000));
+    let batch = arrow_array::RecordBatch::try_from_iter([("x", values)]).unwrap();
+    let mut w = datafusion::parquet::arrow::ArrowWriter::try_new(
+        std::fs::File::create(&parquet).unwrap(),
+        batch.schema(),
+        None,
+    )
+    .unwrap();
+    w.write(&batch).unwrap();
+    w.close().unwrap();
+    let create = format!(
+        "create external table people stored as gpu location '{}' options ('has_header' 'true')",
+        csv.display()
+    );
+    let missing = format!(
+        "create external table nothing stored as gpu location '{}/nothing.parquet'",
+        dir.display()
+    );
+    let base = ["query", "--device", "cpu", "--runs", "2", "--format", "csv"];
+    let table = parquet.to_str().unwrap();
+    let sum = "select sum(x) as s from numbers";
+    let o = arrow_cuda(&[&base[..], &["--compare", "--parquet", table, sum]].concat(), &[]);
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "s\n499500\n", "{out}");
+    assert!(out.contains("staged numbers: 1000 rows"), "{out}");
+    let sql = [create.as_str(), "select sum(v) as t from people", &missing];
+    let o = arrow_cuda(&[&base[..], &sql].concat(), &[]);
+    let out = text(&o);
+    assert!(!o.status.success(), "{out}");
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "t\n60\n", "{out}");
+    assert!(
+        out.contains("does not exist") && out.contains("1 of 3 queries failed"),
+        "{out}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// `bench` prints one table with transfer (GPU only), IPC and TPC-H rows (every query).
 #[test]
 fn bench_prints_one_table() {

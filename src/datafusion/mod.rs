@@ -8,6 +8,32 @@
 //! [`DataSource`](::datafusion::datasource::source::DataSource) under `DataSourceExec`, the way
 //! `MemTable` uses `MemorySourceConfig`.
 //!
+//! # Staging
+//!
+//! A table is staged by a pipeline: its host batches are made and prepared on every core (Parquet
+//! runs of row groups decoded straight into one batch each, by [`GpuTable::from_parquet`]; small
+//! host batches gathered into device batches of about [`LoadOptions::with_batch_rows`] rows, by
+//! [`GpuTable::try_new`]; string views compacted; statistics computed while the batch is at hand),
+//! and each is copied to its device as soon as it is ready, while the next ones are prepared. A
+//! few prepared batches wait at most: host memory never holds the whole table. Partitions are
+//! the input's (runs of consecutive row groups for Parquet, one per core) unless
+//! [`LoadOptions::with_partitions`] sets them. [`LoadOptions::with_progress`] reports the bytes
+//! decoded and the bytes on the device.
+//!
+//! # Tables from SQL
+//!
+//! [`with_gpu_tables`] installs [`GpuTableFactory`] in a `SessionStateBuilder` (as
+//! [`with_device_stages`] installs the device stages), after which SQL stages tables:
+//!
+//! ```sql
+//! CREATE EXTERNAL TABLE lineitem STORED AS GPU LOCATION 'tpch/lineitem/';
+//! CREATE EXTERNAL TABLE t STORED AS GPU LOCATION 'data/t.csv' OPTIONS ('has_header' 'true');
+//! ```
+//!
+//! The location is a Parquet file or directory (CSV where it ends in `.csv`, or with `OPTIONS
+//! ('format' 'csv')`); other options are DataFusion's own for the format. `arrow-cuda query`
+//! takes such statements among its queries.
+//!
 //! # Filters
 //!
 //! [`GpuTable::supports_filters_pushdown`](::datafusion::catalog::TableProvider::supports_filters_pushdown) answers
@@ -158,9 +184,11 @@ mod cuda_as_cpp;
 mod device_concat;
 mod device_filter;
 mod error;
+mod files;
 mod lanes;
 mod nvrtc;
 mod options;
+mod parquet;
 mod predicate;
 mod predicate_codegen;
 mod source;
@@ -169,6 +197,7 @@ mod staging;
 mod stats;
 mod table;
 
+pub use files::{GPU_FILE_TYPE, GpuTableFactory, with_gpu_tables};
 pub use nvrtc::gpu_kernels_available;
 pub use options::{DEFAULT_BATCH_ROWS, LoadOptions, Progress, ProgressFn, default_device};
 pub use predicate::supports_filter;

@@ -5,15 +5,20 @@ use std::sync::Arc;
 
 use crate::device::Device;
 
-/// How far a load has come, passed to the callback of [`LoadOptions::with_progress`] after every
-/// device batch staged.
+/// How far a load has come, passed to the callback of [`LoadOptions::with_progress`] each time a
+/// device batch's worth of data has been decoded (or gathered) on the host and each time one has
+/// been handed to its device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Progress {
     /// Rows staged so far.
     pub rows: u64,
-    /// Bytes staged so far (the host size of the arrays' used ranges, view columns as staging
-    /// compacts them).
+    /// Bytes on the device so far (the host size of the arrays' used ranges, view columns as
+    /// staging compacts them): their copy has been issued, and the table is returned only once
+    /// every copy has finished.
     pub bytes: u64,
+    /// Bytes decoded (from files) or gathered (from batches) on the host so far, counted as
+    /// [`Progress::bytes`] is; at least `bytes`, ahead of it while copies wait.
+    pub decoded: u64,
     /// Input batches staged so far.
     pub batches: u64,
     /// Rows in the whole load, when known in advance.
@@ -94,7 +99,8 @@ impl LoadOptions {
         self
     }
 
-    /// Calls `f` after every device batch staged.
+    /// Calls `f` with the load's [`Progress`] after every device batch decoded and after every one
+    /// staged (on the thread that stages, one call at a time).
     pub fn with_progress(mut self, f: impl Fn(Progress) + Send + Sync + 'static) -> Self {
         self.progress = Some(Arc::new(f));
         self

@@ -1,5 +1,5 @@
-//! Staging: host batches gathered and copied to their devices, with budgets, statistics and
-//! progress.
+//! Staging: host batches made and prepared on every core (decoded, gathered, compacted, their
+//! statistics computed) and copied to their devices as they are ready, with budgets and progress.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,11 +10,10 @@ use arrow_array::types::ByteViewType;
 use arrow_array::{Array, ArrayRef, GenericByteViewArray, RecordBatch, RecordBatchOptions};
 use arrow_data::ArrayData;
 use arrow_schema::{DataType, SchemaRef};
-use rayon::prelude::*;
 
 use super::error::DfResult;
 use super::lanes::DeviceLane;
-use super::options::{DEFAULT_BATCH_ROWS, LoadOptions, MAX_GATHERED_BYTES, Progress, ProgressFn};
+use super::options::{LoadOptions, MAX_GATHERED_BYTES, Progress, ProgressFn};
 use super::stats::StatsBuilder;
 use super::table::{GpuTable, TableData};
 use crate::array::DeviceRecordBatch;
@@ -96,10 +95,10 @@ pub(crate) fn compact(batch: &RecordBatch) -> DfResult<RecordBatch> {
     if !batch.columns().iter().any(wasteful) {
         return Ok(batch.clone());
     }
-    // Columns on every core: compaction copies every long value.
+    // One column after the other: batches are prepared on every core at once.
     let columns: Vec<ArrayRef> = batch
         .columns()
-        .par_iter()
+        .iter()
         .map(|c| match c.data_type() {
             DataType::Utf8View if wasteful(c) => gc(c.as_string_view()),
             DataType::BinaryView if wasteful(c) => gc(c.as_binary_view()),
@@ -108,6 +107,129 @@ pub(crate) fn compact(batch: &RecordBatch) -> DfResult<RecordBatch> {
         .collect();
     let options = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
     Ok(RecordBatch::try_new_with_options(batch.schema(), columns, &options)?)
+}
+
+/// A device batch's worth of host data, ready to copy: one batch, its statistics and its bytes.
+pub(crate) struct Prepared {
+    batch: RecordBatch,
+    stats: StatsBuilder,
+    bytes: u64,
+    /// The input batches it was made of.
+    inputs: u64,
+}
+
+impl Prepared {
+    /// The bytes staging copies of it (see [`host_bytes`]).
+    pub(crate) fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+/// Makes one device batch's worth of `batches` (all of `schema`): concatenated when there are
+/// several, view columns compacted, statistics computed while the data is at hand.
+pub(crate) fn prepare(schema: &SchemaRef, batches: Vec<RecordBatch>) -> DfResult<Prepared> {
+    if let Some(b) = batches.iter().find(|b| b.schema().fields() != schema.fields()) {
+        return Err(DataFusionError::Plan(format!(
+            "batch schema {:?} does not match the table schema {:?}",
+            b.schema(),
+            schema
+        )));
+    }
+    let inputs = batches.len() as u64;
+    let batch = match batches.as_slice() {
+        [one] => compact(one)?,
+        many => arrow_select::concat::concat_batches(
+            schema,
+            many.iter().map(compact).collect::<DfResult<Vec<_>>>()?.iter(),
+        )?,
+    };
+    let mut stats = StatsBuilder::new(schema);
+    stats.update(&batch);
+    Ok(Prepared {
+        bytes: host_bytes(&batch),
+        batch,
+        stats,
+        inputs,
+    })
+}
+
+/// Splits the batches of a partition into runs of consecutive batches, each a device batch: a run
+/// takes whole batches while they fit in `rows` rows and [`MAX_GATHERED_BYTES`] (a larger batch
+/// stays whole).
+pub(crate) fn gather(batches: Vec<RecordBatch>, rows: usize) -> Vec<Vec<RecordBatch>> {
+    let mut runs = Vec::new();
+    let mut run = Vec::new();
+    let (mut run_rows, mut run_bytes) = (0, 0);
+    for b in batches.into_iter().filter(|b| b.num_rows() > 0) {
+        let bytes = host_bytes(&b);
+        if run_rows > 0 && (run_rows + b.num_rows() > rows || run_bytes + bytes > MAX_GATHERED_BYTES) {
+            runs.push(std::mem::take(&mut run));
+            (run_rows, run_bytes) = (0, 0);
+        }
+        run_rows += b.num_rows();
+        run_bytes += bytes;
+        run.push(b);
+        if run_rows >= rows {
+            runs.push(std::mem::take(&mut run));
+            (run_rows, run_bytes) = (0, 0);
+        }
+    }
+    if !run.is_empty() {
+        runs.push(run);
+    }
+    runs
+}
+
+/// Stages `units` through `stager` on every core: worker threads make each unit's host batches
+/// (`make`: decode a file's row groups, say) and [`prepare`] them, while this thread copies each
+/// prepared batch to its device as soon as it is ready, so that decoding, preparing and copying
+/// overlap. A unit is its place in its partition's order, its partition, and what `make` takes.
+///
+/// At most a few prepared batches wait for their copy: workers wait while the queue is full, so
+/// host memory holds a few device batches per core, never the whole table. The first error stops
+/// the workers and is returned.
+pub(crate) fn stage_parallel<U: Send>(
+    stager: &mut Stager,
+    units: Vec<(usize, U)>,
+    make: impl Fn(U) -> DfResult<Vec<RecordBatch>> + Sync,
+) -> DfResult<()> {
+    let workers = std::thread::available_parallelism()
+        .map_or(4, |n| n.get())
+        .min(units.len());
+    let queue = std::sync::Mutex::new(units.into_iter().enumerate());
+    let schema = stager.schema.clone();
+    let (tx, rx) = std::sync::mpsc::sync_channel::<DfResult<(usize, usize, Prepared)>>(2);
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            let tx = tx.clone();
+            let (queue, make, schema) = (&queue, &make, &schema);
+            scope.spawn(move || {
+                loop {
+                    // The lock is held only to take the next unit.
+                    let next = match queue.lock() {
+                        Ok(mut q) => q.next(),
+                        Err(_) => None,
+                    };
+                    let Some((order, (partition, unit))) = next else {
+                        return;
+                    };
+                    let prepared = make(unit).and_then(|b| prepare(schema, b));
+                    let failed = prepared.is_err();
+                    // A closed queue means the stager stopped on an error: stop too.
+                    if tx.send(prepared.map(|p| (order, partition, p))).is_err() || failed {
+                        return;
+                    }
+                }
+            });
+        }
+        drop(tx);
+        for prepared in rx {
+            let (order, partition, prepared) = prepared?;
+            stager.decoded(prepared.bytes());
+            stager.put(order, partition, prepared)?;
+        }
+        Ok(())
+    })
 }
 
 /// What a device can take of a table.
@@ -122,8 +244,7 @@ struct Room {
     staged: u64,
 }
 
-/// Copies batches to their devices one at a time, keeping budgets, statistics and progress.
-/// Consecutive batches of a partition are gathered into one device batch first.
+/// Copies prepared batches to their devices, keeping budgets, statistics and progress.
 ///
 /// Its users return on the first error, dropping the stager and with it every device batch staged
 /// so far: nothing of a table that did not fit stays on its devices (memory of a GPU's pool goes
@@ -135,14 +256,12 @@ pub(crate) struct Stager {
     devices: Vec<Device>,
     streams: HashMap<Device, Stream>,
     room: HashMap<Device, Room>,
-    partitions: Vec<Vec<DeviceRecordBatch>>,
+    /// The device batches of each partition, each with its place in the partition's order.
+    partitions: Vec<Vec<(usize, DeviceRecordBatch)>>,
     partition_stats: Vec<StatsBuilder>,
     progress: Option<ProgressFn>,
     done: Progress,
     streams_per_device: usize,
-    batch_rows: usize,
-    /// Input batches of each partition not staged yet, with their rows and bytes.
-    gathered: Vec<(Vec<RecordBatch>, usize, u64)>,
 }
 
 impl Stager {
@@ -150,7 +269,8 @@ impl Stager {
         schema: SchemaRef,
         partitions: usize,
         options: &LoadOptions,
-        total: Option<(u64, u64)>,
+        total_rows: Option<u64>,
+        total_bytes: Option<u64>,
     ) -> DfResult<Self> {
         let devices = options.devices();
         let mut room = HashMap::new();
@@ -198,13 +318,12 @@ impl Stager {
             done: Progress {
                 rows: 0,
                 bytes: 0,
+                decoded: 0,
                 batches: 0,
-                total_rows: total.map(|t| t.0),
-                total_bytes: total.map(|t| t.1),
+                total_rows,
+                total_bytes,
             },
             streams_per_device: options.streams_per_device.unwrap_or(4),
-            batch_rows: options.batch_rows.unwrap_or(DEFAULT_BATCH_ROWS),
-            gathered: vec![(Vec::new(), 0, 0); partitions.max(1)],
         })
     }
 
@@ -262,46 +381,28 @@ impl Stager {
         DataFusionError::ResourcesExhausted(m)
     }
 
-    /// Takes `batch` into `partition`, staging what the partition has gathered once it is large
-    /// enough.
-    pub(crate) fn stage(&mut self, partition: usize, batch: &RecordBatch) -> DfResult<()> {
-        if batch.schema().fields() != self.schema.fields() {
-            return Err(DataFusionError::Plan(format!(
-                "batch schema {:?} does not match the table schema {:?}",
-                batch.schema(),
-                self.schema
-            )));
+    /// Counts `bytes` more as decoded (made on the host) and reports progress.
+    pub(crate) fn decoded(&mut self, bytes: u64) {
+        self.done.decoded += bytes;
+        if let Some(p) = &self.progress {
+            p(self.done);
         }
-        let batch = compact(batch)?;
-        let bytes = host_bytes(&batch);
-        let (_, rows, gathered_bytes) = &self.gathered[partition];
-        if *rows > 0 && (rows + batch.num_rows() > self.batch_rows || gathered_bytes + bytes > MAX_GATHERED_BYTES) {
-            self.flush(partition)?;
-        }
-        let g = &mut self.gathered[partition];
-        g.1 += batch.num_rows();
-        g.0.push(batch);
-        g.2 += bytes;
-        if g.1 >= self.batch_rows {
-            self.flush(partition)?;
-        }
-        Ok(())
     }
 
-    /// Stages what `partition` has gathered as one device batch.
-    fn flush(&mut self, partition: usize) -> DfResult<()> {
-        let (batches, rows, bytes) = std::mem::take(&mut self.gathered[partition]);
-        let batch = match batches.as_slice() {
-            [] => return Ok(()),
-            [one] => one.clone(),
-            many => arrow_select::concat::concat_batches(&self.schema, many)?,
-        };
+    /// Copies `prepared` to the device of `partition`, as the batch at place `order` of its
+    /// order. Returns once the host batch has been read; the copy may still be under way.
+    pub(crate) fn put(&mut self, order: usize, partition: usize, prepared: Prepared) -> DfResult<()> {
+        let Prepared {
+            batch,
+            stats,
+            bytes,
+            inputs,
+        } = prepared;
         let device = self.device_of(partition);
         self.check_room(device, bytes)?;
         let stream = &self.streams[&device];
-        // Statistics come from the host batch, before it is copied.
-        self.partition_stats[partition].update(&batch);
-        let staged = crate::transfer::htod(&batch, device, stream).map_err(|e| match e {
+        let resource = crate::memory::MemoryResource::default_for(device);
+        let staged = crate::transfer::htod_async(&batch, resource, stream).map_err(|e| match e {
             Error::OutOfMemory { .. } => self.no_room(device, bytes, Some(e)),
             e => e.into(),
         })?;
@@ -315,21 +416,28 @@ impl Stager {
         if let Some(r) = self.room.get_mut(&device) {
             r.staged += bytes;
         }
-        self.partitions[partition].push(staged);
-        self.done.rows += rows as u64;
+        self.partition_stats[partition].absorb(stats);
+        self.partitions[partition].push((order, staged));
+        self.done.rows += batch.num_rows() as u64;
         self.done.bytes += bytes;
-        self.done.batches += batches.len() as u64;
+        self.done.batches += inputs;
         if let Some(p) = &self.progress {
             p(self.done);
         }
         Ok(())
     }
 
-    pub(crate) fn finish(mut self) -> DfResult<GpuTable> {
-        for p in 0..self.partitions.len() {
-            self.flush(p)?;
-        }
+    /// The table, once every copy has finished.
+    pub(crate) fn finish(self) -> DfResult<GpuTable> {
         let partition_devices = (0..self.partitions.len()).map(|i| self.device_of(i)).collect();
+        let mut partitions = Vec::with_capacity(self.partitions.len());
+        for mut p in self.partitions {
+            p.sort_by_key(|(order, _)| *order);
+            for (_, b) in &p {
+                b.ready().synchronize()?;
+            }
+            partitions.push(p.into_iter().map(|(_, b)| b).collect::<Vec<_>>());
+        }
         let mut lanes = HashMap::new();
         for &d in &self.devices {
             lanes.insert(d, Arc::new(DeviceLane::new(d, self.streams_per_device)?));
@@ -341,7 +449,7 @@ impl Stager {
                 longest_strings: StatsBuilder::longest_strings(&self.schema, &self.partition_stats),
                 column_bytes: self.partition_stats.iter().map(StatsBuilder::column_bytes).collect(),
                 schema: self.schema,
-                partitions: self.partitions,
+                partitions,
                 partition_devices,
                 lanes,
             }),

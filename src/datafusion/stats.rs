@@ -9,7 +9,8 @@ use arrow_schema::{DataType, Schema};
 
 /// Running statistics of one column. Minimum and maximum use DataFusion's own `MIN` / `MAX`
 /// accumulators, so the statistics agree with what those aggregates compute; a type they do
-/// not handle gets no minimum or maximum.
+/// not handle, and a nested type (list, struct, map), gets no minimum or maximum.
+#[derive(Clone)]
 struct ColumnStats {
     nulls: usize,
     non_null: usize,
@@ -28,7 +29,7 @@ impl std::fmt::Debug for ColumnStats {
 }
 
 /// Statistics of a partition or a table, fed batch by batch.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct StatsBuilder {
     rows: usize,
     columns: Vec<ColumnStats>,
@@ -44,8 +45,14 @@ impl StatsBuilder {
                 .map(|f| ColumnStats {
                     nulls: 0,
                     non_null: 0,
-                    min: MinAccumulator::try_new(f.data_type()).ok(),
-                    max: MaxAccumulator::try_new(f.data_type()).ok(),
+                    // No extremes of lists and structs: the minimum of partial minima (scalars)
+                    // can differ from the minimum of all values (arrays) where fields are null.
+                    min: (!f.data_type().is_nested())
+                        .then(|| MinAccumulator::try_new(f.data_type()).ok())
+                        .flatten(),
+                    max: (!f.data_type().is_nested())
+                        .then(|| MaxAccumulator::try_new(f.data_type()).ok())
+                        .flatten(),
                     max_bytes: longest_string(&arrow_array::new_empty_array(f.data_type())),
                     bytes: 0,
                 })
@@ -53,27 +60,54 @@ impl StatsBuilder {
         }
     }
 
+    /// Takes in the values of `batch`, one column after the other (batches are prepared on every
+    /// core at once).
     pub(crate) fn update(&mut self, batch: &RecordBatch) {
-        use rayon::prelude::*;
         self.rows += batch.num_rows();
-        // Columns on every core: string minima and maxima are the slow part of staging.
-        self.columns
-            .par_iter_mut()
-            .zip(batch.columns().par_iter())
-            .for_each(|(c, a)| {
-                let nulls = a.logical_nulls().map_or(0, |n| n.null_count());
-                c.nulls += nulls;
-                c.non_null += a.len() - nulls;
-                let values = std::slice::from_ref(a);
-                if c.min.as_mut().is_some_and(|m| m.update_batch(values).is_err()) {
-                    c.min = None;
-                }
-                if c.max.as_mut().is_some_and(|m| m.update_batch(values).is_err()) {
-                    c.max = None;
-                }
-                c.max_bytes = c.max_bytes.max(longest_string(a));
-                c.bytes += a.get_array_memory_size();
-            });
+        for (c, a) in self.columns.iter_mut().zip(batch.columns()) {
+            let nulls = a.logical_nulls().map_or(0, |n| n.null_count());
+            c.nulls += nulls;
+            c.non_null += a.len() - nulls;
+            let values = std::slice::from_ref(a);
+            if c.min.as_mut().is_some_and(|m| m.update_batch(values).is_err()) {
+                c.min = None;
+            }
+            if c.max.as_mut().is_some_and(|m| m.update_batch(values).is_err()) {
+                c.max = None;
+            }
+            c.max_bytes = c.max_bytes.max(longest_string(a));
+            c.bytes += a.get_array_memory_size();
+        }
+    }
+
+    /// Takes in the statistics of `other`, of other rows of the same schema.
+    pub(crate) fn absorb(&mut self, other: StatsBuilder) {
+        self.rows += other.rows;
+        for (c, o) in self.columns.iter_mut().zip(other.columns) {
+            c.nulls += o.nulls;
+            c.bytes += o.bytes;
+            c.max_bytes = c.max_bytes.max(o.max_bytes);
+            if o.non_null == 0 {
+                continue;
+            }
+            c.non_null += o.non_null;
+            // The other's extreme, fed to this accumulator; a missing one leaves none.
+            let extreme = |v: Option<ScalarValue>| v.and_then(|v| v.to_array().ok());
+            match extreme(o.min.as_ref().and_then(|m| m.clone_evaluate())) {
+                Some(a)
+                    if c.min
+                        .as_mut()
+                        .is_some_and(|m| m.update_batch(std::slice::from_ref(&a)).is_ok()) => {}
+                _ => c.min = None,
+            }
+            match extreme(o.max.as_ref().and_then(|m| m.clone_evaluate())) {
+                Some(a)
+                    if c.max
+                        .as_mut()
+                        .is_some_and(|m| m.update_batch(std::slice::from_ref(&a)).is_ok()) => {}
+                _ => c.max = None,
+            }
+        }
     }
 
     /// The host memory of each column's arrays so far: a scan's byte size is that of the columns
@@ -94,38 +128,7 @@ impl StatsBuilder {
     pub(crate) fn merge(schema: &Schema, parts: &[StatsBuilder]) -> Statistics {
         let mut out = StatsBuilder::new(schema);
         for p in parts {
-            out.rows += p.rows;
-        }
-        for (i, c) in out.columns.iter_mut().enumerate() {
-            let cols = parts.iter().map(|p| &p.columns[i]);
-            c.nulls = cols.clone().map(|p| p.nulls).sum();
-            c.non_null = cols.clone().map(|p| p.non_null).sum();
-            c.bytes = cols.clone().map(|p| p.bytes).sum();
-            // Each partition's extreme (those with values), fed to a fresh accumulator.
-            let with_values: Vec<&ColumnStats> = cols.filter(|p| p.non_null > 0).collect();
-            let mins: Option<Vec<ScalarValue>> = with_values
-                .iter()
-                .map(|p| p.min.as_ref().and_then(|m| m.clone_evaluate()))
-                .collect();
-            let maxs: Option<Vec<ScalarValue>> = with_values
-                .iter()
-                .map(|p| p.max.as_ref().and_then(|m| m.clone_evaluate()))
-                .collect();
-            let feed = |values: Option<Vec<ScalarValue>>| values.and_then(|v| ScalarValue::iter_to_array(v).ok());
-            match feed(mins) {
-                Some(a)
-                    if c.min
-                        .as_mut()
-                        .is_some_and(|m| m.update_batch(std::slice::from_ref(&a)).is_ok()) => {}
-                _ => c.min = None,
-            }
-            match feed(maxs) {
-                Some(a)
-                    if c.max
-                        .as_mut()
-                        .is_some_and(|m| m.update_batch(std::slice::from_ref(&a)).is_ok()) => {}
-                _ => c.max = None,
-            }
+            out.absorb(p.clone());
         }
         out.finish()
     }

@@ -10,7 +10,7 @@ use ::datafusion::datasource::source::DataSourceExec;
 use ::datafusion::execution::context::SessionContext;
 use ::datafusion::logical_expr::{Expr, TableProviderFilterPushDown, TableType};
 use ::datafusion::physical_plan::{ExecutionPlan, SendableRecordBatchStream};
-use ::datafusion::prelude::{CsvReadOptions, ParquetReadOptions};
+use ::datafusion::prelude::CsvReadOptions;
 use arrow_array::RecordBatch;
 use arrow_schema::SchemaRef;
 use async_trait::async_trait;
@@ -19,9 +19,10 @@ use futures::StreamExt;
 use super::error::DfResult;
 use super::lanes::DeviceLane;
 use super::options::LoadOptions;
+use super::options::{DEFAULT_BATCH_ROWS, MAX_GATHERED_BYTES};
 use super::predicate::{Predicate, supports_filter};
 use super::source::GpuScan;
-use super::staging::{Stager, host_bytes, redistribute};
+use super::staging::{Stager, gather, host_bytes, prepare, redistribute, stage_parallel};
 use crate::array::DeviceRecordBatch;
 use crate::device::Device;
 
@@ -45,7 +46,8 @@ pub(crate) struct TableData {
 ///
 /// Build it from host batches ([`GpuTable::try_new`]), from any other provider
 /// ([`GpuTable::from_provider`]) or from Parquet and CSV files ([`GpuTable::from_parquet`],
-/// [`GpuTable::from_csv`]), then register it with `SessionContext::register_table`.
+/// [`GpuTable::from_csv`]), then register it with `SessionContext::register_table`; or let SQL
+/// make it (`CREATE EXTERNAL TABLE ... STORED AS GPU`, see [`with_gpu_tables`](super::with_gpu_tables)).
 #[derive(Debug, Clone)]
 pub struct GpuTable {
     pub(crate) data: Arc<TableData>,
@@ -65,7 +67,7 @@ impl GpuTable {
         let partitions = redistribute(partitions, options.partitions);
         let total_rows = partitions.iter().flatten().map(|b| b.num_rows() as u64).sum();
         let total_bytes = partitions.iter().flatten().map(host_bytes).sum();
-        let mut stager = Stager::new(schema, partitions.len(), options, Some((total_rows, total_bytes)))?;
+        let mut stager = Stager::new(schema, partitions.len(), options, Some(total_rows), Some(total_bytes))?;
         // Check each device's share before copying anything.
         let mut need: HashMap<Device, u64> = HashMap::new();
         for (i, p) in partitions.iter().enumerate() {
@@ -74,11 +76,13 @@ impl GpuTable {
         for (device, bytes) in need {
             stager.check_room(device, bytes)?;
         }
-        for (i, p) in partitions.into_iter().enumerate() {
-            for batch in p {
-                stager.stage(i, &batch)?;
-            }
-        }
+        let rows = options.batch_rows.unwrap_or(DEFAULT_BATCH_ROWS);
+        let units = partitions
+            .into_iter()
+            .enumerate()
+            .flat_map(|(i, p)| gather(p, rows).into_iter().map(move |run| (i, run)))
+            .collect();
+        stage_parallel(&mut stager, units, Ok)?;
         stager.finish()
     }
 
@@ -97,15 +101,17 @@ impl GpuTable {
         Self::from_streams(streams, options).await
     }
 
-    /// Reads Parquet files (a file, a directory or a glob, as `SessionContext::read_parquet`
-    /// takes them) with DataFusion's reader and stages the batches as they arrive.
+    /// Stages Parquet files (a file, a directory or a glob, as `SessionContext::read_parquet`
+    /// takes them; local files only) with the types DataFusion reads them as. Row groups are
+    /// decoded on every core, straight into device batches of about
+    /// [`LoadOptions::with_batch_rows`] rows, each copied to its device as soon as it is decoded;
+    /// runs of consecutive row groups make the partitions (one per core unless
+    /// [`LoadOptions::with_partitions`] says otherwise).
     pub async fn from_parquet(path: impl AsRef<Path>, options: &LoadOptions) -> DfResult<Self> {
-        let options = &named(options, path.as_ref());
+        let options = named(options, path.as_ref());
         let ctx = SessionContext::new();
-        let df = ctx
-            .read_parquet(path_str(path.as_ref())?, ParquetReadOptions::default())
-            .await?;
-        Self::from_streams(df.execute_stream_partitioned().await?, options).await
+        let location = path_str(path.as_ref())?.to_string();
+        super::files::load(&ctx.state(), &[location], "PARQUET", HashMap::new(), options).await
     }
 
     /// Reads CSV files with DataFusion's reader (`csv` says how: header, delimiter, schema...)
@@ -124,8 +130,18 @@ impl GpuTable {
                 return Err(DataFusionError::Plan("the source has no partitions".into()));
             }
         };
-        let n_out = options.partitions.unwrap_or(streams.len());
-        let mut stager = Stager::new(schema, n_out, options, None)?;
+        let n_out = options.partitions.unwrap_or(streams.len()).max(1);
+        let rows = options.batch_rows.unwrap_or(DEFAULT_BATCH_ROWS);
+        let mut stager = Stager::new(schema.clone(), n_out, options, None, None)?;
+        // Each partition's batches not staged yet, and the place of the next device batch.
+        let mut pending: Vec<Vec<RecordBatch>> = vec![Vec::new(); n_out];
+        let mut order = 0;
+        let mut put = |stager: &mut Stager, partition: usize, run: Vec<RecordBatch>| {
+            let prepared = prepare(&schema, run)?;
+            stager.decoded(prepared.bytes());
+            order += 1;
+            stager.put(order, partition, prepared)
+        };
         let mut next = 0usize;
         for (i, mut s) in streams.into_iter().enumerate() {
             while let Some(batch) = s.next().await {
@@ -140,7 +156,25 @@ impl GpuTable {
                         (next - 1) % n
                     }
                 };
-                stager.stage(target, &batch)?;
+                pending[target].push(batch);
+                let p = &pending[target];
+                let held = p.iter().map(RecordBatch::num_rows).sum::<usize>();
+                if held < rows && p.iter().map(host_bytes).sum::<u64>() < MAX_GATHERED_BYTES {
+                    continue;
+                }
+                // Full runs are staged; the last, if it has room left, waits for more batches.
+                let mut runs = gather(std::mem::take(&mut pending[target]), rows);
+                if let Some(last) = runs.pop_if(|r| r.iter().map(RecordBatch::num_rows).sum::<usize>() < rows) {
+                    pending[target] = last;
+                }
+                for run in runs {
+                    put(&mut stager, target, run)?;
+                }
+            }
+        }
+        for (target, rest) in pending.into_iter().enumerate() {
+            for run in gather(rest, rows) {
+                put(&mut stager, target, run)?;
             }
         }
         stager.finish()
