@@ -1,7 +1,8 @@
 #![allow(missing_docs)] // criterion_group! generates undocumented functions
 
 //! The cost of exporting a 100-column device batch through the C Device Data Interface and
-//! importing it back (zero-copy both ways), on the GPU when there is one, else on the CPU device.
+//! importing it back (zero-copy both ways), on the GPU when there is one, else on the CPU device:
+//! the export alone (its release not timed), and export, import and release together.
 //!
 //! `cargo bench --bench ffi`.
 
@@ -22,15 +23,15 @@ fn ffi(c: &mut Criterion) {
     let batch = transfer::htod(&small_batch(), device, &stream).unwrap();
     let mut group = c.benchmark_group("c_device_100_columns");
     group.measurement_time(Duration::from_secs(3));
-    group.bench_function(format!("export+import/{device}"), |b| {
+    group.bench_function(format!("export+import+release/{device}"), |b| {
         b.iter(|| {
             let (array, schema) = export_batch(&batch, &stream).unwrap();
             // SAFETY: the struct comes from our own exporter.
-            unsafe { import_batch(array, &schema, &stream) }.unwrap()
+            drop(unsafe { import_batch(array, &schema, &stream) }.unwrap())
         })
     });
     group.bench_function(format!("export/{device}"), |b| {
-        b.iter(|| export_batch(&batch, &stream).unwrap())
+        b.iter_with_large_drop(|| export_batch(&batch, &stream).unwrap())
     });
     group.finish();
 }

@@ -43,6 +43,13 @@ fn lineitem() -> RecordBatch {
     table.partitions[0][0].clone()
 }
 
+/// The first 100 rows of the small batch, in buffers of their own (130 KB, below the size at
+/// which uploads start pool threads to pack).
+fn small_100x100() -> RecordBatch {
+    let batch = small_batch();
+    arrow_select::concat::concat_batches(&batch.schema(), [&batch.slice(0, 100)]).unwrap()
+}
+
 fn bytes(batch: &RecordBatch) -> u64 {
     buffers(batch).iter().map(|b| b.len() as u64).sum()
 }
@@ -74,6 +81,7 @@ fn transfer(c: &mut Criterion) {
         ("gib_16xint64_pageable", gib_batch()),
         ("gib_16xint64_pinned", pinned_gib_batch(0)),
         ("small_100x1000", small_batch()),
+        ("small_100x100", small_100x100()),
         ("tpch_lineitem_1m", lineitem()),
     ];
     for (name, batch) in &cases {

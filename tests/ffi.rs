@@ -318,6 +318,103 @@ fn empty_and_column_less_batches_round_trip() {
     });
 }
 
+/// A batch of many string, binary and list columns, each with its own data size, imports with the
+/// sizes of all of them read in one pass (one batched copy on a GPU): whole, and sliced on the
+/// device so that every last offset sits at another position.
+#[test]
+fn many_variable_width_columns_import_in_one_pass() {
+    let rows = 300;
+    let columns = (0..72).map(|c| {
+        let text = move |i: usize| (i % (c % 5 + 2) != 0).then(|| "x".repeat((i * 7 + c * 13) % 41));
+        let array: ArrayRef = match c % 4 {
+            0 => Arc::new(StringArray::from_iter((0..rows).map(text))),
+            1 => Arc::new(LargeStringArray::from_iter((0..rows).map(text))),
+            2 => Arc::new(BinaryArray::from_iter(
+                (0..rows).map(|i| text(i).map(String::into_bytes)),
+            )),
+            _ => Arc::new(ListArray::from_iter_primitive::<types::Int32Type, _, _>((0..rows).map(
+                |i| text(i).map(|t| (0..t.len() as i32).map(|v| Some(v * c as i32)).collect::<Vec<_>>()),
+            ))),
+        };
+        (format!("c{c}"), array)
+    });
+    let batch = RecordBatch::try_from_iter(columns).unwrap();
+    each_device(|device, stream| {
+        let on_device = htod(&batch, device, stream).unwrap();
+        let back = batch_through_ffi(&format!("whole on {device}"), &on_device, stream);
+        check_batch(&format!("whole on {device}"), &back, &batch);
+        for (offset, len) in [(1, 298), (37, 100), (299, 1), (150, 0)] {
+            let what = format!("rows {offset}..+{len} on {device}");
+            let back = batch_through_ffi(&what, &on_device.slice(offset, len).unwrap(), stream);
+            check_batch(&what, &back, &batch.slice(offset, len));
+        }
+    });
+}
+
+/// One export keeps its memory in one block for the whole tree: the memory stays alive until the
+/// last of its structs is released, whichever that is, moved-out children included.
+#[test]
+fn an_export_lives_until_its_last_struct_is_released() {
+    let drops = Arc::new(AtomicUsize::new(0));
+    let fields = Fields::from(vec![
+        Field::new("a", DataType::Int64, false),
+        Field::new("b", DataType::Utf8, false),
+    ]);
+    let make = || {
+        let a = counted_buffer(vec![1i64, 2, 3], &drops);
+        let b = counted_buffer(b"abcdef".to_vec(), &drops);
+        let offsets = counted_buffer(vec![0i32, 2, 2, 6], &drops);
+        let children = vec![
+            DeviceArrayData::try_new(DataType::Int64, 3, 0, Some(0), None, vec![a], vec![]).unwrap(),
+            DeviceArrayData::try_new(DataType::Utf8, 3, 0, Some(0), None, vec![offsets, b], vec![]).unwrap(),
+        ];
+        let data = DeviceArrayData::try_new(DataType::Struct(fields.clone()), 3, 0, Some(0), None, vec![], children);
+        export_array(&data.unwrap(), &Event::completed(), &Stream::cpu()).unwrap()
+    };
+    // SAFETY: `parent` is an unreleased export with two children; the slot is marked released
+    // after the read, as a consumer that moves a child out does.
+    let move_out = |parent: &FFI_ArrowDeviceArray, i: usize| unsafe {
+        let slot = child_mut(&parent.array, i);
+        let moved = std::ptr::read(slot);
+        slot.release = None;
+        moved
+    };
+    // The root first, then the children in either order.
+    for order in [[0, 1], [1, 0]] {
+        drops.store(0, Ordering::SeqCst);
+        let parent = make();
+        let mut moved = [Some(move_out(&parent, 0)), Some(move_out(&parent, 1))];
+        drop(parent);
+        assert_eq!(
+            drops.load(Ordering::SeqCst),
+            0,
+            "{order:?}: the moved children hold the memory"
+        );
+        drop(moved[order[0]].take());
+        assert_eq!(
+            drops.load(Ordering::SeqCst),
+            0,
+            "{order:?}: one moved child still holds it"
+        );
+        // The last one still reads its values.
+        let last = moved[order[1]].take().unwrap();
+        assert_eq!(last.length, 3);
+        drop(last);
+        assert_eq!(
+            drops.load(Ordering::SeqCst),
+            3,
+            "{order:?}: freed once, by the last release"
+        );
+    }
+    // A child first, then the root: the root releases the child left in place.
+    drops.store(0, Ordering::SeqCst);
+    let parent = make();
+    drop(move_out(&parent, 1));
+    assert_eq!(drops.load(Ordering::SeqCst), 0, "the root and a child hold the memory");
+    drop(parent);
+    assert_eq!(drops.load(Ordering::SeqCst), 3);
+}
+
 #[test]
 fn export_field_carries_the_type_and_metadata() {
     for (name, array) in every_type() {

@@ -32,6 +32,7 @@
 //! | `symbols.rs` | the checked lists, cudarc's safe calls, the source-scanning tests |
 //! | `device.rs` | initialisation, device count and handles, UUIDs, driver version, default memory pools |
 //! | `memory.rs` | allocation and free of every kind, pinning, memset, 1D and 2D copies |
+//! | `batch.rs` | batched copies, where the driver has them (checked on their own, not by the probe) |
 //! | `pointer.rs` | address ranges, whether memory is pinned |
 //! | `event.rs` | events cudarc does not own, stream waits |
 //! | `ipc.rs` | CUDA IPC memory and event handles |
@@ -46,6 +47,7 @@
 
 #[macro_use]
 mod calls;
+mod batch;
 mod device;
 mod event;
 mod ipc;
@@ -56,6 +58,7 @@ mod pointer;
 mod probe;
 mod symbols;
 
+pub(crate) use batch::{memcpy_batch_async, memcpy_batch_available};
 pub(crate) use cudarc::driver::sys::{CUdevice_attribute, CUevent, CUresult, CUstream};
 pub(crate) use device::{
     default_mem_pool, device_count, device_get, device_uuid, driver_version, mem_pool_idle_bytes,

@@ -141,7 +141,10 @@ mod tests {
     }
 
     fn checked() -> Vec<&'static str> {
-        required().chain(KERNELS.iter().copied()).collect()
+        required()
+            .chain(KERNELS.iter().copied())
+            .chain(super::super::batch::SYMBOLS.iter().copied())
+            .collect()
     }
 
     #[test]

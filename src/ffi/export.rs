@@ -1,35 +1,217 @@
 //! Export of device arrays and batches through the C Device Data Interface.
+//!
+//! One export makes a fixed handful of allocations, however many arrays it holds: every C struct
+//! below the root, every node's buffer and child pointer arrays and the variadic sizes of view
+//! arrays live in a few slices of one [`Shared`] block, sized by a counting pass first. Each node's
+//! `private_data` points at that block; the release of the last node still alive frees it. A
+//! consumer may move any child out and release it on its own, as the spec allows.
 
 use std::ffi::c_void;
+use std::mem::ManuallyDrop;
 use std::ptr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use arrow_data::layout;
 use arrow_schema::{DataType, Field, Schema};
 
 use crate::abi::{FFI_ArrowArray, FFI_ArrowDeviceArray, FFI_ArrowSchema};
 use crate::array::{DeviceArrayData, DeviceRecordBatch, child_types};
-use crate::device::{Event, Stream};
+use crate::device::{Device, Event, Stream};
 use crate::driver::CUevent;
 use crate::error::{Error, Result};
 use crate::ffi::guard::no_unwind;
 use crate::memory::DeviceBuffer;
 
-/// Everything one exported `ArrowArray` owns; freed by [`release`].
-struct PrivateData {
-    /// Keeps the memory behind `buffer_ptrs` alive.
-    _buffers: Vec<DeviceBuffer>,
-    /// The lengths of a view array's data buffers (host memory, as the spec requires).
-    _variadic_sizes: Option<Box<[i64]>>,
-    buffer_ptrs: Box<[*const c_void]>,
-    children: Box<[*mut FFI_ArrowArray]>,
-    dictionary: *mut FFI_ArrowArray,
-    /// The root's event and the `CUevent` handle that `sync_event` points at.
-    _event: Option<(Event, Box<CUevent>)>,
+/// What keeps an export's memory alive: the batch (its columns are shared, not copied) or the array.
+enum Owner {
+    Batch(#[allow(dead_code)] DeviceRecordBatch),
+    Array(#[allow(dead_code)] DeviceArrayData),
 }
 
-/// The release callback of every array this crate exports. Releases children and dictionary
-/// (those a consumer moved out are already released), then the private data, exactly once. A
-/// panic while dropping (the owner of a wrapped buffer may panic) stops inside.
+/// What the release of one node needs, kept in the block rather than read from the node's C struct
+/// (which a consumer may have changed): its `private_data` points here.
+struct NodeRecord {
+    shared: *mut Shared,
+    /// The node's children and dictionary, structs of the block.
+    below: *mut [*mut FFI_ArrowArray],
+    dictionary: *mut FFI_ArrowArray,
+}
+
+/// Everything one export owns, freed by the release of its last live node.
+struct Shared {
+    /// Nodes, the root included, not yet released.
+    live: AtomicUsize,
+    /// The C structs of every node but the root (which the consumer holds). Never dropped as
+    /// `FFI_ArrowArray`s: by the time the block is freed each is released or was moved out.
+    nodes: Box<[ManuallyDrop<FFI_ArrowArray>]>,
+    /// Every node's buffer pointers, one run per node.
+    ptrs: Box<[*const c_void]>,
+    /// Every node's child pointers, one run per node.
+    children: Box<[*mut FFI_ArrowArray]>,
+    /// The same pointers, for the releases: a consumer may overwrite those it was handed.
+    links: Box<[*mut FFI_ArrowArray]>,
+    /// The lengths of view arrays' data buffers (host memory, as the spec requires).
+    sizes: Box<[i64]>,
+    /// One record per node, the root first.
+    records: Box<[NodeRecord]>,
+    _owner: Owner,
+    /// The event recorded after the data's producers, and the handle `sync_event` points at.
+    _event: Option<Event>,
+    sync: CUevent,
+}
+
+/// How many of each part a tree needs.
+#[derive(Default)]
+struct Counts {
+    nodes: usize,
+    ptrs: usize,
+    children: usize,
+    sizes: usize,
+}
+
+/// The parts of one node, from a [`DeviceArrayData`] or from a batch (a struct of its columns).
+struct NodeRef<'a> {
+    data_type: &'a DataType,
+    len: usize,
+    offset: usize,
+    null_count: Option<usize>,
+    nulls: Option<&'a DeviceBuffer>,
+    buffers: &'a [DeviceBuffer],
+    children: &'a [DeviceArrayData],
+}
+
+impl<'a> NodeRef<'a> {
+    fn of(d: &'a DeviceArrayData) -> Self {
+        NodeRef {
+            data_type: &d.data_type,
+            len: d.len,
+            offset: d.offset,
+            null_count: d.null_count,
+            nulls: d.nulls.as_ref(),
+            buffers: &d.buffers,
+            children: &d.children,
+        }
+    }
+
+    /// Whether this node's one child is its dictionary rather than a child.
+    fn has_dictionary(&self) -> bool {
+        matches!(self.data_type, DataType::Dictionary(..))
+    }
+
+    /// Adds what this node and those below it need to `counts` (the node itself not counted).
+    fn count(&self, counts: &mut Counts) {
+        let spec = layout(self.data_type);
+        counts.ptrs += usize::from(spec.can_contain_null_mask) + self.buffers.len() + usize::from(spec.variadic);
+        if spec.variadic {
+            counts.sizes += self.buffers.len().saturating_sub(1);
+        }
+        if !self.has_dictionary() {
+            counts.children += self.children.len();
+        }
+        counts.nodes += self.children.len();
+        for c in self.children {
+            NodeRef::of(c).count(counts);
+        }
+    }
+}
+
+/// Fills the slices of a [`Shared`] block, node by node.
+struct Filler<'s> {
+    shared: *mut Shared,
+    records: &'s mut [NodeRecord],
+    links: &'s mut [*mut FFI_ArrowArray],
+    nodes: &'s mut [ManuallyDrop<FFI_ArrowArray>],
+    ptrs: &'s mut [*const c_void],
+    children: &'s mut [*mut FFI_ArrowArray],
+    sizes: &'s mut [i64],
+}
+
+impl Filler<'_> {
+    /// The C struct of `node`, its pointer runs and the nodes below it written into the block.
+    fn node(&mut self, node: &NodeRef<'_>) -> FFI_ArrowArray {
+        let spec = layout(node.data_type);
+        let (record, rest) = std::mem::take(&mut self.records)
+            .split_first_mut()
+            .expect("the counting pass made a record for every node");
+        self.records = rest;
+        let n_ptrs = usize::from(spec.can_contain_null_mask) + node.buffers.len() + usize::from(spec.variadic);
+        let (ptrs, rest) = std::mem::take(&mut self.ptrs).split_at_mut(n_ptrs);
+        self.ptrs = rest;
+        // Zero-length buffers keep their (aligned, non-null) address too: some consumers insist on one.
+        let address = |b: &DeviceBuffer| b.address() as *const c_void;
+        let mut at = ptrs.iter_mut();
+        let mut put = |p: *const c_void| {
+            if let Some(slot) = at.next() {
+                *slot = p;
+            }
+        };
+        if spec.can_contain_null_mask {
+            put(node.nulls.map_or(ptr::null(), address));
+        }
+        node.buffers.iter().for_each(|b| put(address(b)));
+        if spec.variadic {
+            let n = node.buffers.len().saturating_sub(1);
+            let (sizes, rest) = std::mem::take(&mut self.sizes).split_at_mut(n);
+            self.sizes = rest;
+            for (s, b) in sizes.iter_mut().zip(&node.buffers[1..]) {
+                *s = b.len() as i64;
+            }
+            put(sizes.as_ptr() as *const c_void);
+        }
+        // The nodes below this one take the next slots, in order; their own children come later.
+        let (below, rest) = std::mem::take(&mut self.nodes).split_at_mut(node.children.len());
+        self.nodes = rest;
+        let (kids, links, dictionary): (&mut [*mut FFI_ArrowArray], &mut [*mut FFI_ArrowArray], _) =
+            if node.has_dictionary() {
+                (
+                    &mut [],
+                    &mut [],
+                    below.first_mut().map_or(ptr::null_mut(), |d| &mut **d as *mut _),
+                )
+            } else {
+                let n = node.children.len();
+                let (kids, rest) = std::mem::take(&mut self.children).split_at_mut(n);
+                self.children = rest;
+                let (links, rest) = std::mem::take(&mut self.links).split_at_mut(n);
+                self.links = rest;
+                for ((k, l), slot) in kids.iter_mut().zip(links.iter_mut()).zip(below.iter_mut()) {
+                    *k = &mut **slot as *mut FFI_ArrowArray;
+                    *l = *k;
+                }
+                (kids, links, ptr::null_mut())
+            };
+        *record = NodeRecord {
+            shared: self.shared,
+            below: links as *mut [*mut FFI_ArrowArray],
+            dictionary,
+        };
+        for (c, slot) in node.children.iter().zip(below.iter_mut()) {
+            **slot = self.node(&NodeRef::of(c));
+        }
+        let null_count = match (node.data_type, node.null_count) {
+            (DataType::Null, _) => node.len as i64,
+            (_, Some(n)) => n as i64,
+            (_, None) => -1,
+        };
+        FFI_ArrowArray {
+            length: node.len as i64,
+            null_count,
+            offset: node.offset as i64,
+            n_buffers: n_ptrs as i64,
+            n_children: kids.len() as i64,
+            buffers: ptrs.as_mut_ptr(),
+            children: kids.as_mut_ptr(),
+            dictionary,
+            release: Some(release),
+            private_data: record as *mut NodeRecord as *mut c_void,
+        }
+    }
+}
+
+/// The release callback of every node this crate exports: releases the node's children and
+/// dictionary that are still in place (a child a consumer moved out is released on its own), then
+/// the node, exactly once; the last node released frees the [`Shared`] block. A panic while
+/// dropping (the owner of a wrapped buffer may panic) stops inside.
 unsafe extern "C" fn release(array: *mut FFI_ArrowArray) {
     if array.is_null() {
         return;
@@ -39,87 +221,40 @@ unsafe extern "C" fn release(array: *mut FFI_ArrowArray) {
     if array.release.is_none() || array.private_data.is_null() {
         return;
     }
-    // SAFETY: `private_data` was made by `Box::into_raw` in `export_node` and is freed only here,
-    // after which `release` is cleared.
-    let private = unsafe { Box::from_raw(array.private_data as *mut PrivateData) };
-    for &child in private.children.iter() {
-        // SAFETY: each child was made by `Box::into_raw`; dropping the box releases it unless a
-        // consumer moved it out (then its release is already null).
-        no_unwind(|| drop(unsafe { Box::from_raw(child) }));
+    // SAFETY: `private_data` points at this node's record in the block, which lives while any
+    // node is unreleased.
+    let record = unsafe { &*(array.private_data as *const NodeRecord) };
+    // SAFETY: the record's pointers are the block's, alive as the record is.
+    let below = unsafe { &*record.below }.iter().copied().chain(Some(record.dictionary));
+    for node in below.filter(|n| !n.is_null()) {
+        // SAFETY: a node of the block, alive while this one is; released in place unless a
+        // consumer moved it out (then its release is null here).
+        if let Some(release) = unsafe { (*node).release } {
+            // SAFETY: as above.
+            unsafe { release(node) };
+        }
     }
-    if !private.dictionary.is_null() {
-        // SAFETY: as for the children.
-        no_unwind(|| drop(unsafe { Box::from_raw(private.dictionary) }));
-    }
-    no_unwind(|| drop(private));
+    let shared = record.shared;
     array.release = None;
     array.private_data = ptr::null_mut();
-}
-
-/// The C struct of `data`, which passed [`DeviceArrayData::check`]: its buffer and child counts
-/// are those of its type.
-fn export_node(data: &DeviceArrayData, event: Option<(Event, Box<CUevent>)>) -> FFI_ArrowArray {
-    let spec = layout(&data.data_type);
-    let mut owned: Vec<DeviceBuffer> = Vec::with_capacity(data.buffers.len() + 1);
-    let mut ptrs: Vec<*const c_void> = Vec::with_capacity(data.buffers.len() + 2);
-    // Zero-length buffers keep their (aligned, non-null) address too: some consumers insist on one.
-    let address = |b: &DeviceBuffer| b.address() as *const c_void;
-    if spec.can_contain_null_mask {
-        ptrs.push(data.nulls.as_ref().map_or(ptr::null(), address));
-        owned.extend(data.nulls.iter().cloned());
-    }
-    for b in &data.buffers {
-        ptrs.push(address(b));
-        owned.push(b.clone());
-    }
-    let variadic_sizes = spec
-        .variadic
-        .then(|| data.buffers[1..].iter().map(|b| b.len() as i64).collect::<Box<[i64]>>());
-    if let Some(sizes) = &variadic_sizes {
-        ptrs.push(sizes.as_ptr() as *const c_void);
-    }
-    let (children, dictionary) = match data.data_type {
-        DataType::Dictionary(..) => (&[][..], Box::into_raw(Box::new(export_node(&data.children[0], None)))),
-        _ => (&data.children[..], ptr::null_mut()),
-    };
-    let children: Box<[*mut FFI_ArrowArray]> = children
-        .iter()
-        .map(|c| Box::into_raw(Box::new(export_node(c, None))))
-        .collect();
-    let null_count = match (&data.data_type, data.null_count) {
-        (DataType::Null, _) => data.len as i64,
-        (_, Some(n)) => n as i64,
-        (_, None) => -1,
-    };
-    let mut private = Box::new(PrivateData {
-        _buffers: owned,
-        _variadic_sizes: variadic_sizes,
-        buffer_ptrs: ptrs.into_boxed_slice(),
-        children,
-        dictionary,
-        _event: event,
-    });
-    FFI_ArrowArray {
-        length: data.len as i64,
-        null_count,
-        offset: data.offset as i64,
-        n_buffers: private.buffer_ptrs.len() as i64,
-        n_children: private.children.len() as i64,
-        buffers: private.buffer_ptrs.as_mut_ptr(),
-        children: private.children.as_mut_ptr(),
-        dictionary,
-        release: Some(release),
-        private_data: Box::into_raw(private) as *mut c_void,
+    // SAFETY: the block outlives every node that points at it; `live` counts them.
+    if unsafe { (*shared).live.fetch_sub(1, Ordering::AcqRel) } == 1 {
+        // SAFETY: made by `Box::into_raw` in `export_tree`; this was its last node, so nothing
+        // reaches it any more.
+        no_unwind(|| drop(unsafe { Box::from_raw(shared) }));
     }
 }
 
-/// Exports an array. Its `sync_event` is recorded on `stream` after `ready`, so a consumer that
-/// waits on it sees everything issued so far; it is null for the CPU device. The exported struct
-/// owns references to the memory, which stays alive until the consumer releases it. Fails on an
-/// array that [`DeviceArrayData::try_new`] would refuse.
-pub fn export_array(array: &DeviceArrayData, ready: &Event, stream: &Stream) -> Result<FFI_ArrowDeviceArray> {
-    array.check()?;
-    let device = array.device();
+/// Exports the tree below `root` (which must have passed [`DeviceArrayData::check`]) in one
+/// [`Shared`] block kept alive by `owner`, with `sync_event` recorded on `stream` after `ready`
+/// (null for the CPU device).
+fn export_tree(
+    root: &NodeRef<'_>,
+    owner: Owner,
+    device: Device,
+    ready: &Event,
+    stream: &Stream,
+) -> Result<FFI_ArrowDeviceArray> {
     let event = match device.ordinal() {
         None => None,
         Some(_) => {
@@ -130,16 +265,54 @@ pub fn export_array(array: &DeviceArrayData, ready: &Event, stream: &Stream) -> 
                 Stream::shared(device)?
             };
             stream.wait(ready)?;
-            let event = stream.record()?;
-            let handle = Box::new(event.cuda().map_or(ptr::null_mut(), |e| e.cu_event()));
-            Some((event, handle))
+            Some(stream.record()?)
         }
     };
-    let sync_event = event.as_ref().map_or(ptr::null_mut(), |(_, handle)| {
-        &**handle as *const CUevent as *mut c_void
+    let mut counts = Counts::default();
+    root.count(&mut counts);
+    let shared = Box::new(Shared {
+        live: AtomicUsize::new(counts.nodes + 1),
+        nodes: (0..counts.nodes)
+            .map(|_| ManuallyDrop::new(FFI_ArrowArray::empty()))
+            .collect(),
+        ptrs: vec![ptr::null(); counts.ptrs].into_boxed_slice(),
+        children: vec![ptr::null_mut(); counts.children].into_boxed_slice(),
+        links: vec![ptr::null_mut(); counts.children].into_boxed_slice(),
+        sizes: vec![0; counts.sizes].into_boxed_slice(),
+        records: (0..=counts.nodes)
+            .map(|_| NodeRecord {
+                shared: ptr::null_mut(),
+                below: &mut [] as *mut [*mut FFI_ArrowArray],
+                dictionary: ptr::null_mut(),
+            })
+            .collect(),
+        sync: event
+            .as_ref()
+            .and_then(Event::cuda)
+            .map_or(ptr::null_mut(), |e| e.cu_event()),
+        _event: event,
+        _owner: owner,
     });
+    let raw = Box::into_raw(shared);
+    // SAFETY: just made; only this function uses it until the array is returned (the nodes
+    // written below store `raw` but nothing reads through it before release).
+    let block = unsafe { &mut *raw };
+    let mut filler = Filler {
+        shared: raw,
+        records: &mut block.records,
+        links: &mut block.links,
+        nodes: &mut block.nodes,
+        ptrs: &mut block.ptrs,
+        children: &mut block.children,
+        sizes: &mut block.sizes,
+    };
+    let array = filler.node(root);
+    let sync_event = match block.sync.is_null() {
+        true => ptr::null_mut(),
+        false => &mut block.sync as *mut CUevent as *mut c_void,
+    };
     Ok(FFI_ArrowDeviceArray {
-        array: export_node(array, event),
+        array,
         device_id: device.device_id(),
         device_type: device.device_type(),
         sync_event,
@@ -147,10 +320,38 @@ pub fn export_array(array: &DeviceArrayData, ready: &Event, stream: &Stream) -> 
     })
 }
 
-/// Exports a batch as a struct array, with its schema (metadata included).
+/// Exports an array. Its `sync_event` is recorded on `stream` after `ready`, so a consumer that
+/// waits on it sees everything issued so far; it is null for the CPU device. The exported struct
+/// owns references to the memory, which stays alive until the consumer releases it. Fails on an
+/// array that [`DeviceArrayData::try_new`] would refuse.
+pub fn export_array(array: &DeviceArrayData, ready: &Event, stream: &Stream) -> Result<FFI_ArrowDeviceArray> {
+    array.check()?;
+    let owner = Owner::Array(array.clone());
+    export_tree(&NodeRef::of(array), owner, array.device(), ready, stream)
+}
+
+/// Exports a batch as a struct array, with its schema (metadata included). The columns are shared
+/// with the batch, not copied.
 pub fn export_batch(batch: &DeviceRecordBatch, stream: &Stream) -> Result<(FFI_ArrowDeviceArray, FFI_ArrowSchema)> {
     let schema = export_schema(batch.schema())?;
-    let array = export_array(&as_struct(batch), batch.ready(), stream)?;
+    batch.columns().iter().try_for_each(DeviceArrayData::check)?;
+    let data_type = DataType::Struct(batch.schema().fields().clone());
+    let root = NodeRef {
+        data_type: &data_type,
+        len: batch.num_rows(),
+        offset: 0,
+        null_count: Some(0),
+        nulls: None,
+        buffers: &[],
+        children: batch.columns(),
+    };
+    let array = export_tree(
+        &root,
+        Owner::Batch(batch.clone()),
+        batch.device(),
+        batch.ready(),
+        stream,
+    )?;
     Ok((array, schema))
 }
 
@@ -180,18 +381,4 @@ fn check_time_zones(dt: &DataType) -> Result<()> {
         )));
     }
     child_types(dt).into_iter().try_for_each(check_time_zones)
-}
-
-/// A batch as one struct array without a validity bitmap.
-pub(crate) fn as_struct(batch: &DeviceRecordBatch) -> DeviceArrayData {
-    DeviceArrayData {
-        data_type: DataType::Struct(batch.schema().fields().clone()),
-        len: batch.num_rows(),
-        offset: 0,
-        null_count: Some(0),
-        nulls: None,
-        buffers: Default::default(),
-        children: batch.columns().to_vec(),
-        trusted: false,
-    }
 }

@@ -3,7 +3,8 @@
 //! The producer's struct is moved into an owner that every imported buffer shares; its release
 //! callback runs exactly once, when the last buffer drops. The structure (counts, lengths, offsets,
 //! pointers) is checked before anything is built; the sizes of string and binary data come from the
-//! last offset of each array, read after the producer's event, all of them with one synchronisation.
+//! last offset of each array, read after the producer's event, all of them in one batched copy and
+//! with one synchronisation. Every imported buffer shares one owner, with no allocation of its own.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -458,8 +459,8 @@ impl Walker {
     }
 }
 
-/// Reads the noted offsets: directly for host memory, else one small copy each into pinned memory
-/// and one synchronisation of `stream`.
+/// Reads the noted offsets: directly for host memory, else into pinned memory with one batched copy
+/// (one copy each where the driver has no batched copies) and one synchronisation of `stream`.
 fn read_offsets(reads: &[(u64, usize)], device: Device, stream: &Stream) -> Result<Vec<i64>> {
     let decode = |b: &[u8], w: usize| {
         if w == 4 {
@@ -480,10 +481,21 @@ fn read_offsets(reads: &[(u64, usize)], device: Device, stream: &Stream) -> Resu
     }
     let ordinal = device.ordinal().unwrap_or(0);
     let mut out = PinnedPool::shared(MemoryResource::PinnedHost(ordinal))?.take(reads.len() * 8)?;
-    for (i, &(p, w)) in reads.iter().enumerate() {
-        // SAFETY: the source is an offsets element on the device (valid per the caller) and the
-        // destination a slot of `out`, which is read only after the synchronisation below.
-        unsafe { copy(out.address() + (i * 8) as u64, out.device(), p, device, w, stream)? };
+    if driver::memcpy_batch_available() {
+        let dsts: Vec<u64> = (0..reads.len()).map(|i| out.address() + (i * 8) as u64).collect();
+        let srcs: Vec<u64> = reads.iter().map(|&(p, _)| p).collect();
+        let sizes: Vec<usize> = reads.iter().map(|&(_, w)| w).collect();
+        let raw = stream.bind()?;
+        // SAFETY: the batch call exists (checked); the slices have one non-zero length; each
+        // source is an offsets element on the device (valid per the caller) and each destination
+        // a slot of `out`, read only after the synchronisation below; `raw` is a created stream.
+        unsafe { driver::memcpy_batch_async(&dsts, &srcs, &sizes, raw)? };
+    } else {
+        for (i, &(p, w)) in reads.iter().enumerate() {
+            // SAFETY: the source is an offsets element on the device (valid per the caller) and
+            // the destination a slot of `out`, which is read only after the synchronisation below.
+            unsafe { copy(out.address() + (i * 8) as u64, out.device(), p, device, w, stream)? };
+        }
     }
     stream.synchronize()?;
     let bytes = out.host_slice_mut().ok_or_else(|| invalid("pinned block is shared"))?;
@@ -504,7 +516,7 @@ fn build(node: Node, device: Device, owner: &Arc<Imported>, offsets: &[i64]) -> 
             return Err(invalid(format!("null buffer where {size} bytes are needed")));
         }
         buffer_end(b.ptr, size)?;
-        let owner: Box<dyn std::any::Any + Send + Sync> = Box::new(owner.clone());
+        let owner: Arc<dyn std::any::Any + Send + Sync> = owner.clone();
         let address = if b.ptr == 0 {
             crate::memory::ALIGNMENT as u64
         } else {
@@ -513,7 +525,7 @@ fn build(node: Node, device: Device, owner: &Arc<Imported>, offsets: &[i64]) -> 
         // SAFETY: the producer guarantees `size` bytes at `ptr` on `device` until release, which
         // `owner` defers until the last buffer drops.
         Ok(DeviceBuffer::from_allocation(unsafe {
-            Allocation::foreign(address, size, device, owner)
+            Allocation::foreign_shared(address, size, device, owner)
         }))
     };
     Ok(DeviceArrayData {
@@ -577,10 +589,15 @@ pub unsafe fn import_batch(
     if data.null_count.is_some_and(|n| n > 0) || (data.null_count.is_none() && data.nulls.is_some()) {
         return Err(invalid("a record batch's struct array has nulls"));
     }
+    // Columns that are the struct's whole children are taken as they are, others cut to its window.
+    let (offset, len) = (data.offset, data.len);
     let columns = data
         .children
-        .iter()
-        .map(|c| c.slice(data.offset, data.len))
+        .into_iter()
+        .map(|c| match offset == 0 && c.len == len {
+            true => Ok(c),
+            false => c.slice(offset, len),
+        })
         .collect::<Result<_>>()?;
     DeviceRecordBatch::try_new(schema, columns, data.len, ready)
 }

@@ -161,6 +161,8 @@ enum Release {
     Pool(Stream),
     PinnedHost(Arc<CudaContext>),
     Owner(#[allow(dead_code)] Box<dyn Any + Send + Sync>),
+    /// An owner that many allocations share (every buffer of one imported array).
+    Shared(#[allow(dead_code)] Arc<dyn Any + Send + Sync>),
 }
 
 /// One block of memory with one owner. Buffers share it through an `Arc` and view ranges of it.
@@ -189,6 +191,27 @@ impl Allocation {
             size,
             resource: MemoryResource::Foreign(device),
             release: Release::Owner(owner),
+            ipc_handle: OnceLock::new(),
+            exported: AtomicBool::new(false),
+        }
+    }
+
+    /// Like [`Allocation::foreign`], with an owner that other allocations share: no allocation of its
+    /// own for it.
+    ///
+    /// # Safety
+    /// As for [`Allocation::foreign`].
+    pub(crate) unsafe fn foreign_shared(
+        ptr: u64,
+        size: usize,
+        device: Device,
+        owner: Arc<dyn Any + Send + Sync>,
+    ) -> Self {
+        Allocation {
+            ptr,
+            size,
+            resource: MemoryResource::Foreign(device),
+            release: Release::Shared(owner),
             ipc_handle: OnceLock::new(),
             exported: AtomicBool::new(false),
         }
@@ -275,7 +298,7 @@ impl Drop for Allocation {
         // Errors cannot be reported from here and must not panic; the driver keeps them sticky for
         // the context, where the next call reports them.
         match &self.release {
-            Release::Nothing | Release::Owner(_) => {}
+            Release::Nothing | Release::Owner(_) | Release::Shared(_) => {}
             Release::Host(layout) => {
                 // SAFETY: allocated with exactly this layout in `allocate`.
                 unsafe { std::alloc::dealloc(self.ptr as *mut u8, *layout) }
