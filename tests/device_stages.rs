@@ -380,7 +380,8 @@ fn join_tables() -> Vec<(&'static str, Data)> {
 /// (`IN`, `EXISTS`, `NOT EXISTS`), join filters, empty build sides and keys that are null. Each
 /// returns what `MemTable` returns, with the join inside the stage; a build side with duplicate
 /// keys where the stage reads the match makes the stage give its work back (same answer). A build
-/// side that is an inner join of GPU scans is flattened into the stage's joins.
+/// side that is an inner join of GPU scans is flattened into the stage's joins. Joins without an
+/// aggregate above run as rows stages.
 #[test]
 fn joins_inside_stages() {
     let _gpu = gpu_shared();
@@ -453,6 +454,23 @@ fn joins_inside_stages() {
             assert_eq!(plan.matches("DeviceStageExec").count(), 2, "{sql}\n{plan}");
             assert!(plan.contains("rows=["), "{sql}\n{plan}");
         }
+        // Without an aggregate above: rows stages over joins whose build sides stay on the
+        // device, their build columns of fixed width computed like any other output; a string of
+        // a build side stays with DataFusion.
+        for sql in [
+            "select f.k, f.amount from f where exists (select 1 from d where d.k = f.k and d.w < 1000)",
+            "select f.g, f.amount, d.w, d.k2 from f join d on f.k = d.k where f.k2 = 1",
+            "select f.k, f.amount from f where not exists (select 1 from d where d.k = f.k)",
+            "select f.amount, d.w, d.c from f left join d on f.k = d.k and f.k2 = d.k2",
+            "select f.amount, d3.c from d3, d, f where d.c = d3.c and f.k = d.k",
+            "select f.amount, e.w from f join e on f.k = e.k",
+        ] {
+            assert_same(&gpu, &mem, sql, true);
+            let plan = explain(&gpu, sql);
+            let stage = plan.lines().find(|l| l.contains("DeviceStageExec")).unwrap_or_default();
+            assert!(stage.contains(" join(") && stage.contains("rows=["), "{sql}\n{plan}");
+        }
+        assert_same(&gpu, &mem, "select f.amount, d.name from f join d on f.k = d.k", false);
         // NOT IN is a null-aware anti join, which DataFusion runs.
         let sql = "select count(*) from f where k not in (select k from d)";
         assert!(!explain(&gpu, sql).contains(" join("), "{sql}");
@@ -948,7 +966,7 @@ fn out_of_device_memory_gives_the_work_back() {
     let free = free_memory(device);
     drop(hog);
     assert!(
-        stage.contains("given_back=1"),
+        stage.contains("given_back=1") && stage.contains("given back: out of memory on"),
         "{held} bytes held, {free} free: {stage}"
     );
     assert_eq!(same.0, same.1, "results differ for {sql}");
@@ -988,7 +1006,11 @@ fn long_string_keys() {
         let batches = run(&gpu, &format!("explain analyze {sql}")).expect("explain analyze");
         let text = pretty_format_batches(&batches).unwrap().to_string();
         let stage = text.lines().find(|l| l.contains("DeviceStageExec")).expect("a stage");
-        assert!(stage.contains("given_back=1"), "{stage}");
+        // EXPLAIN ANALYZE says why.
+        assert!(
+            stage.contains("given_back=1") && stage.contains("given back: a group key string"),
+            "{stage}"
+        );
     });
 }
 

@@ -149,19 +149,27 @@
 //! not bound) whose strings the stage reads stays with DataFusion unless it is such a device
 //! scan: copying its strings to the host and back costs more than the join saves.
 //!
+//! An inner join whose build side is itself an inner join of sides that stay on the stage's
+//! device (GPU scans, rows stages, or such joins again) is flattened: `L ⋈ (A ⋈ B)`, with the
+//! keys on B's columns, runs as `(L ⋈ B) ⋈ A`, two steps of the stage, and neither A nor B
+//! crosses to the host (TPC-H Q3, Q10 and Q18: lineitem joins orders, then customer, on the
+//! device). Inner joins make this exact; where B repeats a key that A would have filtered out,
+//! the stage gives its work back.
+//!
 //! ## Rows stages
 //!
-//! A projection or a filter over a [`GpuScan`] (through other projections, filters and
-//! repartitioning) with no aggregate above it that a stage runs becomes a rows stage when it does
-//! something the scan alone does not: a computed column, or a filter the scan cannot take (two
-//! columns compared, an expression). The stage runs the row pipeline on the device, once to select
+//! A projection, a filter or a hash join over a [`GpuScan`] (through other projections, filters,
+//! joins and repartitioning) with no aggregate above it that a stage runs becomes a rows stage
+//! when it does something the scan alone does not: a computed column, a filter the scan cannot
+//! take (two columns compared, an expression), or a join whose build side stays on the device
+//! (TPC-H Q20: partsupp semi-joined with the parts named `forest%`). The stage runs the row pipeline on the device, once to select
 //! the rows it keeps and once, for those rows only, to compute its output columns of fixed-width
 //! types (integers, floats, decimals, dates, booleans; values and validity bitmaps written by warp
 //! votes); output columns that are table columns as they are (strings among them) are gathered
 //! by the scan's compaction kernels. Only the kept rows' output columns cross to the host, one
 //! batch per table batch with kept rows, split among the partitions of the node it replaced (by
 //! the hash of columns where that node's output was hash-partitioned). A projection that
-//! computes a string, or one over a join, stays with DataFusion. A rows stage that is a join's
+//! computes a string (or reads one of a build side) stays with DataFusion. A rows stage that is a join's
 //! build side for a stage on the same device keeps its rows there (TPC-H Q4 and Q21: lineitem
 //! filtered by `l_commitdate < l_receiptdate`, hashed for the stage's semi and anti joins).
 //!

@@ -54,6 +54,8 @@ pub struct DeviceStageExec {
     /// The stage's one run, shared by its partitions; started by the first partition executed.
     /// The table is immutable, so a later execution of the same plan shares it too.
     shared: Mutex<Option<SharedRun>>,
+    /// Why the run gave its work back, once it has: `EXPLAIN ANALYZE` says it.
+    given_back: Arc<Mutex<Option<String>>>,
 }
 
 /// What a stage emits.
@@ -109,6 +111,7 @@ impl DeviceStageExec {
             properties: Arc::new(properties),
             metrics: ExecutionPlanMetricsSet::new(),
             shared: Mutex::new(None),
+            given_back: Arc::default(),
         }
     }
 
@@ -121,6 +124,7 @@ impl DeviceStageExec {
                 let metrics = Metrics::new(&self.metrics);
                 let emit = self.emitter();
                 let original = self.original.clone();
+                let given_back = self.given_back.clone();
                 async move {
                     let emitted = run(plan, &metrics, context).await.and_then(|states| {
                         let _timer = metrics.partition_time.timer();
@@ -131,6 +135,7 @@ impl DeviceStageExec {
                         Err(Outcome::GiveBack(why)) => {
                             log::info!("arrow-cuda: a device stage gives its work back to DataFusion: {why}");
                             metrics.given_back.add(1);
+                            *given_back.lock().unwrap_or_else(PoisonError::into_inner) = Some(why);
                             Ok(Produced::GivenBack(reset_plan_states(original).map_err(Arc::new)?))
                         }
                         Err(Outcome::Fail(e)) => Err(Arc::new(e)),
@@ -177,6 +182,14 @@ impl DeviceStageExec {
     pub(crate) fn stage_plan(&self) -> &StagePlan {
         &self.plan
     }
+
+    /// `, given back: WHY` once the stage has given its work back (shown by `EXPLAIN ANALYZE`).
+    fn fmt_given_back(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &*self.given_back.lock().unwrap_or_else(PoisonError::into_inner) {
+            Some(why) => write!(f, ", given back: {why}"),
+            None => Ok(()),
+        }
+    }
 }
 
 impl DisplayAs for DeviceStageExec {
@@ -204,7 +217,8 @@ impl DisplayAs for DeviceStageExec {
                     write!(f, ", steps=[{}]", steps.join(", "))?;
                 }
                 if let Some(rows) = &p.rows {
-                    return write!(f, ", rows=[{}]", list(rows));
+                    write!(f, ", rows=[{}]", list(rows))?;
+                    return self.fmt_given_back(f);
                 }
                 write!(f, ", group_by=[{}]", list(&p.keys))?;
                 let aggs: Vec<&str> = p.aggs.iter().map(|a| a.name.as_str()).collect();
@@ -212,7 +226,8 @@ impl DisplayAs for DeviceStageExec {
                     Output::Final { .. } => "final",
                     Output::Partial | Output::Rows => "partial",
                 };
-                write!(f, ", aggr=[{}], output={output}", aggs.join(", "))
+                write!(f, ", aggr=[{}], output={output}", aggs.join(", "))?;
+                self.fmt_given_back(f)
             }
             DisplayFormatType::TreeRender => match &p.rows {
                 Some(rows) => write!(f, "rows={}", rows.len()),

@@ -1,5 +1,5 @@
 //! [`DeviceStageRule`]: the physical optimizer rule that replaces aggregations over GPU table scans,
-//! and projections and filters over them without such an aggregate above, with device stages.
+//! and projections, filters and joins over them without such an aggregate above, with device stages.
 
 use std::sync::Arc;
 
@@ -34,9 +34,9 @@ use super::output::state_type_supported;
 use crate::device::Device;
 
 /// Replaces each aggregation over a GPU table scan (through projections, filters and joins) with
-/// one [`DeviceStageExec`], when the device can run all of it, and each projection or filter over
-/// such a scan that no stage above covers with a rows stage, when it computes something the scan
-/// does not; everything else stays with DataFusion. See the [module docs](crate::datafusion#device-stages) for where it sits among DataFusion's rules.
+/// one [`DeviceStageExec`], when the device can run all of it, and each projection, filter or join
+/// over such a scan that no stage above covers with a rows stage, when it computes something the
+/// scan does not; everything else stays with DataFusion. See the [module docs](crate::datafusion#device-stages) for where it sits among DataFusion's rules.
 #[derive(Debug, Default, Clone)]
 pub struct DeviceStageRule {
     host_stages: bool,
@@ -62,7 +62,10 @@ impl PhysicalOptimizerRule for DeviceStageRule {
         let out = plan.transform_down(|node| {
             let placed = if let Some(agg) = node.downcast_ref::<AggregateExec>() {
                 self.stage(agg, &node)
-            } else if node.downcast_ref::<ProjectionExec>().is_some() || node.downcast_ref::<FilterExec>().is_some() {
+            } else if node.downcast_ref::<ProjectionExec>().is_some()
+                || node.downcast_ref::<FilterExec>().is_some()
+                || node.downcast_ref::<HashJoinExec>().is_some()
+            {
                 self.rows_stage(&node)
             } else {
                 return Ok(Transformed::no(node));
@@ -734,18 +737,26 @@ impl DeviceStageRule {
         })
     }
 
-    /// The rows stage that replaces `node`, a projection or a filter over a GPU table's scan
-    /// (through other projections and filters) with no aggregate above it that a stage runs: when
-    /// the stage does something the scan alone does not (a filter, a computed column) and every
-    /// output column is either a table column that the scan's compaction gathers or a value of a
-    /// fixed-width type that the stage computes.
+    /// The rows stage that replaces `node`, a projection, a filter or a hash join over a GPU
+    /// table's scan (through other projections, filters and joins) with no aggregate above it
+    /// that a stage runs: when the stage does something the scan alone does not (a filter, a join,
+    /// a computed column), every output column is either a table column that the scan's
+    /// compaction gathers or a value of a fixed-width type that the stage computes (a build
+    /// side's column among them), and every join's build side stays on the stage's device (a
+    /// build side DataFusion runs on the host is better joined there too).
     fn rows_stage(&self, node: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>, String> {
         if node.properties().output_ordering().is_some() {
             return Err("an output ordering".into());
         }
         let below = walk(self, node)?;
-        if below.steps.iter().any(|s| matches!(s, Step::Join(_))) {
-            return Err("a join without an aggregate above it".into());
+        let devices = &below.scan.table().partition_devices;
+        let device = devices.first().copied().filter(|d| devices.iter().all(|e| e == d));
+        let mut joins = below.steps.iter().filter_map(|s| match s {
+            Step::Join(j) => Some(j),
+            Step::Filter(_) => None,
+        });
+        if joins.any(|j| !device.is_some_and(|d| stays_on(&j.build, d))) {
+            return Err("a join whose build side does not stay on the stage's device".into());
         }
         let width = below.scan.table().schema.fields().len();
         let plain = |e: &Arc<dyn PhysicalExpr>| e.downcast_ref::<Column>().is_some_and(|c| c.index() < width);
