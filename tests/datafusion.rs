@@ -705,13 +705,7 @@ fn staged_views_take_the_memory_of_their_values() {
             .expect("bytes");
         within("statistics", stats);
         // Every value survives.
-        let back: Vec<RecordBatch> = table
-            .partitions()
-            .iter()
-            .flatten()
-            .map(|b| b.to_record_batch().expect("download"))
-            .collect();
-        let back = arrow_select::concat::concat_batches(table.schema_ref(), &back).expect("concat");
+        let back = downloaded(&table);
         let read = arrow_select::concat::concat_batches(table.schema_ref(), &read).expect("concat");
         assert_eq!(back, read);
     });
@@ -1145,13 +1139,7 @@ fn parquet_staging_keeps_values_partitions_and_statistics() {
             // Runs of row groups: 250-row groups gathered up to 600 rows (fewer on machines with
             // many cores), never more than one file's.
             assert!(table.partitions().iter().flatten().all(|b| b.num_rows() <= 750));
-            let back: Vec<RecordBatch> = table
-                .partitions()
-                .iter()
-                .flatten()
-                .map(|b| b.to_record_batch().expect("download"))
-                .collect();
-            let back = arrow_select::concat::concat_batches(&expected.schema(), &back).expect("concat");
+            let back = downloaded(&table);
             assert_eq!(back, expected, "{partitions:?}");
 
             let host = GpuTable::try_new(
@@ -1258,4 +1246,15 @@ fn create_external_table_stored_as_gpu() {
         ));
         let _ = std::fs::remove_dir_all(&dir);
     });
+}
+
+/// Every row of `table`, downloaded, in partition order, as one batch.
+fn downloaded(table: &GpuTable) -> RecordBatch {
+    let back: Vec<RecordBatch> = table
+        .partitions()
+        .iter()
+        .flatten()
+        .map(|b| b.to_record_batch().expect("download"))
+        .collect();
+    arrow_select::concat::concat_batches(table.schema_ref(), &back).expect("concat")
 }

@@ -79,37 +79,23 @@ pub(crate) fn stage(files: &[PathBuf], schema: SchemaRef, options: &LoadOptions)
 fn runs(metadata: &[ArrowReaderMetadata], rows: usize) -> Vec<Run> {
     let mut runs = Vec::new();
     for (file, m) in metadata.iter().enumerate() {
-        let mut run = Run {
+        let empty = || Run {
             file,
             row_groups: Vec::new(),
             rows: 0,
         };
-        let mut bytes = 0u64;
+        let (mut run, mut bytes) = (empty(), 0u64);
         for (i, rg) in m.metadata().row_groups().iter().enumerate() {
             let rg_bytes = rg.total_byte_size().max(0) as u64;
             if run.rows > 0 && bytes + rg_bytes > MAX_GATHERED_BYTES {
-                runs.push(std::mem::replace(
-                    &mut run,
-                    Run {
-                        file,
-                        row_groups: Vec::new(),
-                        rows: 0,
-                    },
-                ));
+                runs.push(std::mem::replace(&mut run, empty()));
                 bytes = 0;
             }
             run.row_groups.push(i);
             run.rows += rg.num_rows().max(0) as usize;
             bytes += rg_bytes;
             if run.rows >= rows {
-                runs.push(std::mem::replace(
-                    &mut run,
-                    Run {
-                        file,
-                        row_groups: Vec::new(),
-                        rows: 0,
-                    },
-                ));
+                runs.push(std::mem::replace(&mut run, empty()));
                 bytes = 0;
             }
         }

@@ -143,7 +143,7 @@ mod tests {
     fn checked() -> Vec<&'static str> {
         required()
             .chain(KERNELS.iter().copied())
-            .chain(super::super::batch::SYMBOLS.iter().copied())
+            .chain(crate::driver::batch::SYMBOLS.iter().copied())
             .collect()
     }
 

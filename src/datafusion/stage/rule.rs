@@ -278,19 +278,7 @@ fn walk_join_as<'a>(
         (j.right(), j.left())
     };
     let mut below = walk(rule, scanned)?;
-    let scanned_schema = scanned.schema();
-    let mut keys = Vec::new();
-    for (l, r) in j.on() {
-        let (h, s) = if scan_left { (r, l) } else { (l, r) };
-        keys.push(JoinKey {
-            build: h
-                .downcast_ref::<Column>()
-                .ok_or("a build key that is not a column")?
-                .index(),
-            probe: substitute(s, &below.outputs)?,
-            probe_type: s.data_type(&scanned_schema).map_err(|e| e.to_string())?,
-        });
-    }
+    let keys = join_keys(j, scan_left, &below.outputs, &scanned.schema())?;
     let steps = below.steps.len();
     let build_columns = join_steps(rule, &mut below, hashed, kind, keys, scan_left)?;
     if let Some(f) = j.filter() {
@@ -328,6 +316,31 @@ fn walk_join_as<'a>(
 /// join: what a stage's join steps do.
 fn plain_equi_join(j: &HashJoinExec) -> bool {
     j.null_equality() == NullEquality::NullEqualsNothing && !j.null_aware && j.fetch().is_none()
+}
+
+/// The keys of `j` with its right side hashed (`build_right`) or its left: each build key a
+/// column of that side, each probe key the other side's expression over `columns` (that side's
+/// columns as expressions over the stage's), of its type in `schema` (that side's).
+fn join_keys(
+    j: &HashJoinExec,
+    build_right: bool,
+    columns: &[Arc<dyn PhysicalExpr>],
+    schema: &arrow_schema::Schema,
+) -> Result<Vec<JoinKey>, String> {
+    j.on()
+        .iter()
+        .map(|(l, r)| {
+            let (build, probe) = if build_right { (r, l) } else { (l, r) };
+            Ok(JoinKey {
+                build: build
+                    .downcast_ref::<Column>()
+                    .ok_or("a build key that is not a column")?
+                    .index(),
+                probe: substitute(probe, columns)?,
+                probe_type: probe.data_type(schema).map_err(|e| e.to_string())?,
+            })
+        })
+        .collect()
 }
 
 /// A key of a join the stage runs: the build side's column and the value the stage's rows probe
@@ -400,19 +413,8 @@ fn flattened(
         })
         .collect();
     let keyed_columns = join_steps(rule, below, keyed, JoinKind::Inner, keyed_keys, true)?;
-    let (other, keyed_schema) = (if keyed_left { j.right() } else { j.left() }, keyed.schema());
-    let mut other_keys = Vec::new();
-    for (l, r) in j.on() {
-        let (k, o) = if keyed_left { (l, r) } else { (r, l) };
-        other_keys.push(JoinKey {
-            build: o
-                .downcast_ref::<Column>()
-                .ok_or("a build key that is not a column")?
-                .index(),
-            probe: substitute(k, &keyed_columns)?,
-            probe_type: k.data_type(&keyed_schema).map_err(|e| e.to_string())?,
-        });
-    }
+    let other = if keyed_left { j.right() } else { j.left() };
+    let other_keys = join_keys(j, keyed_left, &keyed_columns, &keyed.schema())?;
     let other_columns = join_steps(rule, below, other, JoinKind::Inner, other_keys, true)?;
     let all: Vec<_> = if keyed_left {
         keyed_columns.into_iter().chain(other_columns).collect()
