@@ -91,22 +91,8 @@ impl StatsBuilder {
                 continue;
             }
             c.non_null += o.non_null;
-            // The other's extreme, fed to this accumulator; a missing one leaves none.
-            let extreme = |v: Option<ScalarValue>| v.and_then(|v| v.to_array().ok());
-            match extreme(o.min.as_ref().and_then(|m| m.clone_evaluate())) {
-                Some(a)
-                    if c.min
-                        .as_mut()
-                        .is_some_and(|m| m.update_batch(std::slice::from_ref(&a)).is_ok()) => {}
-                _ => c.min = None,
-            }
-            match extreme(o.max.as_ref().and_then(|m| m.clone_evaluate())) {
-                Some(a)
-                    if c.max
-                        .as_mut()
-                        .is_some_and(|m| m.update_batch(std::slice::from_ref(&a)).is_ok()) => {}
-                _ => c.max = None,
-            }
+            absorb_extreme(&mut c.min, &o.min);
+            absorb_extreme(&mut c.max, &o.max);
         }
     }
 
@@ -187,6 +173,21 @@ fn longest_string(a: &ArrayRef) -> Option<usize> {
         DataType::Dictionary(..) => longest_string(a.as_any_dictionary().values())?,
         _ => return None,
     })
+}
+
+/// Feeds `other`'s extreme to `mine`; a missing one (or one that fails) leaves none.
+fn absorb_extreme<A: Accumulator + CloneEvaluate>(mine: &mut Option<A>, other: &Option<A>) {
+    let extreme = other
+        .as_ref()
+        .and_then(CloneEvaluate::clone_evaluate)
+        .and_then(|v| v.to_array().ok());
+    let absorbed = match (mine.as_mut(), extreme) {
+        (Some(m), Some(a)) => m.update_batch(std::slice::from_ref(&a)).is_ok(),
+        _ => false,
+    };
+    if !absorbed {
+        *mine = None;
+    }
 }
 
 /// Evaluates an accumulator without needing it mutable.

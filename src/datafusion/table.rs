@@ -42,6 +42,14 @@ pub(crate) struct TableData {
     pub(crate) lanes: HashMap<Device, Arc<DeviceLane>>,
 }
 
+impl TableData {
+    /// The device holding every partition, when one does.
+    pub(crate) fn single_device(&self) -> Option<Device> {
+        let first = *self.partition_devices.first()?;
+        self.partition_devices.iter().all(|d| *d == first).then_some(first)
+    }
+}
+
 /// A DataFusion table whose columns live in device memory.
 ///
 /// Build it from host batches ([`GpuTable::try_new`]), from any other provider

@@ -387,10 +387,7 @@ async fn run(plan: Arc<StagePlan>, metrics: &Metrics, context: Arc<TaskContext>)
     devices.sort();
     devices.dedup();
     // Build sides stay on the device only for a stage on one device.
-    let build_device = match devices.as_slice() {
-        [one] => *one,
-        _ => Device::Cpu,
-    };
+    let build_device = table.single_device().unwrap_or(Device::Cpu);
     let builds = build_sides(&plan, build_device, context).await?;
     // An inner or semi join with nothing to match keeps no row.
     let none_kept = plan

@@ -439,8 +439,7 @@ fn join_step(
     on_device: bool,
 ) -> Result<Vec<Arc<dyn PhysicalExpr>>, String> {
     let original = build_input(hashed);
-    let devices = &below.scan.table().partition_devices;
-    let device = devices.first().copied().filter(|d| devices.iter().all(|e| e == d));
+    let device = below.scan.table().single_device();
     // A build side that a rows stage can run on the stage's device (a filter the scan cannot
     // take, computed columns) becomes one: its kept rows stay there too.
     let build = match device {
@@ -751,8 +750,7 @@ impl DeviceStageRule {
             return Err("an output ordering".into());
         }
         let below = walk(self, node)?;
-        let devices = &below.scan.table().partition_devices;
-        let device = devices.first().copied().filter(|d| devices.iter().all(|e| e == d));
+        let device = below.scan.table().single_device();
         let mut joins = below.steps.iter().filter_map(|s| match s {
             Step::Join(j) => Some(j),
             Step::Filter(_) => None,
@@ -814,10 +812,7 @@ impl DeviceStageRule {
         plan.columns = columns.into_iter().collect();
         let read = plan.stage_columns();
         // Build sides that are GPU scans on the stage's device stay there: their strings cost no copy.
-        let device = match plan.table.partition_devices.as_slice() {
-            [first, rest @ ..] if rest.iter().all(|d| d == first) => *first,
-            _ => Device::Cpu,
-        };
+        let device = plan.table.single_device().unwrap_or(Device::Cpu);
         let on_host = |j: &&JoinStep| !stays_on(&j.build, device);
         if let Some(why) = plan.joins().filter(on_host).find_map(|j| costly_build(j, &read)) {
             return Err(why);
