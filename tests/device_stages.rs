@@ -471,10 +471,16 @@ fn joins_inside_stages() {
             assert!(stage.contains(" join(") && stage.contains("rows=["), "{sql}\n{plan}");
         }
         assert_same(&gpu, &mem, "select f.amount, d.name from f join d on f.k = d.k", false);
-        // NOT IN is a null-aware anti join, which DataFusion runs.
-        let sql = "select count(*) from f where k not in (select k from d)";
-        assert!(!explain(&gpu, sql).contains(" join("), "{sql}");
-        assert_same(&gpu, &mem, sql, false);
+        // NOT IN is a null-aware anti join, with its null rule: no row when the subquery has a
+        // null key (`d` has one), rows with a null key only when it is empty.
+        for sql in [
+            "select count(*), count(k) from f where k not in (select k from d)",
+            "select count(*), count(k), sum(amount) from f where k not in (select k from d where k is not null)",
+            "select count(*), count(k), sum(amount) from f where k not in (select k from e)",
+        ] {
+            assert!(explain(&gpu, sql).contains("nullawareanti join("), "{sql}");
+            assert_same(&gpu, &mem, sql, true);
+        }
     });
 }
 
@@ -1008,7 +1014,7 @@ fn long_string_keys() {
         let stage = text.lines().find(|l| l.contains("DeviceStageExec")).expect("a stage");
         // EXPLAIN ANALYZE says why.
         assert!(
-            stage.contains("given_back=1") && stage.contains("given back: a group key string"),
+            stage.contains("given_back=1") && stage.contains("given back: a group or join key string"),
             "{stage}"
         );
     });
@@ -1172,6 +1178,20 @@ fn join_pair(shape: &JoinShape) -> (Data, Data) {
             k2.push((next(4) < 3).then(|| next(3) as i32));
             v.push(next(10_000) as i128);
         }
+        // A string key of each key (views, as Parquet's strings are read): some longer than two
+        // key words hold (15 bytes).
+        let s: Vec<Option<String>> = k
+            .iter()
+            .map(|k| {
+                k.map(|k| {
+                    if k % 3 == 0 {
+                        format!("a longer string key {k:08}")
+                    } else {
+                        format!("s{k}")
+                    }
+                })
+            })
+            .collect();
         let half = rows / 2;
         let batch = |r: std::ops::Range<usize>| {
             // Every column nullable in both partitions, whatever their values.
@@ -1181,12 +1201,13 @@ fn join_pair(shape: &JoinShape) -> (Data, Data) {
                 (
                     if fact { "amount" } else { "w" },
                     Arc::new(
-                        Decimal128Array::from_iter_values(v[r].iter().copied())
+                        Decimal128Array::from_iter_values(v[r.clone()].iter().copied())
                             .with_precision_and_scale(12, 2)
                             .unwrap(),
                     ),
                     true,
                 ),
+                ("s", Arc::new(StringViewArray::from(s[r].to_vec())), true),
             ])
             .unwrap()
         };
@@ -1196,9 +1217,10 @@ fn join_pair(shape: &JoinShape) -> (Data, Data) {
 }
 
 /// Joins of every type DataFusion plans, over random tables, aggregated so that a stage takes
-/// them where it can (inner, left outer keeping the fact rows, semi, anti; on one or two keys;
-/// with and without a join filter); right and full outer joins and `NOT IN` stay with
-/// DataFusion. Every result equals `MemTable`'s (DataFusion's `HashJoinExec`).
+/// them where it can (inner, left outer keeping the fact rows, semi, anti, and `NOT IN` with its
+/// null rule; on one or two integer keys or a string key; with and without a join filter); right
+/// and full outer joins stay with DataFusion. Every result equals `MemTable`'s (DataFusion's
+/// `HashJoinExec`).
 const RANDOM_JOINS: &[&str] = &[
     "select f.k2, count(*), sum(f.amount), sum(d.w) from f join d on f.k = d.k group by f.k2",
     "select count(*), sum(f.amount - d.w) from f join d on f.k = d.k and f.k2 = d.k2",
@@ -1213,6 +1235,9 @@ const RANDOM_JOINS: &[&str] = &[
     "select k2, count(*) from f where not exists (select 1 from d where d.k = f.k) group by k2",
     "select count(*) from f where not exists (select 1 from d where d.k = f.k and d.w > f.amount)",
     "select count(*), sum(amount) from f where k not in (select k from d)",
+    "select f.k2, count(*), sum(d.w) from f join d on f.s = d.s group by f.k2",
+    "select count(*), sum(amount) from f where s in (select s from d where k2 = 1)",
+    "select count(*), sum(amount) from f where s not in (select s from d where k2 = 1)",
 ];
 
 proptest! {
@@ -1228,9 +1253,13 @@ proptest! {
         for device in common::devices() {
             let (gpu, mem) = sessions(&[("f", &f), ("d", &d)], device);
             for (i, sql) in RANDOM_JOINS.iter().enumerate() {
-                if [0, 1, 7, 10].contains(&i) {
+                if [0, 1, 7, 10, 12, 13, 14, 15].contains(&i) {
                     let plan = explain(&gpu, sql);
                     prop_assert!(plan.contains(" join("), "{} on {}, {:?}:\n{}", sql, device, shape, plan);
+                }
+                if [12, 15].contains(&i) {
+                    let plan = explain(&gpu, sql);
+                    prop_assert!(plan.contains("nullawareanti join("), "{} on {}, {:?}:\n{}", sql, device, shape, plan);
                 }
                 let (g, m) = (run(&gpu, sql).expect("stage"), run(&mem, sql).expect("DataFusion"));
                 prop_assert_eq!(rows(&g, false), rows(&m, false), "{} on {}, {:?}", sql, device, shape);

@@ -146,6 +146,13 @@ __device__ __forceinline__ void civil_from_days(long long z, long long* y, long 
 #define NO_MATCH 0xFFFFFFFFu
 #define NO_SLOT 0xFFFFFFFFFFFFFFFFull
 #define FLAG_DUPLICATE_KEY 16u
+/* Raised by a build kernel for a row whose key is null (such rows stay out of the table). */
+#define FLAG_NULL_BUILD_KEY 32u
+/* What a probe knows of a join's build side (its `jr` argument): empty, rows, or a row whose key
+   is null (for NOT IN's null rule). */
+#define BUILD_EMPTY 0ull
+#define BUILD_ROWS 1ull
+#define BUILD_NULL_KEY 2ull
 __device__ __forceinline__ u64 key_hash(const u64* kw, int nw) {
     u64 h = 0x9e3779b97f4a7c15ull;
     for (int j = 0; j < nw; j++) h = mix64(h ^ kw[j]);

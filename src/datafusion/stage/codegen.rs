@@ -25,9 +25,7 @@ use arrow_schema::{DataType, Schema};
 
 use super::super::predicate_codegen::{Codegen, LateLiteral, PREDICATE_PRELUDE};
 use super::expr::{ExprCompiler, Val, int_width};
-use super::layout::{
-    Acc, JoinKind, JoinStep, SlotKind, StagePlan, Step, join_key_layout, key_value_type, string_capacity,
-};
+use super::layout::{Acc, JoinKind, JoinStep, SlotKind, StagePlan, Step, key_value_type, string_capacity};
 use crate::array::DeviceRecordBatch;
 use crate::error::{Error, Result};
 
@@ -64,7 +62,7 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
         .iter()
         .chain(&built)
         .map(|&c| Codegen::column_params(c))
-        .chain((0..joins.len()).map(|k| format!(", const u32* jt{k}, const u64* jk{k}, u64 jm{k}")))
+        .chain((0..joins.len()).map(|k| format!(", const u32* jt{k}, const u64* jk{k}, u64 jm{k}, u64 jr{k}")))
         .collect();
 
     let mut source = String::from(PREDICATE_PRELUDE);
@@ -318,23 +316,18 @@ fn join_of(joins: &[&JoinStep], c: usize) -> Option<usize> {
     joins.iter().map(|j| j.base).filter(|&b| b <= c).max()
 }
 
-/// `join<k>_build(n, slots, keys, mask, lit, columns...)`: one thread per build row inserts the
-/// row into join `k`'s table under its key words; rows with a null key never match and stay out.
+/// `join<k>_build(n, slots, keys, mask, flags, lit, columns...)`: one thread per build row inserts
+/// the row into join `k`'s table under its key words; rows with a null key never match and stay
+/// out (raising `FLAG_NULL_BUILD_KEY`, which `NOT IN`'s null rule asks for).
 fn build_kernel(g: &mut Codegen, schema: &Schema, j: &JoinStep, k: usize) -> Result<String> {
     let columns: Vec<usize> = j.key_columns().iter().map(|&key| j.base + key).collect();
-    let types: Vec<DataType> = j
-        .keys
-        .iter()
-        .map(|&key| schema.field(j.base + key).data_type().clone())
-        .collect();
-    let (words, offsets, nw) =
-        join_key_layout(&types).ok_or_else(|| Error::Unsupported(format!("join keys of {types:?}")))?;
+    let (offsets, nw) = j.key_layout();
     g.body.clear();
     g.body.push_str(&format!("    u64 kw[{nw}]; u64 nulls = 0;\n"));
     for (i, &key) in j.keys.iter().enumerate() {
         let column: Arc<dyn PhysicalExpr> = Arc::new(Column::new(schema.field(j.base + key).name(), j.base + key));
         let val = ExprCompiler::new(g, schema).compile(&column)?;
-        encode_key(&mut g.body, &val, offsets[i], words[i], i)?;
+        encode_key(&mut g.body, &val, offsets[i], j.words[i], i)?;
     }
     let decls: String = columns.iter().map(|&c| g.column_decl(c)).collect::<Result<_>>()?;
     let params: String = columns.iter().map(|&c| Codegen::column_params(c)).collect();
@@ -343,7 +336,8 @@ fn build_kernel(g: &mut Codegen, schema: &Schema, j: &JoinStep, k: usize) -> Res
          const unsigned char* lit{params}) {{\n\
          \x20   u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;\n    if (i >= n) return;\n\
          \x20   bool ovf = false, dz = false;\n{decls}{}\
-         \x20   if (nulls == 0) join_insert(kw, {nw}, (u32)i, slots, keys, mask);\n}}\n",
+         \x20   if (nulls == 0) join_insert(kw, {nw}, (u32)i, slots, keys, mask);\n\
+         \x20   else atomicOr(flags, FLAG_NULL_BUILD_KEY);\n}}\n",
         g.body
     ))
 }
@@ -387,6 +381,12 @@ fn emit_rows(g: &mut Codegen, plan: &StagePlan, schema: &Schema, built: &[usize]
                         g.body.push_str(&format!("    if (j{k} == NO_MATCH) {{\n"));
                         open += 1;
                     }
+                    JoinKind::NullAwareAnti => {
+                        g.body.push_str(&format!(
+                            "    if (jr{k} != BUILD_NULL_KEY && j{k} == NO_MATCH && (!jz{k} || jr{k} == BUILD_EMPTY)) {{\n"
+                        ));
+                        open += 1;
+                    }
                     JoinKind::Right => {}
                 }
                 for &c in &mine {
@@ -404,17 +404,17 @@ fn emit_rows(g: &mut Codegen, plan: &StagePlan, schema: &Schema, built: &[usize]
 /// filter, the first for which the filter is true), into `j<k>`.
 fn emit_probe(g: &mut Codegen, schema: &Schema, j: &JoinStep, k: usize, mine: &[usize]) -> Result<()> {
     let mut vals = Vec::with_capacity(j.probe.len());
-    g.body.push_str(&format!("    u32 j{k} = NO_MATCH;\n    {{\n"));
+    g.body
+        .push_str(&format!("    u32 j{k} = NO_MATCH; bool jz{k} = false;\n    {{\n"));
     for p in &j.probe {
         vals.push(ExprCompiler::new(g, schema).compile(p)?);
     }
-    let types: Vec<DataType> = vals.iter().map(|v| v.dt.clone()).collect();
-    let (words, offsets, nw) =
-        join_key_layout(&types).ok_or_else(|| Error::Unsupported(format!("join keys of {types:?}")))?;
+    let (offsets, nw) = j.key_layout();
     g.body.push_str(&format!("    u64 kw[{nw}]; u64 nulls = 0;\n"));
     for (i, val) in vals.iter().enumerate() {
-        encode_key(&mut g.body, val, offsets[i], words[i], i)?;
+        encode_key(&mut g.body, val, offsets[i], j.words[i], i)?;
     }
+    g.body.push_str(&format!("    jz{k} = nulls != 0;\n"));
     let next = |from: &str| format!("join_next(kw, {nw}, jt{k}, jk{k}, jm{k}, {from})");
     g.body.push_str(&format!(
         "    if (nulls == 0) for (u64 s = {}; s != NO_SLOT; s = {}) {{\n    j{k} = jt{k}[s] - 1;\n",

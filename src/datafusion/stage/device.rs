@@ -24,7 +24,7 @@ use super::super::nvrtc::{BLOCK, cuda_stream, function, launch, launch_shared};
 use super::build::BuildRows;
 use super::emit::{self, GroupTable};
 use super::expr::late_literals;
-use super::layout::{JoinStep, NO_ROW, StagePlan, join_key_layout};
+use super::layout::{JoinKind, JoinStep, NO_ROW, StagePlan};
 use super::{Outcome, StageResult};
 use crate::array::{DeviceArrayData, DeviceRecordBatch};
 use crate::device::{Device, Stream};
@@ -45,6 +45,11 @@ const FLAG_LONG_KEY: u32 = 2;
 const FLAG_OVERFLOW: u32 = 4;
 const FLAG_DIV_ZERO: u32 = 8;
 const FLAG_DUPLICATE_KEY: u32 = 16;
+const FLAG_NULL_BUILD_KEY: u32 = 32;
+// What a probe knows of a join's build side (`kernels/stage.cu`).
+const BUILD_EMPTY: u64 = 0;
+const BUILD_ROWS: u64 = 1;
+const BUILD_NULL_KEY: u64 = 2;
 
 /// Kernels of one stage on one device.
 struct Kernels {
@@ -100,12 +105,23 @@ pub(crate) struct DeviceStage<'p> {
     join_args: Vec<u64>,
 }
 
+/// The status words of a stage (`status`): the kernels' flags and the group count.
+fn status_words(status: &DeviceBuffer, stream: &Stream) -> StageResult<(u32, u32)> {
+    let mut x = [0u8; 8];
+    status.copy_to_host(0, &mut x, stream)?;
+    let word = |i: usize| u32::from_le_bytes(x[i..i + 4].try_into().expect("4 bytes"));
+    Ok((word(0), word(4)))
+}
+
 /// A join's build side on the device and its hash table.
 struct BuiltJoin {
     batch: DeviceRecordBatch,
     slots: DeviceBuffer,
     keys: DeviceBuffer,
     mask: u64,
+    /// What the probe knows of the build side: `BUILD_EMPTY`, `BUILD_ROWS` or `BUILD_NULL_KEY`
+    /// (`kernels/stage.cu`).
+    known: u64,
     /// Buffers the build kernel's arguments point into.
     scratch: Vec<DeviceBuffer>,
 }
@@ -176,7 +192,7 @@ impl<'p> DeviceStage<'p> {
         let refs: Vec<u8> = refs.iter().flat_map(|x| x.to_le_bytes()).collect();
         let literals = late_literals(&source.literals, &source.late)?;
         let lit = DeviceBuffer::from_host(&literals, resource, &stream)?;
-        let status = zeroed(8)?;
+        let mut status = zeroed(8)?;
         let joins: Vec<_> = plan.joins().collect();
         let mut built = Vec::with_capacity(joins.len());
         for (k, (j, rows)) in joins.iter().zip(builds).enumerate() {
@@ -187,7 +203,19 @@ impl<'p> DeviceStage<'p> {
                 .then(|| function(&ctx, &source.source, "join_unique"))
                 .transpose()?;
             let kernels = (&build, unique.as_ref());
-            built.push(build_join(j, rows, kernels, &cuda, &stream, resource, &lit, &status)?);
+            let mut b = build_join(j, rows, kernels, &cuda, &stream, resource, &lit, &status)?;
+            if j.kind == JoinKind::NullAwareAnti {
+                // NOT IN's null rule asks whether this build side has a null key: the flag the
+                // build kernel raised, read and cleared before the next join's build.
+                let (flags, count) = status_words(&status, &stream)?;
+                if flags & FLAG_NULL_BUILD_KEY != 0 {
+                    b.known = BUILD_NULL_KEY;
+                    let mut x = (flags & !FLAG_NULL_BUILD_KEY).to_le_bytes().to_vec();
+                    x.extend_from_slice(&count.to_le_bytes());
+                    status.copy_from_host(0, &x, &stream)?;
+                }
+            }
+            built.push(b);
         }
         let width = plan.table.schema.fields().len();
         let mut join_args = Vec::new();
@@ -203,7 +231,7 @@ impl<'p> DeviceStage<'p> {
             )?);
         }
         for b in &built {
-            join_args.extend([b.slots.address(), b.keys.address(), b.mask]);
+            join_args.extend([b.slots.address(), b.keys.address(), b.mask, b.known]);
         }
         let mut s = DeviceStage {
             refs: DeviceBuffer::from_host(&refs, resource, &stream)?,
@@ -262,10 +290,8 @@ impl<'p> DeviceStage<'p> {
 
     /// The flags word and the group count.
     fn read_status(&self) -> StageResult<(u32, u64)> {
-        let mut x = [0u8; 8];
-        self.status.copy_to_host(0, &mut x, &self.stream)?;
-        let word = |i: usize| u32::from_le_bytes(x[i..i + 4].try_into().expect("4 bytes"));
-        Ok((word(0), u64::from(word(4))))
+        let (flags, count) = status_words(&self.status, &self.stream)?;
+        Ok((flags, u64::from(count)))
     }
 
     fn write_status(&mut self, flags: u32, count: u32) -> StageResult<()> {
@@ -287,8 +313,8 @@ impl<'p> DeviceStage<'p> {
     fn check(&self, flags: u32) -> StageResult<()> {
         if flags & FLAG_LONG_KEY != 0 {
             return Err(Outcome::GiveBack(
-                "a group key string longer than its key words hold (the column's longest value, at most \
-                 255 bytes)"
+                "a group or join key string longer than its key words hold (the column's longest value, \
+                 at most 255 bytes)"
                     .into(),
             ));
         }
@@ -658,13 +684,7 @@ fn build_join(
         BuildRows::Host(rows) => crate::transfer::htod_async(rows, resource, stream)?,
     };
     stream.wait(batch.ready())?;
-    let types: Vec<DataType> = j
-        .keys
-        .iter()
-        .map(|&k| batch.schema().field(k).data_type().clone())
-        .collect();
-    let (_, _, nw) = join_key_layout(&types).ok_or_else(|| Error::Unsupported(format!("join keys of {types:?}")))?;
-    let nw = nw as u64;
+    let nw = j.key_layout().1 as u64;
     let nslots = (n * 2).next_power_of_two().max(16);
     let slots = DeviceBuffer::zeroed(resource, (nslots * 4) as usize, stream)?;
     let keys = DeviceBuffer::alloc(resource, (nslots * nw * 8).max(8) as usize, stream)?;
@@ -689,6 +709,7 @@ fn build_join(
         slots,
         keys,
         mask: nslots - 1,
+        known: if n == 0 { BUILD_EMPTY } else { BUILD_ROWS },
         scratch,
     })
 }

@@ -63,6 +63,8 @@ struct HostJoin {
     build: RecordBatch,
     /// The build rows of each key (rows with a null key never match).
     rows: HashMap<Vec<ScalarValue>, Vec<u32>>,
+    /// Whether a build row's key is null (`NOT IN`'s null rule keeps no row then).
+    null_key: bool,
 }
 
 impl HostJoin {
@@ -72,11 +74,13 @@ impl HostJoin {
         remap: impl Fn(&Arc<dyn PhysicalExpr>) -> StageResult<Arc<dyn PhysicalExpr>>,
     ) -> StageResult<Self> {
         let mut rows: HashMap<Vec<ScalarValue>, Vec<u32>> = HashMap::new();
+        let mut null_key = false;
         'rows: for r in 0..build.num_rows() {
             let mut key = Vec::with_capacity(j.keys.len());
             for &k in &j.keys {
                 let v = ScalarValue::try_from_array(build.column(k), r)?;
                 if v.is_null() {
+                    null_key = true;
                     continue 'rows;
                 }
                 key.push(v);
@@ -92,6 +96,7 @@ impl HostJoin {
             filter: j.filter.as_ref().map(&remap).transpose()?,
             build: build.clone(),
             rows,
+            null_key,
         })
     }
 
@@ -105,12 +110,14 @@ impl HostJoin {
             .map(|p| p.evaluate(work)?.into_array(n))
             .collect::<Result<Vec<_>, _>>()?;
         let mut candidates = vec![Vec::new(); n];
+        let mut null_probe = vec![false; n];
         for (r, found) in candidates.iter_mut().enumerate() {
             let key = keys
                 .iter()
                 .map(|k| ScalarValue::try_from_array(k, r))
                 .collect::<Result<Vec<_>, _>>()?;
             if key.iter().any(ScalarValue::is_null) {
+                null_probe[r] = true;
                 continue;
             }
             if let Some(rows) = self.rows.get(&key) {
@@ -138,11 +145,14 @@ impl HostJoin {
                 out
             }
         };
+        let empty = self.build.num_rows() == 0;
         let keep: Vec<bool> = matches
             .iter()
-            .map(|m| match self.kind {
+            .zip(&null_probe)
+            .map(|(m, &null)| match self.kind {
                 JoinKind::Inner | JoinKind::Semi => m.is_some(),
                 JoinKind::Anti => m.is_none(),
+                JoinKind::NullAwareAnti => !self.null_key && m.is_none() && (!null || empty),
                 JoinKind::Right => true,
             })
             .collect();

@@ -150,28 +150,10 @@ pub(crate) fn key_words(dt: &DataType, longest: Option<usize>) -> Option<usize> 
     }
 }
 
-/// Whether a stage's hash join takes keys of this type (compared by their key words; strings
-/// not yet).
+/// Whether a stage's hash join takes keys of this type: integers, dates, booleans, decimals and
+/// strings (by their bytes, in the key words [`key_words`] gives them).
 pub(crate) fn join_key_supported(dt: &DataType) -> bool {
-    !matches!(
-        dt,
-        DataType::Dictionary(..) | DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View
-    ) && key_words(dt, None).is_some()
-}
-
-/// The key words of a join's keys of these types: each key's words and first word, and the
-/// total.
-pub(crate) fn join_key_layout(types: &[DataType]) -> Option<(Vec<usize>, Vec<usize>, usize)> {
-    let mut words = Vec::with_capacity(types.len());
-    let mut offsets = Vec::with_capacity(types.len());
-    let mut n = 0;
-    for dt in types {
-        let w = key_words(dt, None)?;
-        offsets.push(n);
-        words.push(w);
-        n += w;
-    }
-    Some((words, offsets, n))
+    !matches!(dt, DataType::Dictionary(..)) && key_words(dt, None).is_some()
 }
 
 /// The type of a group key's values: a dictionary's value type (the stage groups by values, and
@@ -203,6 +185,10 @@ pub(crate) enum JoinKind {
     Semi,
     /// Rows without one (`RightAnti`).
     Anti,
+    /// Rows without one under `NOT IN`'s null rule (DataFusion's null-aware `LeftAnti`, a single
+    /// key): none when a build row's key is null; a row whose key is null only when the build
+    /// side is empty.
+    NullAwareAnti,
 }
 
 impl JoinKind {
@@ -226,6 +212,9 @@ pub(crate) struct JoinStep {
     pub(crate) probe: Vec<Arc<dyn PhysicalExpr>>,
     /// The build key columns (indices of the build side's schema).
     pub(crate) keys: Vec<usize>,
+    /// The key words of each key (see [`key_words`]): a string key's fit the longer of its two
+    /// sides' longest strings, so that equal keys have equal words.
+    pub(crate) words: Vec<usize>,
     /// The join's filter, over the stage's columns: a match counts only where it is true.
     pub(crate) filter: Option<Arc<dyn PhysicalExpr>>,
     /// The stage column of the build side's first column (see [`StagePlan::columns_schema`]).
@@ -233,6 +222,17 @@ pub(crate) struct JoinStep {
 }
 
 impl JoinStep {
+    /// The key words of each key, the first word of each, and their total.
+    pub(crate) fn key_layout(&self) -> (Vec<usize>, usize) {
+        let mut offsets = Vec::with_capacity(self.words.len());
+        let mut n = 0;
+        for w in &self.words {
+            offsets.push(n);
+            n += w;
+        }
+        (offsets, n)
+    }
+
     /// The build side's key columns, ascending and each once: the build kernel's columns.
     pub(crate) fn key_columns(&self) -> Vec<usize> {
         let mut columns = self.keys.clone();

@@ -253,6 +253,7 @@ fn walk_join<'a>(rule: &DeviceStageRule, j: &'a HashJoinExec) -> Result<Lowered<
         JoinType::RightSemi => walk_join_as(rule, j, JoinKind::Semi, false),
         JoinType::RightAnti => walk_join_as(rule, j, JoinKind::Anti, false),
         JoinType::LeftSemi => walk_join_as(rule, j, JoinKind::Semi, true),
+        JoinType::LeftAnti if j.null_aware => walk_join_as(rule, j, JoinKind::NullAwareAnti, true),
         JoinType::LeftAnti => walk_join_as(rule, j, JoinKind::Anti, true),
         other => Err(format!("a {other} join")),
     }
@@ -265,11 +266,14 @@ fn walk_join_as<'a>(
     kind: JoinKind,
     scan_left: bool,
 ) -> Result<Lowered<'a>, String> {
-    if !plain_equi_join(j) {
-        return Err("a join where nulls match, a null-aware anti join or a join with a limit".into());
+    let null_aware = kind == JoinKind::NullAwareAnti;
+    if !plain_equi_join(j)
+        && !(null_aware && j.null_equality() == NullEquality::NullEqualsNothing && j.fetch().is_none())
+    {
+        return Err("a join where nulls match or a join with a limit".into());
     }
-    if kind == JoinKind::Right && j.filter().is_some() {
-        return Err("an outer join with a filter".into());
+    if matches!(kind, JoinKind::Right | JoinKind::NullAwareAnti) && j.filter().is_some() {
+        return Err(format!("a {kind:?} join with a filter"));
     }
     // The side whose rows the stage reads, and the side it hashes.
     let (scanned, hashed) = if scan_left {
@@ -303,7 +307,7 @@ fn walk_join_as<'a>(
     let outputs: Vec<_> = match kind {
         JoinKind::Inner | JoinKind::Right if scan_left => below.outputs.into_iter().chain(build_columns).collect(),
         JoinKind::Inner | JoinKind::Right => build_columns.into_iter().chain(below.outputs).collect(),
-        JoinKind::Semi | JoinKind::Anti => below.outputs,
+        JoinKind::Semi | JoinKind::Anti | JoinKind::NullAwareAnti => below.outputs,
     };
     below.outputs = match &j.projection {
         Some(p) => p.iter().map(|&i| outputs[i].clone()).collect(),
@@ -313,7 +317,7 @@ fn walk_join_as<'a>(
 }
 
 /// Whether `j` matches rows on equal, non-null keys, with no limit and not as a null-aware anti
-/// join: what a stage's join steps do.
+/// join: what a stage's join steps do (and, with `NOT IN`'s null rule, its null-aware anti joins).
 fn plain_equi_join(j: &HashJoinExec) -> bool {
     j.null_equality() == NullEquality::NullEqualsNothing && !j.null_aware && j.fetch().is_none()
 }
@@ -467,11 +471,19 @@ fn join_step(
         }
     }
     let hashed_schema = hashed.schema();
+    let hashed_longest = build_longest(&original);
+    let mut words = Vec::with_capacity(keys.len());
     for k in &keys {
         let ht = hashed_schema.field(k.build).data_type();
         if *ht != k.probe_type || !layout::join_key_supported(ht) {
             return Err(format!("join keys of {ht} and {}", k.probe_type));
         }
+        // Both sides' strings in the same words: the longer side's longest, where both bound it.
+        let built = hashed_longest[k.build].filter(|&n| n != UNKNOWN_LENGTH);
+        let longest = built
+            .zip(longest_string(&k.probe, &below.longest))
+            .map(|(b, p)| b.max(p));
+        words.push(layout::key_words(ht, longest).ok_or_else(|| format!("a join key of {ht}"))?);
     }
     let base = below.longest.len();
     let build_columns = hashed_schema
@@ -480,13 +492,14 @@ fn join_step(
         .enumerate()
         .map(|(i, f)| Arc::new(Column::new(f.name(), base + i)) as Arc<dyn PhysicalExpr>)
         .collect();
-    below.longest.extend(build_longest(&original));
+    below.longest.extend(hashed_longest);
     let (keys, probe) = keys.into_iter().map(|k| (k.build, k.probe)).unzip();
     below.steps.push(Step::Join(JoinStep {
         build,
         kind,
         probe,
         keys,
+        words,
         filter: None,
         base,
     }));
