@@ -9,6 +9,7 @@ mod expr;
 mod host;
 mod layout;
 mod outcome;
+mod outer;
 mod output;
 mod rule;
 #[cfg(test)]

@@ -20,6 +20,7 @@ use ::datafusion::physical_plan::joins::HashJoinExec;
 use ::datafusion::physical_plan::projection::ProjectionExec;
 use ::datafusion::physical_plan::repartition::RepartitionExec;
 use ::datafusion::physical_plan::statistics::{StatisticsArgs, StatisticsContext};
+use ::datafusion::physical_plan::union::UnionExec;
 use ::datafusion::physical_plan::{ExecutionPlan, Partitioning};
 use arrow_schema::DataType;
 
@@ -30,6 +31,7 @@ use super::build::stays_on;
 use super::codegen;
 use super::exec::{DeviceStageExec, Output};
 use super::layout::{self, Acc, AggKind, AggSpec, JoinKind, JoinStep, StagePlan, Step};
+use super::outer;
 use super::output::state_type_supported;
 use crate::device::Device;
 
@@ -266,10 +268,7 @@ fn walk_join_as<'a>(
     kind: JoinKind,
     scan_left: bool,
 ) -> Result<Lowered<'a>, String> {
-    let null_aware = kind == JoinKind::NullAwareAnti;
-    if !plain_equi_join(j)
-        && !(null_aware && j.null_equality() == NullEquality::NullEqualsNothing && j.fetch().is_none())
-    {
+    if !plain_equi_join(j) || j.null_aware != (kind == JoinKind::NullAwareAnti) {
         return Err("a join where nulls match or a join with a limit".into());
     }
     if matches!(kind, JoinKind::Right | JoinKind::NullAwareAnti) && j.filter().is_some() {
@@ -316,10 +315,10 @@ fn walk_join_as<'a>(
     Ok(below)
 }
 
-/// Whether `j` matches rows on equal, non-null keys, with no limit and not as a null-aware anti
-/// join: what a stage's join steps do (and, with `NOT IN`'s null rule, its null-aware anti joins).
+/// Whether `j` matches rows on equal, non-null keys, with no limit: what a stage's join steps do
+/// (a null-aware anti join adds `NOT IN`'s null rule, [`JoinKind::NullAwareAnti`]).
 fn plain_equi_join(j: &HashJoinExec) -> bool {
-    j.null_equality() == NullEquality::NullEqualsNothing && !j.null_aware && j.fetch().is_none()
+    j.null_equality() == NullEquality::NullEqualsNothing && j.fetch().is_none()
 }
 
 /// The keys of `j` with its right side hashed (`build_right`) or its left: each build key a
@@ -592,11 +591,19 @@ impl DeviceStageRule {
     fn stage(&self, agg: &AggregateExec, node: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>, String> {
         let partial = match agg.mode() {
             AggregateMode::Partial => {
-                return Ok(Arc::new(DeviceStageExec::new(
-                    self.lower(agg)?,
-                    Output::Partial,
-                    node.clone(),
-                )));
+                return match self.lower(agg) {
+                    Ok(plan) => Ok(Arc::new(DeviceStageExec::new(plan, Output::Partial, node.clone()))),
+                    Err(why) => self
+                        .split_stages(node, |half| {
+                            let agg = half.downcast_ref::<AggregateExec>().ok_or("not an aggregate")?;
+                            Ok(Arc::new(DeviceStageExec::new(
+                                self.lower(agg)?,
+                                Output::Partial,
+                                half.clone(),
+                            )))
+                        })
+                        .map_err(|split| format!("{why}; as two stages: {split}")),
+                };
             }
             AggregateMode::Final | AggregateMode::FinalPartitioned => partial_below(agg.input())?,
             AggregateMode::Single | AggregateMode::SinglePartitioned => Arc::new(
@@ -762,7 +769,14 @@ impl DeviceStageRule {
         if node.properties().output_ordering().is_some() {
             return Err("an output ordering".into());
         }
-        let below = walk(self, node)?;
+        let below = match walk(self, node) {
+            Ok(below) => below,
+            Err(why) => {
+                return self
+                    .split_stages(node, |half| self.rows_stage(half))
+                    .map_err(|split| format!("{why}; as two stages: {split}"));
+            }
+        };
         let device = below.scan.table().single_device();
         let mut joins = below.steps.iter().filter_map(|s| match s {
             Step::Join(j) => Some(j),
@@ -790,6 +804,18 @@ impl DeviceStageRule {
             table: below.scan.table().clone(),
         })?;
         Ok(Arc::new(DeviceStageExec::new(plan, Output::Rows, node.clone())))
+    }
+
+    /// `node` (a partial aggregate or rows over a join that keeps or marks rows without a match)
+    /// as the union of two stages, `stage` of each of its halves (see [`outer`]).
+    fn split_stages(
+        &self,
+        node: &Arc<dyn ExecutionPlan>,
+        stage: impl Fn(&Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>, String>,
+    ) -> Result<Arc<dyn ExecutionPlan>, String> {
+        let [matched, unmatched] = outer::split(node)?;
+        let stages = vec![stage(&matched)?, stage(&unmatched)?];
+        UnionExec::try_new(stages).map_err(|e| e.to_string())
     }
 
     /// `plan` (without its columns and kernels) made ready to run: when the table is where the
