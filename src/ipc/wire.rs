@@ -312,6 +312,26 @@ pub(crate) fn wait_readable<const N: usize>(
     }
 }
 
+/// Whether the other end of `socket` has closed it in both directions (`POLLHUP`, or an error
+/// pending): the peer died, closed it, or shut it down for good. A peer that only shut down its
+/// writing half has not hung up. Asks the kernel without waiting.
+pub(crate) fn hung_up(socket: BorrowedFd<'_>) -> bool {
+    let mut poll = libc::pollfd {
+        fd: socket.as_raw_fd(),
+        events: 0,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: one valid pollfd for the call.
+        match unsafe { libc::poll(&mut poll, 1, 0) } {
+            n if n > 0 => return poll.revents & (libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0,
+            0 => return false,
+            _ if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => {}
+            _ => return false,
+        }
+    }
+}
+
 /// The smallest read a [`FrameReader`] asks for.
 const MIN_READ: usize = 64 << 10;
 
