@@ -510,6 +510,25 @@ mod tests {
     }
 
     #[test]
+    fn a_peer_hangs_up_when_it_closes_both_directions() {
+        use std::net::Shutdown;
+        // What a receiver's fence tells apart: a sender that ended its stream or was dropped shuts
+        // down its writing half and keeps what it lent; one that died, or reclaimed what the
+        // receiver held, closed the socket or shut down both halves. Unread bytes change nothing.
+        let (a, b) = UnixStream::pair().unwrap();
+        send_frame(a.as_fd(), b"unread", &[]).unwrap();
+        assert!(!hung_up(b.as_fd()));
+        a.shutdown(Shutdown::Write).unwrap();
+        assert!(!hung_up(b.as_fd()), "only its writing half is shut down");
+        a.shutdown(Shutdown::Both).unwrap();
+        assert!(hung_up(b.as_fd()));
+        let (a, b) = UnixStream::pair().unwrap();
+        send_frame(b.as_fd(), b"unread by the peer", &[]).unwrap();
+        drop(a);
+        assert!(hung_up(b.as_fd()), "closed, with bytes of ours unread (a reset)");
+    }
+
+    #[test]
     fn many_small_frames_come_out_of_few_reads_in_order() {
         let (a, b) = UnixStream::pair().unwrap();
         let writer = std::thread::spawn(move || {
