@@ -94,8 +94,6 @@
 //!   before the death, an address taken with [`crate::memory::DeviceBuffer::address`] or
 //!   [`crate::memory::DeviceBuffer::into_raw_parts`] (code that hands addresses on itself calls
 //!   `check_readable` first, and drops the batch on an error);
-//! - mappings kept by [`ReceiverOptions::retain_mappings`] outlive their batches, and a sender
-//!   that must keep its memory for them knows it (see there);
 //! - batches built by [`BatchDescriptor::import`] outside a channel have no connection to watch
 //!   and are not fenced: whoever passes descriptors keeps their senders alive.
 
