@@ -59,6 +59,18 @@ pub enum Error {
         /// What this process sees instead, or why it sees no device.
         reason: String,
     },
+    /// A batch received from another process can no longer be read: its sender's connection has
+    /// closed (the sender died, or ended and exited, or took back what this receiver held), and
+    /// the memory it lent may be freed. The batch must be dropped. See the `ipc` module's
+    /// documentation, "When the sender dies".
+    #[error(
+        "the sender {sender} has gone (its connection closed), and the memory of the batches it lent with it: \
+         this batch can no longer be read; drop it"
+    )]
+    SenderGone {
+        /// The sender: its socket path and process id.
+        sender: String,
+    },
     /// An allocation did not fit.
     #[error("out of memory on {device}: {requested} bytes requested")]
     OutOfMemory {

@@ -13,6 +13,7 @@ use arrow_schema::{DataType, SchemaRef};
 use crate::device::{Device, Event};
 use crate::error::{Error, Result};
 use crate::memory::DeviceBuffer;
+use crate::memory::fence::check_all;
 
 mod sizes;
 
@@ -197,6 +198,14 @@ impl DeviceArrayData {
         )
     }
 
+    /// Whether the array's memory can still be read: an error when a buffer (children included) lies
+    /// in memory that another process lent and no longer keeps, because it died or reclaimed it
+    /// ([`DeviceBuffer::check_readable`]). Every read of the array through this crate checks it
+    /// first; code that hands the buffers' addresses on itself calls it too.
+    pub fn check_readable(&self) -> Result<()> {
+        check_all(self.all_buffers())
+    }
+
     /// Whether a download may skip validating the array: its bytes were written by this crate from
     /// a valid arrow-rs array, and none of its buffers (children included) lies in memory that was
     /// ever exported to another process, which could have rewritten it since (a CUDA IPC mapping is
@@ -242,11 +251,21 @@ impl DeviceArrayData {
     /// CPU: no validation, no `make_array` accessors, no printing, no IPC writing. Only pointers may
     /// be moved.
     pub unsafe fn to_array_data_unchecked(&self) -> Result<ArrayData> {
+        self.check_readable()?;
+        // SAFETY: the caller's contract.
+        unsafe { self.array_data_unchecked() }
+    }
+
+    /// [`DeviceArrayData::to_array_data_unchecked`] once the memory was found readable.
+    ///
+    /// # Safety
+    /// As for [`DeviceArrayData::to_array_data_unchecked`].
+    unsafe fn array_data_unchecked(&self) -> Result<ArrayData> {
         let children = self
             .children
             .iter()
             // SAFETY: the caller's contract covers the children.
-            .map(|c| unsafe { c.to_array_data_unchecked() })
+            .map(|c| unsafe { c.array_data_unchecked() })
             .collect::<Result<Vec<_>>>()?;
         // SAFETY: the caller keeps the CPU away from device memory.
         let buffers = self
@@ -365,6 +384,13 @@ impl DeviceRecordBatch {
     /// The total bytes of all buffers.
     pub fn size_in_bytes(&self) -> usize {
         self.columns.iter().map(DeviceArrayData::size_in_bytes).sum()
+    }
+
+    /// Whether the batch's memory can still be read: an error once the process that lent it (the
+    /// sender of a batch received through [`crate::ipc::Receiver`]) no longer keeps it
+    /// ([`DeviceArrayData::check_readable`]).
+    pub fn check_readable(&self) -> Result<()> {
+        check_all(self.columns.iter().flat_map(DeviceArrayData::all_buffers))
     }
 
     /// Keeps only the columns at `indices`, in that order, sharing their memory.

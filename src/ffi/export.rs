@@ -323,18 +323,22 @@ fn export_tree(
 /// Exports an array. Its `sync_event` is recorded on `stream` after `ready`, so a consumer that
 /// waits on it sees everything issued so far; it is null for the CPU device. The exported struct
 /// owns references to the memory, which stays alive until the consumer releases it. Fails on an
-/// array that [`DeviceArrayData::try_new`] would refuse.
+/// array that [`DeviceArrayData::try_new`] would refuse, and on one whose memory another process
+/// lent and no longer keeps ([`DeviceArrayData::check_readable`]); memory that process lets go
+/// after the export is beyond reach: the consumer holds the pointers.
 pub fn export_array(array: &DeviceArrayData, ready: &Event, stream: &Stream) -> Result<FFI_ArrowDeviceArray> {
     array.check()?;
+    array.check_readable()?;
     let owner = Owner::Array(array.clone());
     export_tree(&NodeRef::of(array), owner, array.device(), ready, stream)
 }
 
 /// Exports a batch as a struct array, with its schema (metadata included). The columns are shared
-/// with the batch, not copied.
+/// with the batch, not copied. Checked as [`export_array`] is.
 pub fn export_batch(batch: &DeviceRecordBatch, stream: &Stream) -> Result<(FFI_ArrowDeviceArray, FFI_ArrowSchema)> {
     let schema = export_schema(batch.schema())?;
     batch.columns().iter().try_for_each(DeviceArrayData::check)?;
+    batch.check_readable()?;
     let data_type = DataType::Struct(batch.schema().fields().clone());
     let root = NodeRef {
         data_type: &data_type,

@@ -33,6 +33,7 @@ use crate::ipc::layout::{BodyLayout, needs_normalising};
 use crate::ipc::message::DeviceMessage;
 use crate::ipc::wire::{Reader, Writer};
 use crate::ipc::{decode, handle};
+use crate::memory::fence::Fence;
 use crate::memory::shm::{SharedMapping, SharedMemHandle, SharedRegion};
 use crate::memory::{DeviceBuffer, MemoryResource};
 
@@ -178,15 +179,19 @@ impl BatchDescriptor {
     /// batch is done with. The batch's ready event is `ready`: the caller orders it after the
     /// producer's writes. Malformed descriptors are [`Error::InvalidData`].
     pub fn import(self, schema: &SchemaRef, ready: Event, owner: impl Any + Send + Sync) -> Result<DeviceRecordBatch> {
-        self.import_retaining(schema, ready, owner).map(|(batch, _)| batch)
+        self.import_retaining(schema, ready, owner, None)
+            .map(|(batch, _)| batch)
     }
 
-    /// [`BatchDescriptor::import`], also returning the mappings it opened.
+    /// [`BatchDescriptor::import`], with every region's reads checking `fence` first when given
+    /// (the channel's: that the sender still keeps the memory), also returning the mappings it
+    /// opened.
     pub(crate) fn import_retaining(
         self,
         schema: &SchemaRef,
         ready: Event,
         owner: impl Any + Send + Sync,
+        fence: Option<Arc<dyn Fence>>,
     ) -> Result<(DeviceRecordBatch, Vec<Mapping>)> {
         let device = self.device;
         let mappings = self
@@ -209,7 +214,10 @@ impl BatchDescriptor {
             _mappings: mappings.clone(),
             _owner: owner,
         });
-        let regions: Vec<DeviceBuffer> = mappings.iter().map(|m| m.buffer(lease.clone())).collect();
+        let regions: Vec<DeviceBuffer> = mappings
+            .iter()
+            .map(|m| m.buffer(lease.clone(), fence.clone()))
+            .collect();
         drop(lease);
         let dictionaries = self
             .dictionaries
@@ -485,9 +493,12 @@ pub(crate) enum Route<'a> {
 }
 
 impl<'a> Route<'a> {
-    /// Decides how `batch` travels. Errors are malformed batches only; a batch that cannot be lent
-    /// as it is is [`Route::Copy`].
+    /// Decides how `batch` travels. Errors are malformed batches and memory another process lent
+    /// and no longer keeps ([`DeviceRecordBatch::check_readable`]); a batch that cannot be lent as
+    /// it is is [`Route::Copy`].
     pub(crate) fn of(batch: &'a DeviceRecordBatch) -> Result<Route<'a>> {
+        // Lent on or copied, the memory is read or handed on: not once its lender let go of it.
+        batch.check_readable()?;
         if needs_normalising(batch) {
             return Ok(Route::Copy(
                 "an array with an offset or an unknown null count has no IPC layout as it is".into(),
@@ -628,10 +639,10 @@ impl Mapping {
         }
     }
 
-    fn buffer(&self, owner: impl Any + Send + Sync) -> DeviceBuffer {
+    fn buffer(&self, owner: impl Any + Send + Sync, fence: Option<Arc<dyn Fence>>) -> DeviceBuffer {
         match self {
-            Mapping::Cuda(h) => h.buffer_owned_by(owner),
-            Mapping::Host(m) => m.buffer(owner),
+            Mapping::Cuda(h) => h.buffer_owned_by(owner, fence),
+            Mapping::Host(m) => m.buffer(owner, fence),
         }
     }
 }

@@ -21,6 +21,7 @@ use crate::device::{self, Device};
 use crate::driver;
 use crate::error::{Error, Result};
 use crate::memory::cache::MappingCache;
+use crate::memory::fence::Fence;
 use crate::memory::{DeviceBuffer, MemoryResource};
 
 /// The size of a `CUipcMemHandle` (and of a `CUipcEventHandle`).
@@ -219,15 +220,25 @@ impl OpenedHandle {
 
     /// The whole allocation as a buffer that keeps the mapping open until its last view drops.
     pub fn buffer(self: &Arc<Self>) -> DeviceBuffer {
-        self.buffer_owned_by(self.clone())
+        self.buffer_owned_by(self.clone(), None)
     }
 
-    /// The whole allocation as a buffer that keeps `owner` alive until its last view drops. The
-    /// owner must keep this mapping open (hold an `Arc` of it).
-    pub(crate) fn buffer_owned_by(&self, owner: impl std::any::Any + Send + Sync) -> DeviceBuffer {
+    /// The whole allocation as a buffer that keeps `owner` alive until its last view drops, and
+    /// whose reads check `fence` first, when given. The owner must keep this mapping open (hold an
+    /// `Arc` of it).
+    pub(crate) fn buffer_owned_by(
+        &self,
+        owner: impl std::any::Any + Send + Sync,
+        fence: Option<Arc<dyn Fence>>,
+    ) -> DeviceBuffer {
         // SAFETY: the mapping is device memory of `size` bytes that stays open while the owner
         // (which holds it) lives; buffers from foreign memory are never written through safe code.
-        unsafe { DeviceBuffer::from_raw_parts(self.address, self.size, self.device(), owner) }
+        unsafe {
+            match fence {
+                Some(f) => DeviceBuffer::from_raw_parts_fenced(self.address, self.size, self.device(), owner, f),
+                None => DeviceBuffer::from_raw_parts(self.address, self.size, self.device(), owner),
+            }
+        }
     }
 
     /// The number of mappings open in this process now (a test hook: see `crate::ipc::testing`).

@@ -140,8 +140,10 @@ pub fn write_message(batch: &DeviceRecordBatch, stream: &Stream) -> Result<Devic
 
 /// Writes `batch` as one encapsulated IPC message into new memory of `resource`. The copies wait
 /// on the batch's ready event and run on `stream`; the message's [`DeviceMessage::ready`] event
-/// completes when they are done.
+/// completes when they are done. A batch whose memory another process lent and no longer keeps is
+/// an error ([`DeviceRecordBatch::check_readable`]).
 pub fn write_message_to(batch: &DeviceRecordBatch, resource: MemoryResource, stream: &Stream) -> Result<DeviceMessage> {
+    batch.check_readable()?;
     if needs_normalising(batch) {
         return write_through_host(batch, resource, stream);
     }

@@ -56,6 +56,46 @@
 //! - the checks keep other users out. They cannot separate processes of one user: those can read
 //!   each other's memory anyway (through `/proc`, `ptrace` or the handles themselves), and so can
 //!   root. Processes that must not see each other's data run as different users.
+//!
+//! # When the sender dies
+//!
+//! A [`Receiver`] notices its sender's death at its next receive: the connection ended before the
+//! end of the stream ([`std::io::ErrorKind::UnexpectedEof`]). Batches it received before stay in
+//! its hands, and what they are worth depends on the device:
+//!
+//! - **CPU**: their memory is shared memory, which lives as long as any process maps it. They stay
+//!   valid until dropped, whatever happened to the sender.
+//! - **CUDA**: their memory is a CUDA IPC mapping of the sender's allocations, which its death
+//!   frees; CUDA leaves reads of it undefined. Such batches are *fenced*: every read of their
+//!   memory through this crate first checks that the sender's end of the connection is still open,
+//!   and once it has closed fails with [`Error::SenderGone`](crate::error::Error::SenderGone),
+//!   naming the sender (its socket path and process id). The check guards downloads
+//!   ([`crate::transfer::dtoh`] and its variants), copies of buffers and strided views, exports
+//!   through the C Device Data Interface ([`crate::ffi::export_batch`], [`crate::ffi::export_array`],
+//!   streams), conversions to arrow-rs data ([`crate::array::DeviceArrayData::to_array_data_unchecked`]),
+//!   messages and descriptors ([`write_message`], [`BatchDescriptor::describe`], a [`Sender`]
+//!   passing the batch on) and [`crate::memory::DeviceBuffer::device_pointer`]. (DataFusion's GPU
+//!   tables hold only batches they staged themselves.)
+//!   [`crate::array::DeviceRecordBatch::check_readable`] asks the same question directly. The
+//!   batch itself stays safe to hold and to drop.
+//!
+//! The connection closes when the sender process dies or exits, and when the sender reclaims what
+//! this receiver held (its connection from the receiver broke). It does not close when the sender
+//! ends the stream, is dropped, or drops this receiver for being slow while its process lives on:
+//! the sender keeps what it lent until it is acknowledged, and the batches stay readable.
+//!
+//! What the fence cannot do:
+//!
+//! - it guards the start of each read, not its course: a copy or kernel already issued when the
+//!   sender dies reads whatever the driver leaves there, and so may one issued in the moment
+//!   between the sender's memory being freed and its socket being closed (a dying process's files
+//!   close in turn);
+//! - a pointer already handed on is beyond reach: an `ArrowDeviceArray` exported to a C consumer
+//!   before the death, an address taken with [`crate::memory::DeviceBuffer::address`] or
+//!   [`crate::memory::DeviceBuffer::into_raw_parts`] (code that hands addresses on itself calls
+//!   `check_readable` first, and drops the batch on an error);
+//! - batches built by [`BatchDescriptor::import`] outside a channel have no connection to watch
+//!   and are not fenced: whoever passes descriptors keeps their senders alive.
 
 mod channel;
 mod decode;

@@ -24,6 +24,14 @@ pub fn open_shared_mappings() -> usize {
     SharedMapping::open_count()
 }
 
+/// Fences the CPU batches `receiver` receives from now on as CUDA batches are: every read of one
+/// fails with [`Error::SenderGone`] once the sender's connection has closed, though on the CPU
+/// (shared memory, which outlives its sender) nothing requires it. Tests of the fence use it on
+/// machines without a GPU.
+pub fn fence_host_batches(receiver: &mut crate::ipc::Receiver) {
+    receiver.fence_host_batches();
+}
+
 /// Whether a download of `array` skips arrow-rs's validation (its bytes are trusted).
 pub fn is_trusted(array: &crate::array::DeviceArrayData) -> bool {
     array.is_trusted()

@@ -312,6 +312,26 @@ pub(crate) fn wait_readable<const N: usize>(
     }
 }
 
+/// Whether the other end of `socket` has closed it in both directions (`POLLHUP`, or an error
+/// pending): the peer died, closed it, or shut it down for good. A peer that only shut down its
+/// writing half has not hung up. Asks the kernel without waiting.
+pub(crate) fn hung_up(socket: BorrowedFd<'_>) -> bool {
+    let mut poll = libc::pollfd {
+        fd: socket.as_raw_fd(),
+        events: 0,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: one valid pollfd for the call.
+        match unsafe { libc::poll(&mut poll, 1, 0) } {
+            n if n > 0 => return poll.revents & (libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0,
+            0 => return false,
+            _ if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => {}
+            _ => return false,
+        }
+    }
+}
+
 /// The smallest read a [`FrameReader`] asks for.
 const MIN_READ: usize = 64 << 10;
 
@@ -487,6 +507,25 @@ mod tests {
         assert_eq!(next(&mut r, &b).unwrap(), Some((b"three".to_vec(), 3)));
         drop(a);
         assert_eq!(next(&mut r, &b).unwrap(), None);
+    }
+
+    #[test]
+    fn a_peer_hangs_up_when_it_closes_both_directions() {
+        use std::net::Shutdown;
+        // What a receiver's fence tells apart: a sender that ended its stream or was dropped shuts
+        // down its writing half and keeps what it lent; one that died, or reclaimed what the
+        // receiver held, closed the socket or shut down both halves. Unread bytes change nothing.
+        let (a, b) = UnixStream::pair().unwrap();
+        send_frame(a.as_fd(), b"unread", &[]).unwrap();
+        assert!(!hung_up(b.as_fd()));
+        a.shutdown(Shutdown::Write).unwrap();
+        assert!(!hung_up(b.as_fd()), "only its writing half is shut down");
+        a.shutdown(Shutdown::Both).unwrap();
+        assert!(hung_up(b.as_fd()));
+        let (a, b) = UnixStream::pair().unwrap();
+        send_frame(b.as_fd(), b"unread by the peer", &[]).unwrap();
+        drop(a);
+        assert!(hung_up(b.as_fd()), "closed, with bytes of ours unread (a reset)");
     }
 
     #[test]

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use crate::device::{Device, Event, Stream};
 use crate::driver;
 use crate::error::{Error, Result};
+use crate::memory::fence::Fence;
 use crate::memory::resource::{Allocation, MemoryResource};
 
 /// A contiguous range of memory on a device: a view of one allocation that it shares with every
@@ -63,6 +64,40 @@ impl DeviceBuffer {
     pub unsafe fn from_raw_parts(address: u64, len: usize, device: Device, owner: impl Any + Send + Sync) -> Self {
         // SAFETY: the caller's contract is the one `foreign` needs.
         Self::from_allocation(unsafe { Allocation::foreign(address, len, device, Box::new(owner)) })
+    }
+
+    /// [`DeviceBuffer::from_raw_parts`] for memory another process lent: every read of it (and of
+    /// its views) checks `fence` first.
+    ///
+    /// # Safety
+    /// As for [`DeviceBuffer::from_raw_parts`], for as long as `fence` passes.
+    pub(crate) unsafe fn from_raw_parts_fenced(
+        address: u64,
+        len: usize,
+        device: Device,
+        owner: impl Any + Send + Sync,
+        fence: Arc<dyn Fence>,
+    ) -> Self {
+        // SAFETY: the caller's contract is the one `foreign_fenced` needs.
+        Self::from_allocation(unsafe { Allocation::foreign_fenced(address, len, device, Box::new(owner), fence) })
+    }
+
+    /// Whether the memory can still be read: an error for memory that another process lent (a batch
+    /// received through [`crate::ipc::Receiver`]) and no longer keeps, because it died or reclaimed
+    /// it; `Ok` for all other memory. Every read through this crate checks it first (copies,
+    /// downloads, exports, messages); code that hands [`DeviceBuffer::address`] on itself (to a
+    /// kernel, say) calls it too. A check cannot keep the owner alive afterwards: a read already
+    /// under way when the owner goes is not stopped.
+    pub fn check_readable(&self) -> Result<()> {
+        match self.alloc.fence() {
+            Some(fence) => fence.check(),
+            None => Ok(()),
+        }
+    }
+
+    /// The fence of memory another process lent, if any.
+    pub(crate) fn fence(&self) -> Option<&Arc<dyn Fence>> {
+        self.alloc.fence()
     }
 
     /// Hands the memory out the same way: its address, its length, and an owner that keeps it valid
@@ -153,11 +188,12 @@ impl DeviceBuffer {
         })
     }
 
-    /// The bytes, when the memory is host-accessible.
+    /// The bytes, when the memory is host-accessible and still readable
+    /// ([`DeviceBuffer::check_readable`]).
     pub fn host_slice(&self) -> Option<&[u8]> {
         // SAFETY: host-accessible memory of at least `len` bytes, alive as long as `self`; safe writes
         // need a unique view and `&mut`, and async writes are unsafe with a contract not to read.
-        self.is_host_accessible()
+        (self.is_host_accessible() && self.check_readable().is_ok())
             .then(|| unsafe { std::slice::from_raw_parts(self.address() as *const u8, self.len) })
     }
 
@@ -179,6 +215,7 @@ impl DeviceBuffer {
                 self.device()
             )));
         }
+        self.check_readable()?;
         // SAFETY: the pointer is valid host memory for `len` bytes and the owner keeps it alive.
         Ok(unsafe { self.arrow_buffer_unchecked() })
     }
@@ -252,6 +289,7 @@ impl DeviceBuffer {
     /// `dst` must stay valid and must not be read or written until the event completes.
     pub unsafe fn copy_to_host_async(&self, position: usize, dst: &mut [u8], stream: &Stream) -> Result<Event> {
         check_range(position, dst.len(), self.len)?;
+        self.check_readable()?;
         let stream = stream_for(stream, self.device(), Device::Cpu)?;
         // SAFETY: the ranges are valid; the caller keeps `dst` alive and untouched until the event.
         unsafe {
@@ -299,6 +337,7 @@ impl DeviceBuffer {
     pub unsafe fn copy_from_async(&mut self, position: usize, src: &DeviceBuffer, stream: &Stream) -> Result<Event> {
         self.check_mutable()?;
         check_range(position, src.len, self.len)?;
+        src.check_readable()?;
         let stream = stream_for(stream, self.device(), src.device())?;
         // SAFETY: valid, non-overlapping ranges (self is a unique view); the caller keeps both alive.
         unsafe {

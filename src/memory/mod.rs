@@ -3,9 +3,12 @@
 //! Shared host memory ([`SharedMemHandle`], [`SharedMapping`]) is the CPU device's stand-in for
 //! CUDA IPC: memfds another process can map. Mappings opened from another process (memfds here,
 //! CUDA IPC handles in the IPC layer) are cached per process by one cache type (`cache.rs`).
+//! Memory another process lent can carry a fence (`fence.rs`): every read of it through this crate
+//! checks that the process still keeps it ([`DeviceBuffer::check_readable`]).
 
 mod buffer;
 pub(crate) mod cache;
+pub(crate) mod fence;
 pub mod pinned;
 mod register;
 mod resource;

@@ -192,7 +192,10 @@ impl DeviceBuffer {
     /// - ordinary host memory: [`Error::Unsupported`] (register it first, see [`register`]).
     ///
     /// Without a driver, pinned memory gives the driver's error. An empty buffer gives its address.
+    /// Memory that another process lent and no longer keeps is that error
+    /// ([`DeviceBuffer::check_readable`]).
     pub fn device_pointer(&self) -> Result<u64> {
+        self.check_readable()?;
         match self.resource() {
             MemoryResource::DevicePool(_) | MemoryResource::Device(_) | MemoryResource::Managed(_) => {
                 Ok(self.address())

@@ -11,6 +11,7 @@ use cudarc::driver::CudaContext;
 use crate::device::{Device, Stream};
 use crate::driver;
 use crate::error::{Error, Result};
+use crate::memory::fence::Fence;
 
 /// The alignment of every allocation this crate makes on the host, and of every buffer it plans.
 pub const ALIGNMENT: usize = 64;
@@ -83,6 +84,7 @@ impl MemoryResource {
                 release: Release::Nothing,
                 ipc_handle: OnceLock::new(),
                 exported: AtomicBool::new(false),
+                fence: None,
             });
         }
         let ctx = device.context()?;
@@ -149,6 +151,7 @@ impl MemoryResource {
             release,
             ipc_handle: OnceLock::new(),
             exported: AtomicBool::new(false),
+            fence: None,
         })
     }
 }
@@ -178,6 +181,8 @@ pub(crate) struct Allocation {
     /// A handle of the allocation (CUDA IPC or a memfd) was made for another process, which may
     /// then write it (a CUDA IPC mapping is always read-write): what was valid in it may not be.
     exported: AtomicBool,
+    /// For memory another process lent: whether it still keeps it (see `fence.rs`).
+    fence: Option<Arc<dyn Fence>>,
 }
 
 impl Allocation {
@@ -193,7 +198,26 @@ impl Allocation {
             release: Release::Owner(owner),
             ipc_handle: OnceLock::new(),
             exported: AtomicBool::new(false),
+            fence: None,
         }
+    }
+
+    /// Like [`Allocation::foreign`], for memory that another process lent: reads check `fence`
+    /// first.
+    ///
+    /// # Safety
+    /// As for [`Allocation::foreign`], while `fence` passes.
+    pub(crate) unsafe fn foreign_fenced(
+        ptr: u64,
+        size: usize,
+        device: Device,
+        owner: Box<dyn Any + Send + Sync>,
+        fence: Arc<dyn Fence>,
+    ) -> Self {
+        // SAFETY: the caller's contract.
+        let mut alloc = unsafe { Allocation::foreign(ptr, size, device, owner) };
+        alloc.fence = Some(fence);
+        alloc
     }
 
     /// Like [`Allocation::foreign`], with an owner that other allocations share: no allocation of its
@@ -214,6 +238,7 @@ impl Allocation {
             release: Release::Shared(owner),
             ipc_handle: OnceLock::new(),
             exported: AtomicBool::new(false),
+            fence: None,
         }
     }
 
@@ -234,6 +259,7 @@ impl Allocation {
             release: Release::Owner(owner),
             ipc_handle: OnceLock::new(),
             exported: AtomicBool::new(false),
+            fence: None,
         }
     }
 
@@ -255,6 +281,11 @@ impl Allocation {
     /// Records that a handle of the allocation was made for another process.
     pub(crate) fn mark_exported(&self) {
         self.exported.store(true, Ordering::Release);
+    }
+
+    /// The fence of memory another process lent, if any.
+    pub(crate) fn fence(&self) -> Option<&Arc<dyn Fence>> {
+        self.fence.as_ref()
     }
 
     /// Whether a handle of the allocation was ever made for another process.

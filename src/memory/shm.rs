@@ -23,6 +23,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::DeviceBuffer;
 use crate::memory::cache::MappingCache;
+use crate::memory::fence::Fence;
 
 /// One shared region mapped into this process.
 pub(crate) struct SharedRegion {
@@ -335,10 +336,21 @@ impl SharedMapping {
     }
 
     /// The whole region as a (read-only, CPU) buffer that keeps `owner` alive until its last view
-    /// drops. The owner must keep this mapping alive (hold a clone of it).
-    pub(crate) fn buffer(&self, owner: impl std::any::Any + Send + Sync) -> DeviceBuffer {
+    /// drops, and whose reads check `fence` first, when given. The owner must keep this mapping
+    /// alive (hold a clone of it).
+    pub(crate) fn buffer(
+        &self,
+        owner: impl std::any::Any + Send + Sync,
+        fence: Option<Arc<dyn Fence>>,
+    ) -> DeviceBuffer {
+        let (address, size) = (self.address(), self.size());
         // SAFETY: the mapping is valid for `size` bytes while the owner (which holds it) lives, and
         // the CPU device's buffers from foreign memory are never written through safe code.
-        unsafe { DeviceBuffer::from_raw_parts(self.address(), self.size(), Device::Cpu, owner) }
+        unsafe {
+            match fence {
+                Some(f) => DeviceBuffer::from_raw_parts_fenced(address, size, Device::Cpu, owner, f),
+                None => DeviceBuffer::from_raw_parts(address, size, Device::Cpu, owner),
+            }
+        }
     }
 }

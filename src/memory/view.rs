@@ -386,6 +386,7 @@ impl<T: Element> StridedView<T> {
     /// view's memory must not be freed before then.
     pub unsafe fn copy_to_host_async(&self, dst: &mut [T], stream: &Stream) -> Result<Event> {
         self.check_host_len("StridedView::copy_to_host_async", dst.len())?;
+        self.buffer.check_readable()?;
         let stream = stream_for(stream, self.device(), Device::Cpu)?;
         let host = Layout::host(dst.as_mut_ptr() as u64, &self.shape, size_of::<T>());
         // SAFETY: both layouts are in bounds (the view was checked, `dst` has `len` elements); the
@@ -435,6 +436,7 @@ impl<T: Element> StridedView<T> {
     pub fn copy_to(&self, dst: &mut StridedView<T>, stream: &Stream) -> Result<()> {
         dst.check_writable()?;
         self.check_same_shape(dst)?;
+        self.buffer.check_readable()?;
         let stream = stream_for(stream, dst.device(), self.device())?;
         // SAFETY: both views are in bounds; `dst` is the only view of its allocation, so it cannot
         // overlap `self`, and does not overlap itself (checked); the stream is synchronised before
@@ -452,6 +454,7 @@ impl<T: Element> StridedView<T> {
     pub unsafe fn copy_to_async(&self, dst: &mut StridedView<T>, stream: &Stream) -> Result<Event> {
         dst.check_writable()?;
         self.check_same_shape(dst)?;
+        self.buffer.check_readable()?;
         let stream = stream_for(stream, dst.device(), self.device())?;
         // SAFETY: in-bounds, non-overlapping views (as in `copy_to`); the caller keeps both alive and
         // `dst` unread until the event completes.
@@ -474,6 +477,7 @@ impl<T: Element> StridedView<T> {
     /// `stream` must be the stream [`stream_for`] picks for this view and the host.
     unsafe fn copy_to_slice(&self, dst: &mut [T], stream: &Stream) -> Result<()> {
         self.check_host_len("StridedView::copy_to_host", dst.len())?;
+        self.buffer.check_readable()?;
         let host = Layout::host(dst.as_mut_ptr() as u64, &self.shape, size_of::<T>());
         // SAFETY: both layouts are in bounds; `dst` is borrowed mutably until after the stream is
         // synchronised by `finish`.

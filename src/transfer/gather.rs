@@ -9,6 +9,7 @@ use rayon::prelude::*;
 use crate::array::DeviceArrayData;
 use crate::device::{Device, Event, Stream};
 use crate::error::{Error, Result};
+use crate::memory::fence::check_all;
 use crate::memory::pinned::PinnedPool;
 use crate::memory::{ALIGNMENT, DeviceBuffer, MemoryResource, copy, stream_for};
 
@@ -37,13 +38,15 @@ pub(crate) struct Gathered {
 /// built while the second is on its way.
 const HALVES_MIN: usize = 256 << 10;
 
-/// Copies every buffer of `arrays` into one host block.
+/// Copies every buffer of `arrays` into one host block, once their memory is found readable
+/// ([`DeviceArrayData::check_readable`]).
 pub(crate) fn gather(
     arrays: &[DeviceArrayData],
     device: Device,
     ready: Option<&Event>,
     stream: &Stream,
 ) -> Result<Gathered> {
+    check_all(arrays.iter().flat_map(DeviceArrayData::all_buffers))?;
     let stream = stream_for(stream, device, Device::Cpu)?;
     if let Some(ready) = ready {
         stream.wait(ready)?;

@@ -19,6 +19,11 @@ fn own_uid() -> u32 {
 /// connected; for a socket that connected, the one that listened (its credentials when it called
 /// `listen`).
 fn peer_uid(socket: &UnixStream) -> io::Result<u32> {
+    peer_cred(socket).map(|c| c.uid)
+}
+
+/// The credentials of the process at the other end of `socket` (`SO_PEERCRED`).
+fn peer_cred(socket: &UnixStream) -> io::Result<libc::ucred> {
     let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
     let mut len = size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: `cred` and `len` are valid for writes, and `len` is `cred`'s size.
@@ -34,7 +39,12 @@ fn peer_uid(socket: &UnixStream) -> io::Result<u32> {
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(cred.uid)
+    Ok(cred)
+}
+
+/// The process id of the process at the other end of `socket` (as [`peer_uid`] finds its user).
+pub(super) fn peer_pid(socket: &UnixStream) -> io::Result<i32> {
+    peer_cred(socket).map(|c| c.pid)
 }
 
 /// Checks that the process at the other end of `socket` runs as a user in `allowed` (`None`: this

@@ -24,9 +24,10 @@
 //!   ([`std::io::ErrorKind::UnexpectedEof`]); a sender that goes silent makes a receive time out
 //!   ([`std::io::ErrorKind::TimedOut`], after [`ReceiverOptions::recv_timeout`]: 60 s by default).
 //!   Batches still held from a dead sender: on the CPU they stay valid until dropped (shared memory
-//!   lives as long as any process maps it). On a GPU the sender's death frees its memory, which
-//!   CUDA leaves undefined for a process that still has it open: a receiver must drop batches of
-//!   a sender that died without reading them again;
+//!   lives as long as any process maps it). On a GPU the sender's death frees its memory: such
+//!   batches are fenced, and every later read of them through this crate fails with
+//!   [`Error::SenderGone`](crate::error::Error::SenderGone) (see the `ipc` module's documentation,
+//!   "When the sender dies", for what the fence covers and what it cannot);
 //! - truncated, oversized or corrupt frames: errors on either side, never a crash; a corrupt batch is
 //!   acknowledged so its memory is reclaimed.
 

@@ -6,6 +6,7 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use arrow_schema::{ArrowError, SchemaRef};
@@ -13,7 +14,7 @@ use arrow_schema::{ArrowError, SchemaRef};
 use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Event, Stream};
 use crate::error::{Error, Result};
-use crate::ipc::channel::access::check_peer;
+use crate::ipc::channel::access::{check_peer, peer_pid};
 use crate::ipc::channel::protocol::{Frame, Link};
 use crate::ipc::channel::ring::{Entry, RingReader, Woken};
 use crate::ipc::descriptor::{BatchDescriptor, Mapping};
@@ -21,6 +22,7 @@ use crate::ipc::event::{IpcEvent, IpcEventHandle};
 use crate::ipc::handle::HANDLE_BYTES;
 use crate::ipc::message::decode_schema;
 use crate::ipc::wire::{self, FrameReader, RecvError};
+use crate::memory::fence::Fence;
 
 /// How a [`Receiver`] behaves.
 #[derive(Clone, Debug)]
@@ -72,6 +74,34 @@ impl Default for ReceiverOptions {
     }
 }
 
+/// The fence of the memory a receiver's sender lent (see `crate::memory::fence`): it may be read
+/// until the sender's end of the connection has closed. A sender keeps what it lent until this
+/// receiver acknowledges it or the connection ends, even once it has ended the stream, been
+/// dropped, or dropped this receiver (all of which only shut down its writing half); the
+/// connection closes when the sender process dies or exits, or when the sender reclaims what this
+/// receiver held. Once the kernel reports the close (`POLLHUP`), every check fails.
+struct Lender {
+    link: Arc<Link>,
+    /// Who the sender is, for the error: its socket path and process id.
+    name: String,
+    /// The close was seen: later checks need not ask the kernel.
+    gone: AtomicBool,
+}
+
+impl Fence for Lender {
+    fn check(&self) -> Result<()> {
+        if !self.gone.load(Ordering::Acquire) {
+            if !wire::hung_up(self.link.socket.as_fd()) {
+                return Ok(());
+            }
+            self.gone.store(true, Ordering::Release);
+        }
+        Err(Error::SenderGone {
+            sender: self.name.clone(),
+        })
+    }
+}
+
 /// Owned by every buffer of a received batch: acknowledges the batch when the last one drops.
 struct Acknowledge {
     id: u64,
@@ -101,6 +131,10 @@ enum State {
 /// [`DeviceRecordBatch::ready`] completes after it.
 pub struct Receiver {
     link: Arc<Link>,
+    /// The fence of every CUDA batch received (CPU batches stay readable: shared memory outlives
+    /// its sender), and of CPU batches too once `fence_host` is set.
+    lender: Arc<Lender>,
+    fence_host: bool,
     /// Frames from the socket: the greeting, and frames the ring announces there.
     reader: FrameReader,
     ring: RingReader,
@@ -186,8 +220,19 @@ impl Receiver {
             }
             other => return Err(Error::InvalidData(format!("a ring expected, {other:?} sent"))),
         };
+        let name = match peer_pid(&socket) {
+            Ok(pid) => format!("at {} (pid {pid})", path.display()),
+            Err(_) => format!("at {}", path.display()),
+        };
+        let link = Arc::new(Link::new(socket));
         Ok(Receiver {
-            link: Arc::new(Link::new(socket)),
+            lender: Arc::new(Lender {
+                link: link.clone(),
+                name,
+                gone: AtomicBool::new(false),
+            }),
+            fence_host: false,
+            link,
             reader,
             ring,
             on_socket: false,
@@ -340,7 +385,11 @@ impl Receiver {
             }
             _ => Event::completed(),
         };
-        let (batch, mappings) = descriptor.import_retaining(&self.schema, ready, owner)?;
+        let fence = match (descriptor.device, self.fence_host) {
+            (Device::Cpu, false) => None,
+            _ => Some(self.lender.clone() as Arc<dyn Fence>),
+        };
+        let (batch, mappings) = descriptor.import_retaining(&self.schema, ready, owner, fence)?;
         if self.options.retain_mappings {
             for m in mappings {
                 if !self.retained.iter().any(|r| r.same_as(&m)) {
@@ -349,6 +398,13 @@ impl Receiver {
             }
         }
         Ok(batch)
+    }
+
+    /// Fences the CPU batches received from now on as CUDA batches are fenced, though shared
+    /// memory outlives its sender: a hook for tests of the fence on machines without a GPU
+    /// (`crate::ipc::testing::fence_host_batches`).
+    pub(crate) fn fence_host_batches(&mut self) {
+        self.fence_host = true;
     }
 
     fn stream(&mut self, ordinal: usize) -> Result<Stream> {
