@@ -292,6 +292,42 @@ fn final_rows_keep_the_hash_partitioning_a_join_needs() {
     });
 }
 
+/// A `HAVING` filter over a stage's final rows joins the stage (`having=` in `EXPLAIN`, no
+/// `FilterExec` left) when every aggregate it reads keeps its value as its state (`SUM`, `COUNT`,
+/// `MIN`, `MAX`): the groups it drops are never split or merged. Over an `AVG` it stays with
+/// DataFusion. Every result equals `MemTable`'s.
+#[test]
+fn having_filters_the_final_rows() {
+    let _gpu = gpu_shared();
+    let t = tpch();
+    common::each_device(|device, _| {
+        let (gpu, mem) = sessions(&[("lineitem", &t.lineitem)], device);
+        for sql in [
+            "select l_orderkey, sum(l_quantity) from lineitem group by l_orderkey having sum(l_quantity) > 250",
+            "select l_suppkey, count(*), max(l_extendedprice) from lineitem group by l_suppkey \
+             having count(*) > 600 and max(l_extendedprice) < 104000 or l_suppkey < 3",
+            "select l_returnflag, l_linestatus, sum(l_quantity) from lineitem group by l_returnflag, l_linestatus \
+             having min(l_discount) = 0 and l_returnflag <> 'N'",
+            "select count(*), sum(l_quantity) from lineitem where l_orderkey in \
+             (select l_orderkey from lineitem group by l_orderkey having sum(l_quantity) > 250)",
+        ] {
+            let plan = explain(&gpu, sql);
+            let stage = plan.lines().find(|l| l.contains("having=")).unwrap_or_default();
+            assert!(stage.contains("DeviceStageExec"), "{sql}\n{plan}");
+            assert!(!plan.contains("FilterExec"), "{sql}\n{plan}");
+            let n = assert_same(&gpu, &mem, sql, true);
+            assert!(n > 0, "{sql}: no rows");
+        }
+        let sql = "select l_partkey, avg(l_quantity) from lineitem group by l_partkey having avg(l_quantity) > 40";
+        let plan = explain(&gpu, sql);
+        assert!(
+            plan.contains("FilterExec") && !plan.contains("having="),
+            "{sql}\n{plan}"
+        );
+        assert_same(&gpu, &mem, sql, true);
+    });
+}
+
 /// The tables of the join tests: a fact table `f` (10,000 rows over 4 batches; its key `k` null in
 /// every 13th row) and dimensions keyed by `k`: `d` (unique keys, one null key, a second key `k2`
 /// and a key `c` into `d3`), `dd` (every key twice), `d3` (keyed by `c`) and `e` (empty).

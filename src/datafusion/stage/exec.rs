@@ -68,10 +68,34 @@ pub(crate) enum Output {
     Final {
         aggr: Vec<Arc<AggregateFunctionExpr>>,
         schema: SchemaRef,
+        having: Option<Having>,
     },
     /// The rows the pipeline keeps, with the columns of the projection or filter the stage
     /// replaced (a rows stage: no aggregate above the pipeline).
     Rows,
+}
+
+/// A `HAVING` filter over a stage's final rows (the `FilterExec` above the aggregate it replaced).
+#[derive(Clone, Debug)]
+pub(crate) struct Having {
+    /// The predicate, over the final rows.
+    pub(crate) predicate: Arc<dyn PhysicalExpr>,
+    /// The same predicate over the state batch, whose state columns hold the values of the
+    /// aggregates it reads (`SUM`, `COUNT`, `MIN`, `MAX`): where one device holds every group,
+    /// its state is the final rows, and the groups it drops are never split or merged.
+    pub(crate) on_state: Arc<dyn PhysicalExpr>,
+    /// The columns of the filtered rows the filter emits, where it projects them.
+    pub(crate) projection: Option<Vec<usize>>,
+}
+
+/// The rows of `batch` where `predicate` is true.
+fn filtered(batch: &RecordBatch, predicate: &Arc<dyn PhysicalExpr>) -> DfResult<RecordBatch> {
+    let mask = predicate.evaluate(batch)?.into_array(batch.num_rows())?;
+    let mask = mask
+        .as_any()
+        .downcast_ref::<arrow_array::BooleanArray>()
+        .ok_or_else(|| DataFusionError::Internal("a HAVING predicate that is not boolean".into()))?;
+    Ok(arrow_select::filter::filter_record_batch(batch, mask)?)
 }
 
 /// What the stage's run produced: each partition's batches, or the work given back to a fresh
@@ -155,8 +179,11 @@ impl DeviceStageExec {
     fn emitter(&self) -> impl FnOnce(Vec<RecordBatch>) -> DfResult<Vec<Vec<RecordBatch>>> + Send + 'static {
         let partitioning = self.properties.partitioning.clone();
         let output = self.output.clone();
-        move |batches| {
+        move |mut batches| {
             let n = partitioning.partition_count();
+            if let (Output::Final { having: Some(h), .. }, [state]) = (&output, batches.as_mut_slice()) {
+                *state = filtered(state, &h.on_state)?;
+            }
             match (output, partitioning) {
                 (Output::Partial, _) => Ok(shares(&batches, n)),
                 (_, partitioning @ Partitioning::Hash(..)) => {
@@ -227,6 +254,9 @@ impl DisplayAs for DeviceStageExec {
                     Output::Partial | Output::Rows => "partial",
                 };
                 write!(f, ", aggr=[{}], output={output}", aggs.join(", "))?;
+                if let Output::Final { having: Some(h), .. } = &self.output {
+                    write!(f, ", having={}", h.predicate)?;
+                }
                 self.fmt_given_back(f)
             }
             DisplayFormatType::TreeRender => match &p.rows {
@@ -510,7 +540,9 @@ impl ExecutionPlan for DeviceStageExec {
         let merge_time = MetricBuilder::new(&self.metrics).subset_time("merge_time", partition);
         let last = match &self.output {
             Output::Partial | Output::Rows => None,
-            Output::Final { aggr, schema } => Some((aggr.clone(), schema.clone(), self.plan.keys.len())),
+            Output::Final { aggr, schema, having } => {
+                Some((aggr.clone(), schema.clone(), self.plan.keys.len(), having.clone()))
+            }
         };
         let fut = async move {
             let stream: BoxStream<'static, DfResult<RecordBatch>> = match run.await.map_err(DataFusionError::Shared)? {
@@ -518,10 +550,20 @@ impl ExecutionPlan for DeviceStageExec {
                     let states = &batches[partition];
                     let out = match last {
                         None => states.clone(),
-                        Some((_, _, keys)) if keys > 0 && states.iter().all(|b| b.num_rows() == 0) => vec![],
-                        Some((aggr, schema, keys)) => {
+                        Some((_, _, keys, _)) if keys > 0 && states.iter().all(|b| b.num_rows() == 0) => vec![],
+                        Some((aggr, schema, keys, having)) => {
                             let _timer = merge_time.timer();
-                            vec![final_batch(&aggr, keys, &schema, states)?]
+                            let rows = final_batch(&aggr, keys, &schema, states)?;
+                            vec![match having {
+                                Some(h) => {
+                                    let kept = filtered(&rows, &h.predicate)?;
+                                    match &h.projection {
+                                        Some(p) => kept.project(p)?,
+                                        None => kept,
+                                    }
+                                }
+                                None => rows,
+                            }]
                         }
                     };
                     out.iter().for_each(|b| rows.add(b.num_rows()));

@@ -11,6 +11,7 @@ use ::datafusion::datasource::source::DataSourceExec;
 use ::datafusion::execution::SessionStateBuilder;
 use ::datafusion::physical_expr::PhysicalExpr;
 use ::datafusion::physical_expr::expressions::{Column, Literal};
+use ::datafusion::physical_expr::utils::collect_columns;
 use ::datafusion::physical_optimizer::PhysicalOptimizerRule;
 use ::datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use ::datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
@@ -29,7 +30,7 @@ use super::super::nvrtc::gpu_kernels_available;
 use super::super::source::GpuScan;
 use super::build::stays_on;
 use super::codegen;
-use super::exec::{DeviceStageExec, Output};
+use super::exec::{DeviceStageExec, Having, Output};
 use super::layout::{self, Acc, AggKind, AggSpec, JoinKind, JoinStep, StagePlan, Step};
 use super::outer;
 use super::output::state_type_supported;
@@ -62,8 +63,15 @@ impl DeviceStageRule {
 impl PhysicalOptimizerRule for DeviceStageRule {
     fn optimize(&self, plan: Arc<dyn ExecutionPlan>, _config: &ConfigOptions) -> DfResult<Arc<dyn ExecutionPlan>> {
         let out = plan.transform_down(|node| {
+            // A filter over an aggregate's rows (`HAVING`), partitioned as they are.
+            let having = node.downcast_ref::<FilterExec>().and_then(|f| {
+                let agg = f.input().downcast_ref::<AggregateExec>()?;
+                (f.properties().partitioning == agg.properties().partitioning).then_some((agg, f))
+            });
             let placed = if let Some(agg) = node.downcast_ref::<AggregateExec>() {
-                self.stage(agg, &node)
+                self.stage(agg, &node, None)
+            } else if let Some(stage) = having.and_then(|(agg, f)| self.stage(agg, &node, Some(f)).ok()) {
+                Ok(stage)
             } else if node.downcast_ref::<ProjectionExec>().is_some()
                 || node.downcast_ref::<FilterExec>().is_some()
                 || node.downcast_ref::<HashJoinExec>().is_some()
@@ -587,9 +595,16 @@ impl DeviceStageRule {
     /// The stage that replaces `agg` (the node `node`): for a `Final` aggregate over a partial one
     /// (through the repartitioning between them) or a `Single` or `SinglePartitioned` aggregate, a stage that emits the
     /// final rows; for a `Partial` aggregate whose `Final` stays with DataFusion, a stage that
-    /// emits the partial state.
-    fn stage(&self, agg: &AggregateExec, node: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>, String> {
+    /// emits the partial state. `having`: a filter over the aggregate's rows (the node `node`),
+    /// which the stage applies to the final rows.
+    fn stage(
+        &self,
+        agg: &AggregateExec,
+        node: &Arc<dyn ExecutionPlan>,
+        having: Option<&FilterExec>,
+    ) -> Result<Arc<dyn ExecutionPlan>, String> {
         let partial = match agg.mode() {
+            AggregateMode::Partial if having.is_some() => return Err("a filter over partial state".into()),
             AggregateMode::Partial => {
                 return match self.lower(agg) {
                     Ok(plan) => Ok(Arc::new(DeviceStageExec::new(plan, Output::Partial, node.clone()))),
@@ -637,11 +652,52 @@ impl DeviceStageRule {
             }
         }
         let plan = self.lower(partial.downcast_ref::<AggregateExec>().ok_or("not an aggregate")?)?;
+        let having = having.map(|p| self.having(agg, p)).transpose()?;
         let output = Output::Final {
             aggr: agg.aggr_expr().to_vec(),
             schema: agg.schema(),
+            having,
         };
         Ok(Arc::new(DeviceStageExec::new(plan, output, node.clone())))
+    }
+
+    /// The [`Having`] of `filter` over `agg`'s rows: every aggregate its predicate reads must keep
+    /// its value as its one state column (`SUM`, `COUNT`, `MIN`, `MAX`), so that it reads the
+    /// state batch too.
+    fn having(&self, agg: &AggregateExec, filter: &FilterExec) -> Result<Having, String> {
+        let predicate = filter.predicate();
+        let schema = agg.schema();
+        let keys = agg.group_expr().expr().len();
+        // Each output column's column of the state batch, where it has one.
+        let mut at = keys;
+        let mut state_column: Vec<Option<usize>> = (0..keys).map(Some).collect();
+        for (a, field) in agg.aggr_expr().iter().zip(schema.fields().iter().skip(keys)) {
+            let state = a.state_fields().map_err(|e| e.to_string())?;
+            let kept = matches!(
+                a.fun().name().to_ascii_lowercase().as_str(),
+                "sum" | "count" | "min" | "max"
+            ) && !a.is_distinct()
+                && state.len() == 1
+                && state[0].data_type() == field.data_type();
+            state_column.push(kept.then_some(at));
+            at += state.len();
+        }
+        if collect_columns(predicate)
+            .iter()
+            .any(|c| state_column[c.index()].is_none())
+        {
+            return Err("a filter over an aggregate whose state is not its value".into());
+        }
+        let on_state: Vec<Arc<dyn PhysicalExpr>> = state_column
+            .iter()
+            .zip(schema.fields())
+            .map(|(c, f)| Arc::new(Column::new(f.name(), c.unwrap_or(0))) as Arc<dyn PhysicalExpr>)
+            .collect();
+        Ok(Having {
+            predicate: predicate.clone(),
+            on_state: substitute(predicate, &on_state)?,
+            projection: filter.projection().as_deref().map(<[usize]>::to_vec),
+        })
     }
 
     pub(crate) fn lower(&self, agg: &AggregateExec) -> Result<StagePlan, String> {
