@@ -12,7 +12,7 @@ use std::ptr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use arrow_data::layout;
-use arrow_schema::{DataType, Field, Schema};
+use arrow_schema::{DataType, Field};
 
 use crate::abi::{FFI_ArrowArray, FFI_ArrowDeviceArray, FFI_ArrowSchema};
 use crate::array::{DeviceArrayData, DeviceRecordBatch, child_types};
@@ -20,7 +20,9 @@ use crate::device::{Device, Event, Stream};
 use crate::driver::CUevent;
 use crate::error::{Error, Result};
 use crate::ffi::guard::no_unwind;
+use crate::ffi::schema_export::export_schema;
 use crate::memory::DeviceBuffer;
+use crate::trace::Laps;
 
 /// What keeps an export's memory alive: the batch (its columns are shared, not copied) or the array.
 enum Owner {
@@ -255,6 +257,7 @@ fn export_tree(
     ready: &Event,
     stream: &Stream,
 ) -> Result<FFI_ArrowDeviceArray> {
+    let mut laps = Laps::start();
     let event = match device.ordinal() {
         None => None,
         Some(_) => {
@@ -268,6 +271,7 @@ fn export_tree(
             Some(stream.record()?)
         }
     };
+    laps.lap("export.event");
     let mut counts = Counts::default();
     root.count(&mut counts);
     let shared = Box::new(Shared {
@@ -294,6 +298,7 @@ fn export_tree(
         _owner: owner,
     });
     let raw = Box::into_raw(shared);
+    laps.lap("export.block");
     // SAFETY: just made; only this function uses it until the array is returned (the nodes
     // written below store `raw` but nothing reads through it before release).
     let block = unsafe { &mut *raw };
@@ -311,6 +316,7 @@ fn export_tree(
         true => ptr::null_mut(),
         false => &mut block.sync as *mut CUevent as *mut c_void,
     };
+    laps.lap("export.fill");
     Ok(FFI_ArrowDeviceArray {
         array,
         device_id: device.device_id(),
@@ -336,9 +342,12 @@ pub fn export_array(array: &DeviceArrayData, ready: &Event, stream: &Stream) -> 
 /// Exports a batch as a struct array, with its schema (metadata included). The columns are shared
 /// with the batch, not copied. Checked as [`export_array`] is.
 pub fn export_batch(batch: &DeviceRecordBatch, stream: &Stream) -> Result<(FFI_ArrowDeviceArray, FFI_ArrowSchema)> {
+    let mut laps = Laps::start();
     let schema = export_schema(batch.schema())?;
+    laps.lap("export.schema");
     batch.columns().iter().try_for_each(DeviceArrayData::check)?;
     batch.check_readable()?;
+    laps.lap("export.check");
     let data_type = DataType::Struct(batch.schema().fields().clone());
     let root = NodeRef {
         data_type: &data_type,
@@ -365,18 +374,9 @@ pub fn export_field(field: &Field) -> Result<FFI_ArrowSchema> {
     Ok(FFI_ArrowSchema::try_from(field)?)
 }
 
-/// Exports a schema (as a struct type, with its metadata).
-pub(crate) fn export_schema(schema: &Schema) -> Result<FFI_ArrowSchema> {
-    schema
-        .fields()
-        .iter()
-        .try_for_each(|f| check_time_zones(f.data_type()))?;
-    Ok(FFI_ArrowSchema::try_from(schema)?)
-}
-
 /// Fails on a time zone with a NUL byte, which a C format string cannot hold (arrow-rs's export
 /// unwraps the error into a panic).
-fn check_time_zones(dt: &DataType) -> Result<()> {
+pub(super) fn check_time_zones(dt: &DataType) -> Result<()> {
     if let DataType::Timestamp(_, Some(tz)) = dt
         && tz.contains('\0')
     {
