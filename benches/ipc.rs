@@ -1,7 +1,8 @@
 //! Device record batches between processes.
 //!
-//! - `ipc_latency/cached_100_columns`: one-way latency, from a sender's `send` of a 100-column
-//!   batch to the consumer process's `recv` returning it (one clock, `CLOCK_MONOTONIC`, read in
+//! - `ipc_latency/cached_100_columns`: one-way latency, from a sender's `send` of the 100-column
+//!   batch with nulls and strings (`small_batch`: 1,000 rows, about 300 buffers, 1.3 MB) to the
+//!   consumer process's `recv` returning it (one clock, `CLOCK_MONOTONIC`, read in
 //!   both processes); the consumer keeps its mappings, so this is the protocol's cost.
 //! - `ipc_latency/cached_100_columns_polling`: the same with a consumer that polls its socket for
 //!   up to 2 ms before it sleeps (`ReceiverOptions::poll`) and a producer that waits for the
@@ -36,7 +37,7 @@ use arrow_cuda::ipc::{Receiver, ReceiverOptions, Sender, SenderOptions, default_
 use arrow_cuda::trace::Trace;
 use arrow_cuda::transfer::{dtoh, htod, htod_async};
 use arrow_cuda::{Device, DeviceBuffer, DeviceRecordBatch, MemoryResource, Stream};
-use arrow_cuda_workloads::{int64_batch, monotonic_ns};
+use arrow_cuda_workloads::{int64_batch, monotonic_ns, small_batch};
 use arrow_ipc::reader::StreamReader;
 use arrow_ipc::writer::StreamWriter;
 use criterion::{Criterion, SamplingMode, Throughput};
@@ -85,8 +86,7 @@ fn stop(mut child: Child) {
 /// batch, read from one clock in both processes. The consumer writes that moment to its stdout;
 /// each iteration then waits for the acknowledgement (not timed) before the next send.
 fn latency(c: &mut Criterion, device: Device, stream: &Stream) {
-    let rows = 1024;
-    let template = int64_batch(100, rows);
+    let template = small_batch();
     let mut g = c.benchmark_group("ipc_latency");
     g.measurement_time(Duration::from_secs(3));
     for (name, role, fresh) in [

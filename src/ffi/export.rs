@@ -11,11 +11,10 @@ use std::mem::ManuallyDrop;
 use std::ptr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use arrow_data::layout;
 use arrow_schema::{DataType, Field};
 
 use crate::abi::{FFI_ArrowArray, FFI_ArrowDeviceArray, FFI_ArrowSchema};
-use crate::array::{DeviceArrayData, DeviceRecordBatch, child_types};
+use crate::array::{DeviceArrayData, DeviceRecordBatch, child_types, has_validity};
 use crate::device::{Device, Event, Stream};
 use crate::driver::CUevent;
 use crate::error::{Error, Result};
@@ -100,11 +99,21 @@ impl<'a> NodeRef<'a> {
         matches!(self.data_type, DataType::Dictionary(..))
     }
 
+    /// Whether the node's buffers end with the sizes of its data buffers (views).
+    fn is_variadic(&self) -> bool {
+        matches!(self.data_type, DataType::Utf8View | DataType::BinaryView)
+    }
+
+    /// The node's buffer pointers: the validity slot where the type has one, the buffers, and the
+    /// data buffers' sizes of views.
+    fn n_ptrs(&self) -> usize {
+        usize::from(has_validity(self.data_type)) + self.buffers.len() + usize::from(self.is_variadic())
+    }
+
     /// Adds what this node and those below it need to `counts` (the node itself not counted).
     fn count(&self, counts: &mut Counts) {
-        let spec = layout(self.data_type);
-        counts.ptrs += usize::from(spec.can_contain_null_mask) + self.buffers.len() + usize::from(spec.variadic);
-        if spec.variadic {
+        counts.ptrs += self.n_ptrs();
+        if self.is_variadic() {
             counts.sizes += self.buffers.len().saturating_sub(1);
         }
         if !self.has_dictionary() {
@@ -131,12 +140,11 @@ struct Filler<'s> {
 impl Filler<'_> {
     /// The C struct of `node`, its pointer runs and the nodes below it written into the block.
     fn node(&mut self, node: &NodeRef<'_>) -> FFI_ArrowArray {
-        let spec = layout(node.data_type);
         let (record, rest) = std::mem::take(&mut self.records)
             .split_first_mut()
             .expect("the counting pass made a record for every node");
         self.records = rest;
-        let n_ptrs = usize::from(spec.can_contain_null_mask) + node.buffers.len() + usize::from(spec.variadic);
+        let n_ptrs = node.n_ptrs();
         let (ptrs, rest) = std::mem::take(&mut self.ptrs).split_at_mut(n_ptrs);
         self.ptrs = rest;
         // Zero-length buffers keep their (aligned, non-null) address too: some consumers insist on one.
@@ -147,11 +155,11 @@ impl Filler<'_> {
                 *slot = p;
             }
         };
-        if spec.can_contain_null_mask {
+        if has_validity(node.data_type) {
             put(node.nulls.map_or(ptr::null(), address));
         }
         node.buffers.iter().for_each(|b| put(address(b)));
-        if spec.variadic {
+        if node.is_variadic() {
             let n = node.buffers.len().saturating_sub(1);
             let (sizes, rest) = std::mem::take(&mut self.sizes).split_at_mut(n);
             self.sizes = rest;

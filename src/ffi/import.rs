@@ -12,7 +12,7 @@ use std::sync::Arc;
 use arrow_schema::{DataType, SchemaRef, UnionMode};
 
 use crate::abi::{FFI_ArrowArray, FFI_ArrowDeviceArray, FFI_ArrowSchema};
-use crate::array::{DeviceArrayData, DeviceRecordBatch, check_type};
+use crate::array::{DeviceArrayData, DeviceRecordBatch, check_type, has_validity};
 use crate::device::{Device, Event, Stream};
 use crate::driver::{self, CUevent};
 use crate::error::{Error, Result};
@@ -52,7 +52,7 @@ struct Node {
     offset: usize,
     null_count: Option<usize>,
     nulls: Option<Buf>,
-    buffers: Vec<Buf>,
+    buffers: smallvec::SmallVec<[Buf; 3]>,
     children: Vec<Node>,
 }
 
@@ -154,7 +154,7 @@ impl<'a> Parts<'a> {
             offset,
             null_count,
             nulls: None,
-            buffers: vec![],
+            buffers: Default::default(),
             children: vec![],
         };
         parts.validity(&mut node)?;
@@ -164,7 +164,7 @@ impl<'a> Parts<'a> {
     /// Takes the validity bitmap into `node`, for types that have a validity slot.
     fn validity(&self, node: &mut Node) -> Result<()> {
         let dt = self.data_type;
-        if matches!(dt, DataType::Null | DataType::Union(..) | DataType::RunEndEncoded(..)) {
+        if !has_validity(dt) {
             return Ok(());
         }
         let Some(bitmap) = self.ptrs.first() else {

@@ -83,6 +83,7 @@ fn upload_in_place(
     let device = resource.device();
     let mut laps = Laps::start();
     let data: Vec<ArrayData> = arrays.iter().map(|a| a.to_data()).collect();
+    laps.lap("htod.to_data");
     let mut plan = Plan::default();
     let layouts = try_collect(data.iter().map(|d| plan.array(d)))?;
     laps.lap("htod.plan");
@@ -152,8 +153,10 @@ fn upload_staged(
         if bytes >= 2 * SEGMENT {
             start_packers(scope, &handoff);
         }
-        let to_data = || arrays.iter().map(|a| a.to_data()).collect::<Vec<_>>();
-        let planned = plan_in_parts(data.get_or_init(to_data), free, &handoff);
+        laps.lap("htod.wake");
+        let data = data.get_or_init(|| arrays.iter().map(|a| a.to_data()).collect());
+        laps.lap("htod.to_data");
+        let planned = plan_in_parts(data, free, &handoff);
         // The packers stop once the queue is empty, however planning ended.
         handoff.close();
         let (plan, layouts, parts, rest) = planned?;

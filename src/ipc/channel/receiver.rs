@@ -397,8 +397,9 @@ impl Receiver {
             _ => Some(self.lender.clone() as Arc<dyn Fence>),
         };
         laps.lap("recv.event");
+        // Its steps: recv.open, recv.parse, recv.build.
         let (batch, mappings) = descriptor.import_retaining(&self.schema, ready, owner, fence)?;
-        laps.lap("recv.import");
+        let mut laps = Laps::start();
         if self.options.retain_mappings {
             for m in mappings {
                 if !self.retained.iter().any(|r| r.same_as(&m)) {
