@@ -1,7 +1,8 @@
 //! Device record batches between processes.
 //!
-//! - `ipc_latency/cached_100_columns`: one-way latency, from a sender's `send` of a 100-column
-//!   batch to the consumer process's `recv` returning it (one clock, `CLOCK_MONOTONIC`, read in
+//! - `ipc_latency/cached_100_columns`: one-way latency, from a sender's `send` of the 100-column
+//!   batch with nulls and strings (`small_batch`: 1,000 rows, about 300 buffers, 1.3 MB) to the
+//!   consumer process's `recv` returning it (one clock, `CLOCK_MONOTONIC`, read in
 //!   both processes); the consumer keeps its mappings, so this is the protocol's cost.
 //! - `ipc_latency/cached_100_columns_polling`: the same with a consumer that polls its socket for
 //!   up to 2 ms before it sleeps (`ReceiverOptions::poll`) and a producer that waits for the
@@ -13,10 +14,16 @@
 //!   consumer process that reads them on the device (a device-to-device copy of every buffer), through
 //!   CUDA IPC, and through the host: device to host, arrow-ipc over a Unix socket, host to device.
 //!
+//! After each latency measurement the producer prints the steps of `send` and, as it ends, the
+//! consumer those of `recv` (see `arrow_cuda::trace`), each with its mean time per call; the
+//! consumer's `recv.wait` counts from the call, so it holds the time before the batch was sent.
+//!
 //! Consumers are this binary started again with `ARROW_CUDA_IPC_BENCH` naming their part.
 //! `cargo bench --bench ipc`; without a CUDA device it prints `skipped: no CUDA device` and returns
 //! (`ARROW_CUDA_IPC_BENCH_CPU=1` runs it on the CPU device instead, with shared memory and smaller
 //! batches, to check the plumbing).
+
+mod common;
 
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
@@ -27,9 +34,10 @@ use std::time::Duration;
 
 use arrow_array::RecordBatch;
 use arrow_cuda::ipc::{Receiver, ReceiverOptions, Sender, SenderOptions, default_message_resource};
+use arrow_cuda::trace::Trace;
 use arrow_cuda::transfer::{dtoh, htod, htod_async};
 use arrow_cuda::{Device, DeviceBuffer, DeviceRecordBatch, MemoryResource, Stream};
-use arrow_cuda_workloads::{int64_batch, monotonic_ns};
+use arrow_cuda_workloads::{int64_batch, monotonic_ns, small_batch};
 use arrow_ipc::reader::StreamReader;
 use arrow_ipc::writer::StreamWriter;
 use criterion::{Criterion, SamplingMode, Throughput};
@@ -63,7 +71,13 @@ fn consumer(role: &str, path: &Path, device: Device) -> Child {
         .expect("consumer process")
 }
 
+/// Ends a consumer: lets it finish on its own (and print its steps) for up to two seconds once its
+/// stream has ended, then kills it.
 fn stop(mut child: Child) {
+    let start = std::time::Instant::now();
+    while matches!(child.try_wait(), Ok(None)) && start.elapsed() < Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let _ = child.kill();
     let _ = child.wait();
 }
@@ -72,8 +86,7 @@ fn stop(mut child: Child) {
 /// batch, read from one clock in both processes. The consumer writes that moment to its stdout;
 /// each iteration then waits for the acknowledgement (not timed) before the next send.
 fn latency(c: &mut Criterion, device: Device, stream: &Stream) {
-    let rows = 1024;
-    let template = int64_batch(100, rows);
+    let template = small_batch();
     let mut g = c.benchmark_group("ipc_latency");
     g.measurement_time(Duration::from_secs(3));
     for (name, role, fresh) in [
@@ -105,7 +118,9 @@ fn latency(c: &mut Criterion, device: Device, stream: &Stream) {
             Duration::from_nanos(at.saturating_sub(sent))
         };
         one_way(&on_device);
+        let mut ran = false;
         g.bench_function(name, |b| {
+            ran = true;
             b.iter_custom(|iters| {
                 (0..iters)
                     .map(|_| match fresh {
@@ -115,6 +130,16 @@ fn latency(c: &mut Criterion, device: Device, stream: &Stream) {
                     .sum()
             })
         });
+        if ran {
+            // The whole call here: send, the consumer's receive time, the acknowledgement.
+            common::print_steps(&format!("{name} (send to acknowledgement)"), &["send."], |t| {
+                let batch = match fresh {
+                    true => upload(&template, device, stream),
+                    false => on_device.clone(),
+                };
+                t.record(|| one_way(&batch));
+            });
+        }
         sender.finish().expect("finish");
         drop(sender);
         stop(child);
@@ -231,7 +256,10 @@ fn consume(role: &str) {
     let mut receiver = Receiver::connect(&path, options).expect("connect");
     let mut scratch: Option<DeviceBuffer> = None;
     let mut stamps = std::io::stdout().lock();
-    while let Some(batch) = receiver.recv().expect("receive") {
+    let mut trace = Trace::default();
+    let mut received = 0;
+    while let Some(batch) = trace.record(|| receiver.recv()).expect("receive") {
+        received += 1;
         if role != "device-reader" {
             // The moment the batch arrived, for the latency benchmark.
             stamps.write_all(&monotonic_ns().to_le_bytes()).expect("stamp");
@@ -252,6 +280,12 @@ fn consume(role: &str) {
                 at += b.len();
             }
         }
+    }
+    if role != "device-reader" {
+        eprint!(
+            "steps of the consumer's recv ({role}), mean of {received} batches:\n{}",
+            trace.means("recv.", received)
+        );
     }
 }
 

@@ -102,7 +102,8 @@
 //! - [`ipc`]: Arrow IPC messages in device memory, CUDA IPC handles, a process-to-process channel.
 //! - [`datafusion`] and [`polars`] (features): on top of all of them.
 //!
-//! One error type serves every layer: [`Error`], with [`Result`].
+//! One error type serves every layer: [`Error`], with [`Result`]; every layer may time its steps
+//! for a [`trace::Trace`].
 //!
 //! # Safety model
 //!
@@ -153,6 +154,7 @@ pub mod ipc;
 pub mod memory;
 #[cfg(feature = "polars")]
 pub mod polars;
+pub mod trace;
 pub mod transfer;
 
 pub use array::{DeviceArrayData, DeviceRecordBatch};

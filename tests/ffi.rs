@@ -14,6 +14,7 @@ use arrow_array::*;
 use arrow_cuda::abi::{DeviceType, FFI_ArrowArray, FFI_ArrowDeviceArray, FFI_ArrowDeviceArrayStream, FFI_ArrowSchema};
 use arrow_cuda::ffi::{
     DeviceArrayStreamReader, export_array, export_batch, export_field, export_stream, import_array, import_batch,
+    import_schema,
 };
 use arrow_cuda::transfer::{dtoh, dtoh_array, htod, htod_array};
 use arrow_cuda::{Device, DeviceArrayData, DeviceBuffer, DeviceRecordBatch, Error, Event, Stream};
@@ -413,6 +414,74 @@ fn an_export_lives_until_its_last_struct_is_released() {
     assert_eq!(drops.load(Ordering::SeqCst), 0, "the root and a child hold the memory");
     drop(parent);
     assert_eq!(drops.load(Ordering::SeqCst), 3);
+}
+
+/// A batch's exported schema: well-formed for any reader (arrow-rs parses it back to the schema,
+/// dictionaries, nesting and metadata included), alive until its last struct is released, and
+/// taken back without parsing only while it is as the export wrote it.
+#[test]
+fn exported_schemas_read_back_and_live_until_their_last_struct_is_released() {
+    let batch = htod(&every_type_batch(), Device::Cpu, &Stream::cpu()).unwrap();
+    let schema = batch.schema().clone();
+    let held = Arc::strong_count(&schema);
+    // SAFETY: `root` is an unreleased schema with children; the slot is marked released after the
+    // read, as a consumer that moves a child out does.
+    let move_out = |root: &FFI_ArrowSchema, i: usize| unsafe {
+        let slot = &mut **root.children.add(i);
+        let moved = std::ptr::read(slot);
+        slot.release = None;
+        moved
+    };
+    let export = || export_batch(&batch, &Stream::cpu()).unwrap().1;
+    for _ in 0..2 {
+        let c = export();
+        assert_eq!(&Schema::try_from(&c).unwrap(), schema.as_ref(), "parsed by arrow-rs");
+        // SAFETY: a schema this crate just exported.
+        assert_eq!(&unsafe { import_schema(&c) }.unwrap(), schema.as_ref(), "taken back");
+    }
+    assert_eq!(Arc::strong_count(&schema), held, "every export released");
+
+    // A child moved out: the root no longer imports (it has a released child); the moved child
+    // still reads, and the export lives until both are released, in either order.
+    for moved_first in [true, false] {
+        let root = export();
+        let moved = move_out(&root, 1);
+        // SAFETY: a schema this crate exported; its moved-out child is marked released.
+        let e = error("a schema with a moved-out child", unsafe { import_schema(&root) });
+        assert!(e.contains("released"), "{e}");
+        assert_eq!(&Field::try_from(&moved).unwrap(), schema.field(1));
+        let (first, second) = match moved_first {
+            true => (
+                Box::new(moved) as Box<dyn std::any::Any>,
+                Box::new(root) as Box<dyn std::any::Any>,
+            ),
+            false => (
+                Box::new(root) as Box<dyn std::any::Any>,
+                Box::new(moved) as Box<dyn std::any::Any>,
+            ),
+        };
+        drop(first);
+        assert_eq!(
+            Arc::strong_count(&schema),
+            held + 1,
+            "one struct still holds the export"
+        );
+        drop(second);
+        assert_eq!(Arc::strong_count(&schema), held, "freed by the last release");
+    }
+
+    // A consumer that rewrites a name gets what it wrote: the struct is parsed again.
+    let root = export();
+    let renamed = std::ffi::CString::new("renamed").unwrap();
+    // SAFETY: child 0 of an unreleased export; the new name outlives the import below.
+    unsafe { (**root.children).name = renamed.as_ptr() };
+    // SAFETY: a well-formed schema.
+    let back = unsafe { import_schema(&root) }.unwrap();
+    assert_eq!(back.field(0).name(), "renamed");
+    assert_eq!(back.fields()[1..], schema.fields()[1..]);
+    drop(root);
+    drop(renamed);
+    assert_eq!(Arc::strong_count(&schema), held);
 }
 
 #[test]

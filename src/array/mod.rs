@@ -188,14 +188,15 @@ impl DeviceArrayData {
         self.all_buffers().next().map_or(Device::Cpu, DeviceBuffer::device)
     }
 
-    /// Every buffer of the array and its descendants, validity bitmaps included.
-    pub fn all_buffers(&self) -> Box<dyn Iterator<Item = &DeviceBuffer> + '_> {
-        Box::new(
-            self.nulls
-                .iter()
-                .chain(self.buffers.iter())
-                .chain(self.children.iter().flat_map(|c| c.all_buffers())),
-        )
+    /// Every buffer of the array and its descendants, validity bitmaps included: each array's
+    /// bitmap and buffers, then its children's, depth first. Allocates nothing for an array
+    /// without children.
+    pub fn all_buffers(&self) -> impl Iterator<Item = &DeviceBuffer> + '_ {
+        AllBuffers {
+            own: self.nulls.iter().chain(self.buffers.iter()),
+            children: self.children.iter(),
+            above: Vec::new(),
+        }
     }
 
     /// Whether the array's memory can still be read: an error when a buffer (children included) lies
@@ -421,6 +422,36 @@ impl DeviceRecordBatch {
     }
 }
 
+/// The walk of [`DeviceArrayData::all_buffers`].
+struct AllBuffers<'a> {
+    /// The buffers of the array being walked.
+    own: std::iter::Chain<std::option::Iter<'a, DeviceBuffer>, std::slice::Iter<'a, DeviceBuffer>>,
+    /// Its children not walked yet.
+    children: std::slice::Iter<'a, DeviceArrayData>,
+    /// The children left at each level above it.
+    above: Vec<std::slice::Iter<'a, DeviceArrayData>>,
+}
+
+impl<'a> Iterator for AllBuffers<'a> {
+    type Item = &'a DeviceBuffer;
+
+    fn next(&mut self) -> Option<&'a DeviceBuffer> {
+        loop {
+            if let Some(b) = self.own.next() {
+                return Some(b);
+            }
+            match self.children.next() {
+                Some(child) => {
+                    let siblings = std::mem::replace(&mut self.children, child.children.iter());
+                    self.above.push(siblings);
+                    self.own = child.nulls.iter().chain(child.buffers.iter());
+                }
+                None => self.children = self.above.pop()?,
+            }
+        }
+    }
+}
+
 /// Fails when `buffers` are not all on one device (of one `what`: an array, a batch).
 fn one_device<'a>(mut buffers: impl Iterator<Item = &'a DeviceBuffer>, what: &str) -> Result<()> {
     let Some(first) = buffers.next().map(DeviceBuffer::device) else {
@@ -432,6 +463,12 @@ fn one_device<'a>(mut buffers: impl Iterator<Item = &'a DeviceBuffer>, what: &st
         ))),
         None => Ok(()),
     }
+}
+
+/// Whether an array of `dt` has a validity bitmap: every type but null, unions and run-end encoded
+/// arrays (as arrow-rs's `layout` says, without building the layout).
+pub(crate) fn has_validity(dt: &DataType) -> bool {
+    !matches!(dt, DataType::Null | DataType::Union(..) | DataType::RunEndEncoded(..))
 }
 
 /// The types of the children that arrow-rs gives an array of `dt` (dictionary values are child 0).
@@ -473,4 +510,49 @@ pub(crate) fn check_type(dt: &DataType) -> Result<()> {
         return Err(Error::InvalidData(format!("{dt} has {fault}")));
     }
     child_types(dt).into_iter().try_for_each(check_type)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use arrow_schema::{Field, Fields, UnionFields, UnionMode};
+
+    use super::*;
+
+    #[test]
+    fn has_validity_agrees_with_arrow_rs_layouts() {
+        let item = Arc::new(Field::new("item", DataType::Int32, true));
+        let entries = Fields::from(vec![
+            Field::new("k", DataType::Utf8, false),
+            Field::new("v", DataType::Int32, true),
+        ]);
+        let union = UnionFields::try_new(vec![0, 1], entries.iter().map(|f| f.as_ref().clone())).unwrap();
+        let types = [
+            DataType::Null,
+            DataType::Boolean,
+            DataType::Int32,
+            DataType::Float64,
+            DataType::Decimal128(10, 2),
+            DataType::FixedSizeBinary(3),
+            DataType::Utf8,
+            DataType::LargeBinary,
+            DataType::Utf8View,
+            DataType::List(item.clone()),
+            DataType::LargeListView(item.clone()),
+            DataType::FixedSizeList(item.clone(), 2),
+            DataType::Struct(entries.clone()),
+            DataType::Map(Arc::new(Field::new("entries", DataType::Struct(entries), false)), false),
+            DataType::Union(union.clone(), UnionMode::Sparse),
+            DataType::Union(union, UnionMode::Dense),
+            DataType::Dictionary(Box::new(DataType::Int8), Box::new(DataType::Utf8)),
+            DataType::RunEndEncoded(
+                Arc::new(Field::new("run_ends", DataType::Int32, false)),
+                Arc::new(Field::new("values", DataType::Utf8, true)),
+            ),
+        ];
+        for dt in &types {
+            assert_eq!(has_validity(dt), arrow_data::layout(dt).can_contain_null_mask, "{dt}");
+        }
+    }
 }

@@ -11,16 +11,17 @@ use std::mem::ManuallyDrop;
 use std::ptr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use arrow_data::layout;
-use arrow_schema::{DataType, Field, Schema};
+use arrow_schema::{DataType, Field};
 
 use crate::abi::{FFI_ArrowArray, FFI_ArrowDeviceArray, FFI_ArrowSchema};
-use crate::array::{DeviceArrayData, DeviceRecordBatch, child_types};
+use crate::array::{DeviceArrayData, DeviceRecordBatch, child_types, has_validity};
 use crate::device::{Device, Event, Stream};
 use crate::driver::CUevent;
 use crate::error::{Error, Result};
 use crate::ffi::guard::no_unwind;
+use crate::ffi::schema_export::export_schema;
 use crate::memory::DeviceBuffer;
+use crate::trace::Laps;
 
 /// What keeps an export's memory alive: the batch (its columns are shared, not copied) or the array.
 enum Owner {
@@ -98,11 +99,21 @@ impl<'a> NodeRef<'a> {
         matches!(self.data_type, DataType::Dictionary(..))
     }
 
+    /// Whether the node's buffers end with the sizes of its data buffers (views).
+    fn is_variadic(&self) -> bool {
+        matches!(self.data_type, DataType::Utf8View | DataType::BinaryView)
+    }
+
+    /// The node's buffer pointers: the validity slot where the type has one, the buffers, and the
+    /// data buffers' sizes of views.
+    fn n_ptrs(&self) -> usize {
+        usize::from(has_validity(self.data_type)) + self.buffers.len() + usize::from(self.is_variadic())
+    }
+
     /// Adds what this node and those below it need to `counts` (the node itself not counted).
     fn count(&self, counts: &mut Counts) {
-        let spec = layout(self.data_type);
-        counts.ptrs += usize::from(spec.can_contain_null_mask) + self.buffers.len() + usize::from(spec.variadic);
-        if spec.variadic {
+        counts.ptrs += self.n_ptrs();
+        if self.is_variadic() {
             counts.sizes += self.buffers.len().saturating_sub(1);
         }
         if !self.has_dictionary() {
@@ -129,12 +140,11 @@ struct Filler<'s> {
 impl Filler<'_> {
     /// The C struct of `node`, its pointer runs and the nodes below it written into the block.
     fn node(&mut self, node: &NodeRef<'_>) -> FFI_ArrowArray {
-        let spec = layout(node.data_type);
         let (record, rest) = std::mem::take(&mut self.records)
             .split_first_mut()
             .expect("the counting pass made a record for every node");
         self.records = rest;
-        let n_ptrs = usize::from(spec.can_contain_null_mask) + node.buffers.len() + usize::from(spec.variadic);
+        let n_ptrs = node.n_ptrs();
         let (ptrs, rest) = std::mem::take(&mut self.ptrs).split_at_mut(n_ptrs);
         self.ptrs = rest;
         // Zero-length buffers keep their (aligned, non-null) address too: some consumers insist on one.
@@ -145,11 +155,11 @@ impl Filler<'_> {
                 *slot = p;
             }
         };
-        if spec.can_contain_null_mask {
+        if has_validity(node.data_type) {
             put(node.nulls.map_or(ptr::null(), address));
         }
         node.buffers.iter().for_each(|b| put(address(b)));
-        if spec.variadic {
+        if node.is_variadic() {
             let n = node.buffers.len().saturating_sub(1);
             let (sizes, rest) = std::mem::take(&mut self.sizes).split_at_mut(n);
             self.sizes = rest;
@@ -255,6 +265,7 @@ fn export_tree(
     ready: &Event,
     stream: &Stream,
 ) -> Result<FFI_ArrowDeviceArray> {
+    let mut laps = Laps::start();
     let event = match device.ordinal() {
         None => None,
         Some(_) => {
@@ -268,6 +279,7 @@ fn export_tree(
             Some(stream.record()?)
         }
     };
+    laps.lap("export.event");
     let mut counts = Counts::default();
     root.count(&mut counts);
     let shared = Box::new(Shared {
@@ -294,6 +306,7 @@ fn export_tree(
         _owner: owner,
     });
     let raw = Box::into_raw(shared);
+    laps.lap("export.block");
     // SAFETY: just made; only this function uses it until the array is returned (the nodes
     // written below store `raw` but nothing reads through it before release).
     let block = unsafe { &mut *raw };
@@ -311,6 +324,7 @@ fn export_tree(
         true => ptr::null_mut(),
         false => &mut block.sync as *mut CUevent as *mut c_void,
     };
+    laps.lap("export.fill");
     Ok(FFI_ArrowDeviceArray {
         array,
         device_id: device.device_id(),
@@ -336,9 +350,12 @@ pub fn export_array(array: &DeviceArrayData, ready: &Event, stream: &Stream) -> 
 /// Exports a batch as a struct array, with its schema (metadata included). The columns are shared
 /// with the batch, not copied. Checked as [`export_array`] is.
 pub fn export_batch(batch: &DeviceRecordBatch, stream: &Stream) -> Result<(FFI_ArrowDeviceArray, FFI_ArrowSchema)> {
+    let mut laps = Laps::start();
     let schema = export_schema(batch.schema())?;
+    laps.lap("export.schema");
     batch.columns().iter().try_for_each(DeviceArrayData::check)?;
     batch.check_readable()?;
+    laps.lap("export.check");
     let data_type = DataType::Struct(batch.schema().fields().clone());
     let root = NodeRef {
         data_type: &data_type,
@@ -365,18 +382,9 @@ pub fn export_field(field: &Field) -> Result<FFI_ArrowSchema> {
     Ok(FFI_ArrowSchema::try_from(field)?)
 }
 
-/// Exports a schema (as a struct type, with its metadata).
-pub(crate) fn export_schema(schema: &Schema) -> Result<FFI_ArrowSchema> {
-    schema
-        .fields()
-        .iter()
-        .try_for_each(|f| check_time_zones(f.data_type()))?;
-    Ok(FFI_ArrowSchema::try_from(schema)?)
-}
-
 /// Fails on a time zone with a NUL byte, which a C format string cannot hold (arrow-rs's export
 /// unwraps the error into a panic).
-fn check_time_zones(dt: &DataType) -> Result<()> {
+pub(super) fn check_time_zones(dt: &DataType) -> Result<()> {
     if let DataType::Timestamp(_, Some(tz)) = dt
         && tz.contains('\0')
     {

@@ -9,16 +9,17 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use arrow_schema::{DataType, UnionMode};
+use arrow_schema::{DataType, SchemaRef, UnionMode};
 
 use crate::abi::{FFI_ArrowArray, FFI_ArrowDeviceArray, FFI_ArrowSchema};
-use crate::array::{DeviceArrayData, DeviceRecordBatch, check_type};
+use crate::array::{DeviceArrayData, DeviceRecordBatch, check_type, has_validity};
 use crate::device::{Device, Event, Stream};
 use crate::driver::{self, CUevent};
 use crate::error::{Error, Result};
-use crate::ffi::schema::import_schema;
+use crate::ffi::schema::import_schema_ref;
 use crate::memory::pinned::PinnedPool;
 use crate::memory::{Allocation, DeviceBuffer, MemoryResource, copy, stream_for};
+use crate::trace::Laps;
 
 /// Nesting deeper than this is refused rather than risking the stack.
 pub(crate) const MAX_DEPTH: usize = 64;
@@ -51,7 +52,7 @@ struct Node {
     offset: usize,
     null_count: Option<usize>,
     nulls: Option<Buf>,
-    buffers: Vec<Buf>,
+    buffers: smallvec::SmallVec<[Buf; 3]>,
     children: Vec<Node>,
 }
 
@@ -153,7 +154,7 @@ impl<'a> Parts<'a> {
             offset,
             null_count,
             nulls: None,
-            buffers: vec![],
+            buffers: Default::default(),
             children: vec![],
         };
         parts.validity(&mut node)?;
@@ -163,7 +164,7 @@ impl<'a> Parts<'a> {
     /// Takes the validity bitmap into `node`, for types that have a validity slot.
     fn validity(&self, node: &mut Node) -> Result<()> {
         let dt = self.data_type;
-        if matches!(dt, DataType::Null | DataType::Union(..) | DataType::RunEndEncoded(..)) {
+        if !has_validity(dt) {
             return Ok(());
         }
         let Some(bitmap) = self.ptrs.first() else {
@@ -555,6 +556,7 @@ pub unsafe fn import_array(
     data_type: &DataType,
     stream: &Stream,
 ) -> Result<(DeviceArrayData, Event)> {
+    let mut laps = Laps::start();
     if array.is_released() {
         return Err(invalid("the array has been released"));
     }
@@ -563,13 +565,19 @@ pub unsafe fn import_array(
     // The device must exist: with a CUDA stream passed in, nothing else would look it up.
     device.context()?;
     let stream = stream_for(stream, device, Device::Cpu)?;
+    laps.lap("import.device");
     let ready = wait_for_producer(&array, device, &stream)?;
+    laps.lap("import.wait");
     let mut walker = Walker { reads: vec![] };
     // SAFETY: valid per the caller.
     let node = unsafe { walker.node(&array.array, data_type, 0)? };
+    laps.lap("import.walk");
     let offsets = read_offsets(&walker.reads, device, &stream)?;
+    laps.lap("import.offsets");
     let owner = Arc::new(Imported(array));
-    Ok((build(node, device, &owner, &offsets)?, ready))
+    let data = build(node, device, &owner, &offsets)?;
+    laps.lap("import.build");
+    Ok((data, ready))
 }
 
 /// Imports a batch exported as a struct array with its schema.
@@ -581,11 +589,28 @@ pub unsafe fn import_batch(
     schema: &FFI_ArrowSchema,
     stream: &Stream,
 ) -> Result<DeviceRecordBatch> {
+    let mut laps = Laps::start();
     // SAFETY: forwarded from the caller.
-    let schema = Arc::new(unsafe { import_schema(schema) }?);
+    let schema = unsafe { import_schema_ref(schema) }?;
+    laps.lap("import.schema");
+    // SAFETY: forwarded from the caller.
+    unsafe { import_batch_of(array, schema, stream) }
+}
+
+/// Imports a batch of `schema` exported as a struct array (the schema imported already, say the
+/// schema of a stream).
+///
+/// # Safety
+/// As for [`import_array`].
+pub(crate) unsafe fn import_batch_of(
+    array: FFI_ArrowDeviceArray,
+    schema: SchemaRef,
+    stream: &Stream,
+) -> Result<DeviceRecordBatch> {
     let data_type = DataType::Struct(schema.fields().clone());
     // SAFETY: forwarded from the caller.
     let (data, ready) = unsafe { import_array(array, &data_type, stream)? };
+    let mut laps = Laps::start();
     if data.null_count.is_some_and(|n| n > 0) || (data.null_count.is_none() && data.nulls.is_some()) {
         return Err(invalid("a record batch's struct array has nulls"));
     }
@@ -599,7 +624,9 @@ pub unsafe fn import_batch(
             false => c.slice(offset, len),
         })
         .collect::<Result<_>>()?;
-    DeviceRecordBatch::try_new(schema, columns, data.len, ready)
+    let batch = DeviceRecordBatch::try_new(schema, columns, data.len, ready);
+    laps.lap("import.batch");
+    batch
 }
 
 /// Makes `stream` wait for the producer's event (the host, for host-accessible memory or the CPU

@@ -9,6 +9,7 @@ mod export;
 mod guard;
 mod import;
 mod schema;
+mod schema_export;
 mod stream;
 
 pub use export::{export_array, export_batch, export_field};

@@ -4,15 +4,18 @@
 //! struct is checked first, and the type that arrow-rs builds from it afterwards.
 
 use std::ffi::{CStr, c_char};
+use std::sync::Arc;
 
-use arrow_schema::{DataType, Field, Schema};
+use arrow_schema::{DataType, Field, Schema, SchemaRef};
 
 use crate::abi::FFI_ArrowSchema;
 use crate::array::check_type;
 use crate::error::Result;
 use crate::ffi::import::{MAX_CHILDREN, MAX_DEPTH, invalid};
+use crate::ffi::schema_export::exported_schema;
 
-/// Imports a schema: the fields of a struct type, with its metadata.
+/// Imports a schema: the fields of a struct type, with its metadata. A schema that this crate
+/// exported, untouched since, is taken from the export without being parsed again.
 ///
 /// # Safety
 /// `schema` must be an `ArrowSchema` whose pointers are valid for what it claims: NUL-terminated
@@ -20,10 +23,26 @@ use crate::ffi::import::{MAX_CHILDREN, MAX_DEPTH, invalid};
 /// that is null or valid.
 pub unsafe fn import_schema(schema: &FFI_ArrowSchema) -> Result<Schema> {
     // SAFETY: forwarded from the caller.
+    Ok(unsafe { import_schema_ref(schema) }?.as_ref().clone())
+}
+
+/// [`import_schema`], shared.
+///
+/// # Safety
+/// As for [`import_schema`].
+pub(crate) unsafe fn import_schema_ref(schema: &FFI_ArrowSchema) -> Result<SchemaRef> {
+    if schema.release.is_none() {
+        return Err(invalid("a released schema"));
+    }
+    // SAFETY: forwarded from the caller.
+    if let Some(exported) = unsafe { exported_schema(schema) } {
+        return Ok(exported);
+    }
+    // SAFETY: forwarded from the caller.
     unsafe { check(schema, 0)? };
     let schema = Schema::try_from(schema)?;
     check_type(&DataType::Struct(schema.fields().clone()))?;
-    Ok(schema)
+    Ok(Arc::new(schema))
 }
 
 /// Imports a field: the schema of one array, which gives the data type of an

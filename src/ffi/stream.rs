@@ -1,7 +1,6 @@
 //! `ArrowDeviceArrayStream`: sequences of device batches across the C interface.
 
 use std::ffi::{CStr, CString, c_char};
-use std::sync::Arc;
 
 use arrow_schema::SchemaRef;
 
@@ -9,10 +8,11 @@ use crate::abi::{DeviceType, FFI_ArrowDeviceArray, FFI_ArrowDeviceArrayStream, F
 use crate::array::DeviceRecordBatch;
 use crate::device::Stream;
 use crate::error::{Error, Result};
-use crate::ffi::export::export_schema;
+use crate::ffi::export_batch;
 use crate::ffi::guard::no_unwind;
-use crate::ffi::schema::import_schema;
-use crate::ffi::{export_batch, import_batch};
+use crate::ffi::import::import_batch_of;
+use crate::ffi::schema::import_schema_ref;
+use crate::ffi::schema_export::export_schema;
 
 const EINVAL: i32 = 22;
 const EIO: i32 = 5;
@@ -177,7 +177,7 @@ impl DeviceArrayStreamReader {
             )));
         }
         // SAFETY: the producer filled `schema` (code 0), per the spec.
-        let schema = Arc::new(unsafe { import_schema(&schema) }?);
+        let schema = unsafe { import_schema_ref(&schema) }?;
         Ok(DeviceArrayStreamReader {
             raw,
             schema,
@@ -232,11 +232,8 @@ impl Iterator for DeviceArrayStreamReader {
             self.done = true;
             return None;
         }
-        let schema = match export_schema(&self.schema) {
-            Ok(s) => s,
-            Err(e) => return Some(Err(e)),
-        };
+        // Every batch of a stream has the stream's schema (spec).
         // SAFETY: the producer follows the spec (the caller of `from_raw` vouched for it).
-        Some(unsafe { import_batch(array, &schema, &self.stream) })
+        Some(unsafe { import_batch_of(array, self.schema.clone(), &self.stream) })
     }
 }

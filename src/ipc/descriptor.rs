@@ -36,6 +36,7 @@ use crate::ipc::{decode, handle};
 use crate::memory::fence::Fence;
 use crate::memory::shm::{SharedMapping, SharedMemHandle, SharedRegion};
 use crate::memory::{DeviceBuffer, MemoryResource};
+use crate::trace::Laps;
 
 /// An exported base allocation.
 #[derive(Debug)]
@@ -194,6 +195,7 @@ impl BatchDescriptor {
         fence: Option<Arc<dyn Fence>>,
     ) -> Result<(DeviceRecordBatch, Vec<Mapping>)> {
         let device = self.device;
+        let mut laps = Laps::start();
         let mappings = self
             .regions
             .into_iter()
@@ -219,6 +221,7 @@ impl BatchDescriptor {
             .map(|m| m.buffer(lease.clone(), fence.clone()))
             .collect();
         drop(lease);
+        laps.lap("recv.open");
         let dictionaries = self
             .dictionaries
             .iter()
@@ -239,6 +242,7 @@ impl BatchDescriptor {
                 locations.len()
             )));
         }
+        laps.lap("recv.parse");
         let (header, dictionary_headers) = headers.split_last().expect("a batch's header");
         let mut values = decode::Dictionaries::new();
         let mut first = 0;
@@ -247,6 +251,7 @@ impl BatchDescriptor {
             first += h.batch.buffers().map_or(0, |b| b.len());
         }
         let batch = decode::batch(schema, header, device, &mut resolve, first, &values, ready)?;
+        laps.lap("recv.build");
         Ok((batch, mappings))
     }
 

@@ -12,6 +12,7 @@ use crate::array::{DeviceArrayData, DeviceRecordBatch};
 use crate::device::{Event, Stream};
 use crate::error::Result;
 use crate::memory::DeviceBuffer;
+use crate::trace::Laps;
 
 use super::deferred::{Keep, defer_release};
 use super::gather::gather;
@@ -92,6 +93,7 @@ impl PendingBatch {
 
     /// Waits for the copy and builds the record batch, validating every array.
     pub fn wait(mut self) -> Result<RecordBatch> {
+        let mut laps = Laps::start();
         // Views of the block; until the copy is done, `self` keeps the block (and defers its release
         // if this returns early).
         let memory = self
@@ -113,27 +115,32 @@ impl PendingBatch {
                 }
                 None => 0,
             };
+            laps.lap("dtoh.synchronize");
             let mut columns = Vec::with_capacity(self.layouts.len());
             for layout in &self.layouts {
                 if layout.end() > landed {
+                    laps.lap("dtoh.arrays");
                     self.event.synchronize()?;
+                    laps.lap("dtoh.synchronize");
                     landed = usize::MAX;
                 }
                 columns.push(build(layout)?);
             }
+            laps.lap("dtoh.arrays");
             columns
         } else {
             self.event.synchronize()?;
-            self.layouts.par_iter().map(build).collect::<Result<Vec<_>>>()?
+            laps.lap("dtoh.synchronize");
+            let columns = self.layouts.par_iter().map(build).collect::<Result<Vec<_>>>()?;
+            laps.lap("dtoh.validate");
+            columns
         };
         // The copy is done: nothing to defer.
         self.copy = None;
         let options = RecordBatchOptions::new().with_row_count(Some(self.num_rows));
-        Ok(RecordBatch::try_new_with_options(
-            self.schema.clone(),
-            columns,
-            &options,
-        )?)
+        let batch = RecordBatch::try_new_with_options(self.schema.clone(), columns, &options)?;
+        laps.lap("dtoh.batch");
+        Ok(batch)
     }
 }
 

@@ -12,6 +12,7 @@ use crate::error::{Error, Result};
 use crate::memory::fence::check_all;
 use crate::memory::pinned::PinnedPool;
 use crate::memory::{ALIGNMENT, DeviceBuffer, MemoryResource, copy, stream_for};
+use crate::trace::Laps;
 
 use super::layout::Layout;
 
@@ -46,17 +47,21 @@ pub(crate) fn gather(
     ready: Option<&Event>,
     stream: &Stream,
 ) -> Result<Gathered> {
+    let mut laps = Laps::start();
     check_all(arrays.iter().flat_map(DeviceArrayData::all_buffers))?;
+    laps.lap("dtoh.check");
     let stream = stream_for(stream, device, Device::Cpu)?;
     if let Some(ready) = ready {
         stream.wait(ready)?;
     }
+    laps.lap("dtoh.wait_ready");
     // Group buffers by allocation, in address order; nearby buffers of one allocation share a span.
     let all: Vec<&DeviceBuffer> = arrays.iter().flat_map(|a| a.all_buffers()).collect();
     let mut order: Vec<usize> = (0..all.len()).collect();
     order.sort_by_key(|&i| all[i].address());
     let buffers: Vec<&DeviceBuffer> = order.iter().map(|&i| all[i]).collect();
     let (spans, span_of, size) = plan_spans(&buffers);
+    laps.lap("dtoh.spans");
     let mut first_half = None;
     let mut memory = match device {
         Device::Cpu => DeviceBuffer::alloc(MemoryResource::Host, size, &stream)?,
@@ -65,6 +70,7 @@ pub(crate) fn gather(
             PinnedPool::shared(MemoryResource::PinnedHost(ordinal))?.take(size)?
         }
     };
+    laps.lap("dtoh.alloc");
     match stream.cuda() {
         None => {
             let out = memory
@@ -75,6 +81,7 @@ pub(crate) fn gather(
         Some(_) => first_half = copy_spans_on_device(&spans, size, &memory, device, &stream)?,
     }
     let event = stream.record()?;
+    laps.lap("dtoh.copy");
     // Where each buffer landed, in the order of `all_buffers`, which `host_layout` walks too.
     let mut place = vec![0..0; buffers.len()];
     for ((b, &si), &i) in buffers.iter().zip(&span_of).zip(&order) {
@@ -84,6 +91,7 @@ pub(crate) fn gather(
     }
     let mut place = place.into_iter();
     let layouts = arrays.iter().map(|a| host_layout(a, &mut place)).collect();
+    laps.lap("dtoh.layouts");
     Ok(Gathered {
         memory,
         layouts,

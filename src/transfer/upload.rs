@@ -18,6 +18,7 @@ use crate::device::{Device, Event, Stream};
 use crate::error::{Error, Result, try_collect};
 use crate::memory::pinned::PinnedPool;
 use crate::memory::{ALIGNMENT, DeviceBuffer, MemoryResource, copy, stream_for};
+use crate::trace::Laps;
 
 use super::deferred::{Keep, defer_release, release_finished};
 use super::layout::Layout;
@@ -38,7 +39,9 @@ const IN_FLIGHT: usize = 4;
 /// Copies `batch` to `device` and returns when the copy has finished.
 pub fn htod(batch: &RecordBatch, device: Device, stream: &Stream) -> Result<DeviceRecordBatch> {
     let out = htod_async(batch, MemoryResource::default_for(device), stream)?;
+    let mut laps = Laps::start();
     out.ready().synchronize()?;
+    laps.lap("htod.synchronize");
     Ok(out)
 }
 
@@ -47,7 +50,10 @@ pub fn htod(batch: &RecordBatch, device: Device, stream: &Stream) -> Result<Devi
 pub fn htod_async(batch: &RecordBatch, resource: MemoryResource, stream: &Stream) -> Result<DeviceRecordBatch> {
     let arrays: Vec<&dyn Array> = batch.columns().iter().map(|c| c.as_ref()).collect();
     let (columns, ready) = upload(&arrays, resource, stream)?;
-    DeviceRecordBatch::try_new(batch.schema(), columns, batch.num_rows(), ready)
+    let mut laps = Laps::start();
+    let out = DeviceRecordBatch::try_new(batch.schema(), columns, batch.num_rows(), ready);
+    laps.lap("htod.batch");
+    out
 }
 
 /// Copies one array to `device` and returns when the copy has finished.
@@ -75,15 +81,21 @@ fn upload_in_place(
     stream: &Stream,
 ) -> Result<(Vec<DeviceArrayData>, Event)> {
     let device = resource.device();
+    let mut laps = Laps::start();
     let data: Vec<ArrayData> = arrays.iter().map(|a| a.to_data()).collect();
+    laps.lap("htod.to_data");
     let mut plan = Plan::default();
     let layouts = try_collect(data.iter().map(|d| plan.array(d)))?;
+    laps.lap("htod.plan");
     let mut memory = DeviceBuffer::alloc(resource, plan.size(), stream)?;
+    laps.lap("htod.alloc");
     let out = memory
         .host_slice_mut()
         .ok_or_else(|| Error::Unsupported(format!("{device} is not host-accessible")))?;
     plan.fill_parallel(0, out);
+    laps.lap("htod.pack");
     let columns = try_collect(layouts.iter().map(|l| l.to_device(&memory)))?;
+    laps.lap("htod.arrays");
     Ok((columns, Event::completed()))
 }
 
@@ -102,6 +114,7 @@ fn upload_staged(
     ordinal: usize,
 ) -> Result<(Vec<DeviceArrayData>, Event)> {
     let device = resource.device();
+    let mut laps = Laps::start();
     let pool = PinnedPool::shared(MemoryResource::PinnedHost(ordinal))?;
     release_finished();
     stream.bind()?;
@@ -133,18 +146,23 @@ fn upload_staged(
     // long enough for them to wake.
     let data: OnceCell<Vec<ArrayData>> = OnceCell::new();
     let handoff = Handoff::default();
+    laps.lap("htod.setup");
     let result = rayon::in_place_scope(|scope| {
         // The packers start first, to be awake by the time the first part is cut (if one will be).
         let bytes: usize = arrays.iter().map(|a| a.get_buffer_memory_size()).sum();
         if bytes >= 2 * SEGMENT {
             start_packers(scope, &handoff);
         }
-        let to_data = || arrays.iter().map(|a| a.to_data()).collect::<Vec<_>>();
-        let planned = plan_in_parts(data.get_or_init(to_data), free, &handoff);
+        laps.lap("htod.wake");
+        let data = data.get_or_init(|| arrays.iter().map(|a| a.to_data()).collect());
+        laps.lap("htod.to_data");
+        let planned = plan_in_parts(data, free, &handoff);
         // The packers stop once the queue is empty, however planning ended.
         handoff.close();
         let (plan, layouts, parts, rest) = planned?;
+        laps.lap("htod.plan");
         let memory = DeviceBuffer::alloc(resource, plan.size(), stream)?;
+        laps.lap("htod.alloc");
         // Sends the parts packed since the last call, in one copy.
         let mut sent = 0;
         let send_packed = |sent: &mut usize| {
@@ -162,6 +180,7 @@ fn upload_staged(
         };
         send_packed(&mut sent)?;
         send_chunks(&plan, rest, &memory, &pool, stream, &mut keep, &mut in_flight)?;
+        laps.lap("htod.send");
         // The device arrays are built while the pool packs, and what it has packed is sent on the
         // way, so that little is left to copy at the end.
         let mut columns = Vec::with_capacity(layouts.len());
@@ -171,13 +190,20 @@ fn upload_staged(
                 send_packed(&mut sent)?;
             }
         }
+        laps.lap("htod.arrays");
         // Parts no pool thread has started on are packed here, so nothing waits on an idle pool.
         parts.iter().for_each(|p| p.pack());
+        laps.lap("htod.pack");
         send_packed(&mut sent)?;
-        Ok((columns, stream.record()?))
+        let done = stream.record()?;
+        laps.lap("htod.last_copy");
+        Ok((columns, done))
     });
+    // The scope ends once every packer has returned.
+    laps.lap("htod.join");
     keep.push(Box::new(early));
     retire(result.as_ref().ok().map(|(_, e)| e), stream, keep, in_flight);
+    laps.lap("htod.retire");
     result
 }
 

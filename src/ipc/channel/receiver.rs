@@ -23,6 +23,7 @@ use crate::ipc::handle::HANDLE_BYTES;
 use crate::ipc::message::decode_schema;
 use crate::ipc::wire::{self, FrameReader, RecvError};
 use crate::memory::fence::Fence;
+use crate::trace::Laps;
 
 /// How a [`Receiver`] behaves.
 #[derive(Clone, Debug)]
@@ -262,7 +263,8 @@ impl Receiver {
             State::Ended => return Ok(None),
             State::Broken(why) => return Err(Error::Arrow(ArrowError::IpcError(why.clone()))),
         }
-        let frame = match self.next_frame() {
+        let mut laps = Laps::start();
+        let frame = match self.next_frame(&mut laps) {
             Ok(decoded) => decoded?,
             Err(RecvError::Idle(_)) => {
                 // Only a limit ends a wait with nothing read.
@@ -284,6 +286,7 @@ impl Receiver {
                 return Err(e);
             }
         };
+        laps.lap("recv.decode");
         match frame {
             Frame::Batch { id, event, descriptor } => self.import(id, event, descriptor).map(Some),
             Frame::BadBatch { id, error } => {
@@ -308,14 +311,16 @@ impl Receiver {
 
     /// The next frame from the ring, or from the socket where the ring announces one: polling
     /// for [`ReceiverOptions::poll`], then asleep. The inner error is a malformed frame, after which
-    /// the stream is still in step.
-    fn next_frame(&mut self) -> std::result::Result<Result<Frame>, RecvError> {
+    /// the stream is still in step. The wait, counted from the call (so with any time before the
+    /// sender sent), is the step `recv.wait` of `laps`.
+    fn next_frame(&mut self, laps: &mut Laps) -> std::result::Result<Result<Frame>, RecvError> {
         let start = Instant::now();
         let left = |timeout: Option<Duration>| timeout.map(|t| t.saturating_sub(start.elapsed()));
         let socket = self.link.socket.as_fd();
         while !self.on_socket {
             match self.ring.pop().map_err(RecvError::Broken)? {
                 Some(Entry::Frame(payload)) => {
+                    laps.lap("recv.wait");
                     return Ok(Frame::decode(wire::Frame {
                         payload,
                         fds: Vec::new(),
@@ -359,6 +364,7 @@ impl Receiver {
         }
         match self.reader.recv(socket, left(self.options.recv_timeout))? {
             Some(frame) => {
+                laps.lap("recv.wait");
                 self.on_socket = false;
                 Ok(Frame::decode(frame))
             }
@@ -372,6 +378,7 @@ impl Receiver {
         event: Option<IpcEventHandle>,
         descriptor: BatchDescriptor,
     ) -> Result<DeviceRecordBatch> {
+        let mut laps = Laps::start();
         let owner = Acknowledge {
             id,
             link: self.link.clone(),
@@ -389,7 +396,10 @@ impl Receiver {
             (Device::Cpu, false) => None,
             _ => Some(self.lender.clone() as Arc<dyn Fence>),
         };
+        laps.lap("recv.event");
+        // Its steps: recv.open, recv.parse, recv.build.
         let (batch, mappings) = descriptor.import_retaining(&self.schema, ready, owner, fence)?;
+        let mut laps = Laps::start();
         if self.options.retain_mappings {
             for m in mappings {
                 if !self.retained.iter().any(|r| r.same_as(&m)) {
@@ -397,6 +407,7 @@ impl Receiver {
                 }
             }
         }
+        laps.lap("recv.retain");
         Ok(batch)
     }
 

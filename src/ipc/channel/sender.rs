@@ -23,6 +23,7 @@ use crate::ipc::descriptor::{BatchDescriptor, Route};
 use crate::ipc::event::{IpcEvent, IpcEventHandle};
 use crate::ipc::message::{default_message_resource, encode_schema, write_message_to};
 use crate::memory::MemoryResource;
+use crate::trace::Laps;
 
 /// How a [`Sender`] behaves.
 #[derive(Clone, Debug)]
@@ -228,6 +229,7 @@ impl Sender {
     /// event recorded after the batch's ready event (and after the copy, if any) orders the
     /// receivers' work after it.
     pub fn send(&self, batch: &DeviceRecordBatch) -> Result<u64> {
+        let mut laps = Laps::start();
         if batch.schema().fields() != self.schema.fields() {
             return Err(Error::InvalidArgument(
                 "the batch's fields differ from the channel's schema".into(),
@@ -241,10 +243,12 @@ impl Sender {
             Route::Lend(located) => Some(located.export()?),
             Route::Copy(_) => None,
         };
+        laps.lap("send.describe");
         let estimate = described
             .as_ref()
             .map_or_else(|| batch.size_in_bytes() as u64, |d| d.body_bytes());
         self.wait_for_room(estimate);
+        laps.lap("send.credit");
         let stream = self.stream(device)?;
         let (descriptor, lease, ready): (BatchDescriptor, Box<dyn Any + Send>, Event) = match described {
             Some(d) => (d, Box::new(batch.clone()), batch.ready().clone()),
@@ -258,8 +262,12 @@ impl Sender {
                 (BatchDescriptor::of_message(&message)?, Box::new(message), ready)
             }
         };
+        laps.lap("send.message");
         let event = self.order_after(descriptor.device, &ready, &stream)?;
-        self.lend(descriptor, lease, event)
+        laps.lap("send.event");
+        let id = self.lend(descriptor, lease, event);
+        laps.lap("send.lend");
+        id
     }
 
     /// How `batch` travels: lent as it is when [`SenderOptions::zero_copy`] is on and its memory
