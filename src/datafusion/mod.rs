@@ -143,9 +143,11 @@
 //! columns, the match must be the only one: a build side with duplicate keys there makes the
 //! stage give its work back, and the rule does not place such a join where statistics say the
 //! build side has more rows than the table (it cannot then be the unique side of the key). Keys
-//! are integers, dates and decimals, one or several columns; nulls never match (`NOT IN`, whose
-//! null rule DataFusion plans as a null-aware anti join, stays with DataFusion, as do left
-//! outer, full and mark joins). A build side of more than 2^20 rows (or of rows statistics do
+//! are integers, dates, decimals and strings (their bytes in key words sized from both sides'
+//! longest strings; a longer key gives the work back), one or several columns; nulls never
+//! match. `NOT IN` (DataFusion's null-aware anti join, one key) keeps SQL's null rule: the build
+//! kernel flags a null key, and then no row is kept; a row whose key is null is kept only when
+//! the build side is empty. A build side of more than 2^20 rows (or of rows statistics do
 //! not bound) whose strings the stage reads stays with DataFusion unless it is such a device
 //! scan: copying its strings to the host and back costs more than the join saves.
 //!
@@ -155,6 +157,19 @@
 //! crosses to the host (TPC-H Q3, Q10 and Q18: lineitem joins orders, then customer, on the
 //! device). Inner joins make this exact; where B repeats a key that A would have filtered out,
 //! the stage gives its work back.
+//!
+//! A join that keeps its build side's rows without a match (left outer with the build side on
+//! the left, full outer) or marks rows by whether they have one (mark joins: `EXISTS` inside
+//! `OR`) runs as two stages whose rows together are the join's, unioned below DataFusion's final
+//! aggregate (or as rows): the matched rows (an inner, right outer or semi join, a stage over
+//! the probe side) and the build rows without a match (an anti join, a stage over the build side
+//! that hashes the probe side; the other side's columns null, or the mark `false`). TPC-H Q13
+//! (customers left-joined with their orders) runs so.
+//!
+//! A `HAVING` filter over a stage's final rows is part of the stage (`having=` in `EXPLAIN`):
+//! where one device holds every group and the filter reads only aggregates whose state is their
+//! value (`SUM`, `COUNT`, `MIN`, `MAX`), it filters that state before the rows are split among the
+//! partitions and merged (TPC-H Q18's subquery keeps about 600 of its 15 million groups at SF 10).
 //!
 //! ## Rows stages
 //!
