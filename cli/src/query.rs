@@ -51,7 +51,8 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
     /// Write the results to this file instead of stdout; for several queries, one file each,
-    /// `NAME-q6.EXT` for a TPC-H query, `NAME-2.EXT` for the second query given as SQL.
+    /// `NAME-q6.EXT` for a TPC-H query, `NAME-2.EXT` for the second query given as SQL (at the
+    /// prompt or from stdin, `NAME-N.EXT` for the Nth statement).
     #[arg(long)]
     output: Option<std::path::PathBuf>,
     /// Runs of each query (the best time is printed): 3 for queries given here, 1 at the prompt
