@@ -299,7 +299,10 @@ impl Session {
             Ok::<_, DataFusionError>((out, gpu_secs, host_run))
         })?;
         write_result(name, &out, self.format, output)?;
-        let count = format!("{} rows", out.iter().map(RecordBatch::num_rows).sum::<usize>());
+        let count = match out.iter().map(RecordBatch::num_rows).sum::<usize>() {
+            1 => "1 row".to_string(),
+            n => format!("{n} rows"),
+        };
         let Some((theirs, host_secs)) = host_run else {
             if self.timing {
                 eprintln!("{prefix}{count} in {:.2} ms", gpu_secs * 1e3);

@@ -286,7 +286,7 @@ select count(*) as n from people; select max(k) as m
     );
     // Times until `\timing` turns them off; the error of the failing statement; the count.
     assert!(stderr.contains("3 rows in "), "{stderr}");
-    assert!(!stderr.contains("1 rows in "), "{stderr}");
+    assert!(!stderr.contains("1 row in "), "{stderr}");
     assert!(stderr.contains("error: ") && stderr.contains("nowhere"), "{stderr}");
     assert!(stderr.contains("timing is off"), "{stderr}");
     assert!(stderr.contains("1 of 8 statements failed"), "{stderr}");
