@@ -1,6 +1,8 @@
 //! Staging TPC-H `lineitem` on the GPU: from `RecordBatch`es in host memory (gathered into device
 //! batches, and as they are), and from Parquet files beside DataFusion reading the same files into
-//! a `MemTable`, in GB/s of Arrow data (the bytes staging copies).
+//! a `MemTable`, in GB/s of Arrow data (the bytes staging copies). After each load, the time of
+//! its steps (`StagingTimes`: decode, prepare, handoff, idle, upload, alloc, pack, copy, wait), summed
+//! over the threads that ran each, beside the load's wall time.
 //!
 //! The scale factor comes from `ARROW_CUDA_BENCH_SF` (default 10); the Parquet files (one per
 //! core, Snappy, row groups of 1,048,576 rows) are written to `ARROW_CUDA_BENCH_DIR` (default: a
@@ -12,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use arrow_array::RecordBatch;
-use arrow_cuda::datafusion::{GpuTable, LoadOptions, Progress};
+use arrow_cuda::datafusion::{GpuTable, LoadOptions, Progress, StagingTimes};
 use arrow_cuda_workloads::tpch;
 use datafusion::datasource::MemTable;
 use datafusion::parquet::arrow::ArrowWriter;
@@ -24,17 +26,25 @@ fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-/// Runs `load` with a progress callback; returns its table, the seconds it took and the bytes it
-/// staged.
-fn timed(load: impl FnOnce(LoadOptions) -> GpuTable) -> (GpuTable, f64, u64) {
+/// Runs `load` with a progress callback and its steps timed; returns its table, the seconds it
+/// took, the bytes it staged and the time of its steps.
+fn timed(load: impl FnOnce(LoadOptions) -> GpuTable) -> (GpuTable, f64, u64, Arc<StagingTimes>) {
     let last: Arc<Mutex<Option<Progress>>> = Arc::default();
     let l = last.clone();
-    let options = LoadOptions::new().with_progress(move |p| *l.lock().unwrap() = Some(p));
+    let times = Arc::new(StagingTimes::new());
+    let options = LoadOptions::new()
+        .with_progress(move |p| *l.lock().unwrap() = Some(p))
+        .with_staging_times(times.clone());
     let t = Instant::now();
     let table = load(options);
     let secs = t.elapsed().as_secs_f64();
     let bytes = last.lock().unwrap().map_or(0, |p| p.bytes);
-    (table, secs, bytes)
+    (table, secs, bytes, times)
+}
+
+/// Prints the time of a load's steps, each summed over the threads that ran it.
+fn print_steps(times: &StagingTimes) {
+    println!("  steps, in seconds summed over threads: {times}");
 }
 
 fn main() {
@@ -55,7 +65,7 @@ fn main() {
 
     // From host batches.
     for (what, batch_rows) in [("gathered into device batches", None), ("batch by batch", Some(1))] {
-        let (table, secs, bytes) = timed(|options| {
+        let (table, secs, bytes, times) = timed(|options| {
             let options = match batch_rows {
                 Some(rows) => options.with_batch_rows(rows),
                 None => options,
@@ -69,6 +79,7 @@ fn main() {
             table.partitions().iter().map(Vec::len).sum::<usize>(),
             table.size_in_bytes() as f64 / 1e9
         );
+        print_steps(&times);
     }
 
     // From Parquet files.
@@ -98,7 +109,7 @@ fn main() {
     );
     drop(lineitem);
     let path = format!("{}/", dir.display());
-    let (table, secs, bytes) = timed(|options| {
+    let (table, secs, bytes, times) = timed(|options| {
         rt.block_on(GpuTable::from_parquet(&path, &options))
             .expect("from parquet")
     });
@@ -110,6 +121,7 @@ fn main() {
         table.partitions().iter().map(Vec::len).sum::<usize>(),
         table.size_in_bytes() as f64 / 1e9
     );
+    print_steps(&times);
     drop(table);
     let ctx = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(cores));
     let t = Instant::now();

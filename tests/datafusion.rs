@@ -13,7 +13,7 @@ use arrow_array::{
     RecordBatch, StringArray, StringViewArray, TimestampMicrosecondArray, UInt8Array,
 };
 use arrow_cuda::Device;
-use arrow_cuda::datafusion::{GpuTable, LoadOptions, Progress, supports_filter};
+use arrow_cuda::datafusion::{GpuTable, LoadOptions, Progress, StagingStep, StagingTimes, supports_filter};
 use arrow_cuda_workloads::tpch;
 use arrow_schema::{DataType, Field, Schema, SchemaRef, TimeUnit};
 use datafusion::arrow::util::pretty::pretty_format_batches;
@@ -507,7 +507,8 @@ fn statistics_values() {
     });
 }
 
-/// Loading reports progress; other providers, Parquet and CSV files load and query like the source.
+/// Loading reports progress and, when asked, the time of its steps; other providers, Parquet and
+/// CSV files load and query like the source.
 #[test]
 fn loading_from_providers_and_files() {
     common::each_device(|device, _| {
@@ -561,12 +562,26 @@ fn loading_from_providers_and_files() {
                 .await
                 .expect("write csv");
         });
+        // With its steps timed: each that ran counted some time, and none that did not.
+        let times = Arc::new(StagingTimes::new());
         let from_parquet = runtime()
             .block_on(GpuTable::from_parquet(
                 &parquet,
-                &LoadOptions::new().with_device(device),
+                &LoadOptions::new().with_device(device).with_staging_times(times.clone()),
             ))
             .expect("from parquet");
+        let ran = [
+            StagingStep::Decode,
+            StagingStep::Prepare,
+            StagingStep::Upload,
+            StagingStep::Alloc,
+            StagingStep::Pack,
+        ];
+        for step in ran {
+            assert!(!times.get(step).is_zero(), "{step:?}: {times}");
+        }
+        let gpu_only = StagingStep::Copy;
+        assert_eq!(times.get(gpu_only).is_zero(), device == Device::Cpu, "{times}");
         let from_csv = runtime()
             .block_on(GpuTable::from_csv(
                 &csv,

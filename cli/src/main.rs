@@ -3,6 +3,7 @@
 mod bench;
 mod info;
 mod ipc;
+mod prompt;
 mod query;
 
 use std::process::ExitCode;

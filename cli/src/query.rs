@@ -1,25 +1,31 @@
 //! `arrow-cuda query`: TPC-H (generated in process) or Parquet / CSV files staged on the GPU, then SQL.
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use arrow_array::RecordBatch;
+use arrow_array::{ArrayRef, RecordBatch, StringArray, UInt64Array};
 use arrow_cuda::Device;
-use arrow_cuda::datafusion::{GpuTable, LoadOptions, with_device_stages, with_gpu_tables};
+use arrow_cuda::datafusion::{
+    GPU_FILE_TYPE, GpuTable, LoadOptions, files_statement, with_device_stages, with_gpu_tables,
+};
 use arrow_cuda_workloads::tpch;
 use arrow_schema::SchemaRef;
 use datafusion::arrow::util::pretty::pretty_format_batches;
-use datafusion::catalog::TableProvider;
+use datafusion::catalog::{TableProvider, TableProviderFactory};
 use datafusion::datasource::MemTable;
+use datafusion::datasource::listing_table_factory::ListingTableFactory;
 use datafusion::error::DataFusionError;
 use datafusion::execution::SessionStateBuilder;
-use datafusion::logical_expr::LogicalPlan;
+use datafusion::logical_expr::{CreateExternalTable, LogicalPlan, TableType};
+use datafusion::physical_plan::collect_partitioned;
 use datafusion::prelude::{CsvReadOptions, SessionConfig, SessionContext};
 use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
 
 /// Options of `arrow-cuda query`.
 #[derive(clap::Args)]
+#[command(after_help = crate::prompt::ABOUT)]
 pub struct Args {
     /// Generate the 8 TPC-H tables at this scale factor and stage them.
     #[arg(long)]
@@ -36,7 +42,8 @@ pub struct Args {
     #[arg(long)]
     device: Option<crate::DeviceArg>,
     /// Also run each query on DataFusion's MemTable over the same batches (of the tables given
-    /// with --tpch, --parquet and --csv), print both times and check that both return the same
+    /// with --tpch, --parquet and --csv, and those `CREATE EXTERNAL TABLE ... STORED AS GPU`
+    /// makes, read from the same files), print both times and check that both return the same
     /// rows (a difference fails the query).
     #[arg(long)]
     compare: bool,
@@ -44,15 +51,18 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
     /// Write the results to this file instead of stdout; for several queries, one file each,
-    /// `NAME-q6.EXT` for a TPC-H query, `NAME-2.EXT` for the second query given as SQL.
+    /// `NAME-q6.EXT` for a TPC-H query, `NAME-2.EXT` for the second query given as SQL (at the
+    /// prompt or from stdin, `NAME-N.EXT` for the Nth statement).
     #[arg(long)]
     output: Option<std::path::PathBuf>,
-    /// Runs of each query (the best time is printed).
-    #[arg(long, default_value_t = 3)]
-    runs: usize,
+    /// Runs of each query (the best time is printed): 3 for queries given here, 1 at the prompt
+    /// or from stdin.
+    #[arg(long)]
+    runs: Option<usize>,
     /// Queries, in order: `q1` ... `q22` (TPC-H) or SQL text; statements such as `CREATE EXTERNAL
     /// TABLE t STORED AS GPU LOCATION 'path'` (Parquet, or CSV with `OPTIONS ('has_header'
-    /// 'true')`) run once. Default: q6.
+    /// 'true')`) run once. With none, an interactive prompt when stdin is a terminal, else the
+    /// statements read from stdin (see below).
     queries: Vec<String>,
 }
 
@@ -82,7 +92,8 @@ impl Format {
 
 /// `arrow-cuda query`: stages the tables, then runs each query on them with device stages (and on
 /// `MemTable`s with `--compare`), writing its result and printing its times. A failing query
-/// prints its error and the others still run; the command fails when any did.
+/// prints its error and the others still run; the command fails when any did. With no query,
+/// statements come from the prompt (stdin a terminal) or from stdin as a script.
 pub fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let device = match args.device {
         Some(d) => d.resolve()?,
@@ -95,133 +106,27 @@ pub fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         },
     };
     let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
-    let config = SessionConfig::new().with_target_partitions(cores);
-    let gpu = device_session(config.clone(), device);
-    let host = SessionContext::new_with_config(config);
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-
-    // Generated tables: each one's name and batches, by partition.
-    let mut generated: Vec<(String, Vec<Vec<RecordBatch>>)> = Vec::new();
-    if let Some(sf) = args.tpch {
-        let t = Instant::now();
-        let tables = tpch::tables(sf, cores, tpch::LARGE_BATCH_SIZE)?;
-        generated.extend(tables.into_iter().map(|t| (t.name.to_string(), t.partitions)));
-        eprintln!("generated the 8 TPC-H tables at SF {sf} in {:.2?}", t.elapsed());
-    }
-    if generated.is_empty() && args.parquet.is_empty() && args.csv.is_empty() && args.queries.is_empty() {
-        return Err("nothing to query: give --tpch SF, --parquet FILE, --csv FILE or \
-                    CREATE EXTERNAL TABLE ... STORED AS GPU"
-            .into());
-    }
-    for (name, partitions) in generated {
-        let schema = match partitions.iter().flatten().next() {
-            Some(b) => b.schema(),
-            None => continue,
+    let mut session = Session::new(args, device, cores)?;
+    session.stage_tables(args, cores)?;
+    if args.queries.is_empty() {
+        let runs = args.runs.unwrap_or(1);
+        let stdin = std::io::stdin();
+        return match stdin.is_terminal() {
+            true => crate::prompt::interactive(&mut session, runs),
+            false => crate::prompt::script(&mut session, runs, stdin.lock()),
         };
-        let (table, secs) = stage(&name, schema.clone(), partitions.clone(), device)?;
-        staged(&name, &table, device, secs);
-        gpu.register_table(name.as_str(), Arc::new(table))?;
-        if args.compare {
-            host.register_table(name.as_str(), Arc::new(MemTable::try_new(schema, partitions)?))?;
-        }
     }
-    // Files: staged straight from them (Parquet row groups decoded on every core); with
-    // --compare, also read by DataFusion into a MemTable.
-    let files = args
-        .parquet
-        .iter()
-        .map(|a| (a, true))
-        .chain(args.csv.iter().map(|a| (a, false)));
-    for (arg, parquet) in files {
-        let (name, path) = named(arg);
-        let (bar, options) = progress_bar(&name, device)?;
-        let t = Instant::now();
-        let table = runtime.block_on(async {
-            match parquet {
-                true => GpuTable::from_parquet(path, &options).await,
-                false => GpuTable::from_csv(path, CsvReadOptions::new(), &options).await,
-            }
-        });
-        bar.finish_and_clear();
-        let table = table?;
-        staged(&name, &table, device, t.elapsed().as_secs_f64());
-        if args.compare {
-            let df = match parquet {
-                true => runtime.block_on(host.read_parquet(path, Default::default()))?,
-                false => runtime.block_on(host.read_csv(path, CsvReadOptions::new()))?,
-            };
-            let partitions = runtime.block_on(df.collect_partitioned())?;
-            host.register_table(name.as_str(), Arc::new(MemTable::try_new(table.schema(), partitions)?))?;
-        }
-        gpu.register_table(name.as_str(), Arc::new(table))?;
-    }
-
-    let queries = if args.queries.is_empty() {
-        vec!["q6".to_string()]
-    } else {
-        args.queries.clone()
-    };
+    let runs = args.runs.unwrap_or(3);
     let mut failed = Vec::new();
-    for (i, q) in queries.iter().enumerate() {
+    for (i, q) in args.queries.iter().enumerate() {
         let sql = tpch::query(q).unwrap_or(q.as_str());
         // A file per query: a TPC-H query's name, else the query's place on the command line.
         let label = match tpch::query(q) {
             Some(_) => q.to_lowercase(),
             None => (i + 1).to_string(),
         };
-        let output = args.output.as_ref().map(|path| match queries.len() {
-            1 => path.clone(),
-            _ => {
-                let stem = path
-                    .file_stem()
-                    .map_or("out".into(), |s| s.to_string_lossy().into_owned());
-                let ext = path
-                    .extension()
-                    .map_or(args.format.extension().into(), |e| e.to_string_lossy().into_owned());
-                path.with_file_name(format!("{stem}-{label}.{ext}"))
-            }
-        });
-        // Statements that change the session (CREATE EXTERNAL TABLE ... STORED AS GPU, say) run
-        // once, on the device session only.
-        let plan = runtime.block_on(gpu.state().create_logical_plan(sql));
-        if let Ok(plan @ (LogicalPlan::Ddl(_) | LogicalPlan::Statement(_))) = plan {
-            let t = Instant::now();
-            match runtime.block_on(async { gpu.execute_logical_plan(plan).await?.collect().await }) {
-                Ok(_) => eprintln!("{q}: done in {:.2} s", t.elapsed().as_secs_f64()),
-                Err(e) => {
-                    eprintln!("{q}: error: {e}");
-                    failed.push(q.as_str());
-                }
-            }
-            continue;
-        }
-        let outcome = runtime.block_on(async {
-            let (out, gpu_secs) = time_query(&gpu, sql, args.runs).await?;
-            let host_run = match args.compare {
-                true => Some(time_query(&host, sql, args.runs).await?),
-                false => None,
-            };
-            Ok::<_, Box<dyn std::error::Error>>((out, gpu_secs, host_run))
-        });
-        let result = outcome.and_then(|(out, gpu_secs, host_run)| {
-            write_result(q, &out, args.format, output.as_deref())?;
-            let Some((theirs, host_secs)) = host_run else {
-                eprintln!("{q}: {:.2} ms", gpu_secs * 1e3);
-                return Ok(());
-            };
-            eprintln!(
-                "{q}: {:.2} ms on the {device} table, {:.2} ms on MemTable ({:.1}x)",
-                gpu_secs * 1e3,
-                host_secs * 1e3,
-                host_secs / gpu_secs
-            );
-            let ordered = sql.to_lowercase().contains("order by");
-            if rows(&out, ordered)? != rows(&theirs, ordered)? {
-                return Err(format!("the {device} table's rows differ from MemTable's").into());
-            }
-            Ok(())
-        });
-        if let Err(e) = result {
+        let output = session.output(&label, args.queries.len() > 1);
+        if let Err(e) = session.execute(Some(q), sql, runs, output.as_deref()) {
             eprintln!("{q}: error: {e}");
             failed.push(q.as_str());
         }
@@ -231,16 +136,254 @@ pub fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         some => Err(format!(
             "{} of {} queries failed: {}",
             some.len(),
-            queries.len(),
+            args.queries.len(),
             some.join(", ")
         )
         .into()),
     }
 }
 
-/// Writes the result of query `q` as `format` to `path`, or to stdout.
+/// What `arrow-cuda query` runs statements on: the device session and, with `--compare`, the host
+/// session of `MemTable`s that every query runs on too.
+pub(crate) struct Session {
+    gpu: SessionContext,
+    host: Option<SessionContext>,
+    runtime: tokio::runtime::Runtime,
+    device: Device,
+    format: Format,
+    output: Option<PathBuf>,
+    /// Whether times are printed (`\timing` at the prompt turns them off and on).
+    pub(crate) timing: bool,
+}
+
+impl Session {
+    /// The sessions for `args` on `device`, with `cores` partitions; no tables yet.
+    fn new(args: &Args, device: Device, cores: usize) -> Result<Self, Box<dyn std::error::Error>> {
+        let config = SessionConfig::new().with_target_partitions(cores);
+        let host = args.compare.then(|| {
+            let state = SessionStateBuilder::new()
+                .with_default_features()
+                .with_config(config.clone())
+                .with_table_factory(GPU_FILE_TYPE.to_string(), Arc::new(HostTables));
+            SessionContext::new_with_state(state.build())
+        });
+        Ok(Session {
+            gpu: device_session(config, device),
+            host,
+            runtime: tokio::runtime::Builder::new_multi_thread().enable_all().build()?,
+            device,
+            format: args.format,
+            output: args.output.clone(),
+            timing: true,
+        })
+    }
+
+    /// The device this session stages tables on.
+    pub(crate) fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Stages the tables of `--tpch`, `--parquet` and `--csv` (and, with `--compare`, registers
+    /// them as `MemTable`s in the host session).
+    fn stage_tables(&mut self, args: &Args, cores: usize) -> Result<(), Box<dyn std::error::Error>> {
+        let device = self.device;
+        // Generated tables: each one's name and batches, by partition.
+        let mut generated: Vec<(String, Vec<Vec<RecordBatch>>)> = Vec::new();
+        if let Some(sf) = args.tpch {
+            let t = Instant::now();
+            let tables = tpch::tables(sf, cores, tpch::LARGE_BATCH_SIZE)?;
+            generated.extend(tables.into_iter().map(|t| (t.name.to_string(), t.partitions)));
+            eprintln!("generated the 8 TPC-H tables at SF {sf} in {:.2?}", t.elapsed());
+        }
+        for (name, partitions) in generated {
+            let schema = match partitions.iter().flatten().next() {
+                Some(b) => b.schema(),
+                None => continue,
+            };
+            let (table, secs) = stage(&name, schema.clone(), partitions.clone(), device)?;
+            staged(&name, &table, device, secs);
+            self.gpu.register_table(name.as_str(), Arc::new(table))?;
+            if let Some(host) = &self.host {
+                host.register_table(name.as_str(), Arc::new(MemTable::try_new(schema, partitions)?))?;
+            }
+        }
+        // Files: staged straight from them (Parquet row groups decoded on every core); with
+        // --compare, also read by DataFusion into a MemTable.
+        let files = args
+            .parquet
+            .iter()
+            .map(|a| (a, true))
+            .chain(args.csv.iter().map(|a| (a, false)));
+        for (arg, parquet) in files {
+            let (name, path) = named(arg);
+            let (bar, options) = progress_bar(&name, device)?;
+            let t = Instant::now();
+            let table = self.runtime.block_on(async {
+                match parquet {
+                    true => GpuTable::from_parquet(path, &options).await,
+                    false => GpuTable::from_csv(path, CsvReadOptions::new(), &options).await,
+                }
+            });
+            bar.finish_and_clear();
+            let table = table?;
+            staged(&name, &table, device, t.elapsed().as_secs_f64());
+            if let Some(host) = &self.host {
+                let df = match parquet {
+                    true => self.runtime.block_on(host.read_parquet(path, Default::default()))?,
+                    false => self.runtime.block_on(host.read_csv(path, CsvReadOptions::new()))?,
+                };
+                let partitions = self.runtime.block_on(df.collect_partitioned())?;
+                host.register_table(name.as_str(), Arc::new(MemTable::try_new(table.schema(), partitions)?))?;
+            }
+            self.gpu.register_table(name.as_str(), Arc::new(table))?;
+        }
+        Ok(())
+    }
+
+    /// Where the result labelled `label` goes: `--output` itself, or with `several` results,
+    /// `NAME-LABEL.EXT` beside it; `None` for stdout.
+    pub(crate) fn output(&self, label: &str, several: bool) -> Option<PathBuf> {
+        let path = self.output.as_ref()?;
+        if !several {
+            return Some(path.clone());
+        }
+        let stem = path
+            .file_stem()
+            .map_or("out".into(), |s| s.to_string_lossy().into_owned());
+        let ext = path
+            .extension()
+            .map_or(self.format.extension().into(), |e| e.to_string_lossy().into_owned());
+        Some(path.with_file_name(format!("{stem}-{label}.{ext}")))
+    }
+
+    /// Runs one SQL statement. A query runs `runs` times on the device session (and on the host
+    /// session with `--compare`, where rows that differ are an error); its result goes to
+    /// `output` (stdout when `None`), headed by `name` in a text table, and `name` starts the
+    /// line of its times. A statement that changes the session (`CREATE EXTERNAL TABLE ...
+    /// STORED AS GPU`, `CREATE VIEW`, `SET`, ...) runs once, on both sessions.
+    pub(crate) fn execute(
+        &self,
+        name: Option<&str>,
+        sql: &str,
+        runs: usize,
+        output: Option<&Path>,
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let prefix = name.map_or(String::new(), |n| format!("{n}: "));
+        let device = self.device;
+        let plan = self.runtime.block_on(self.gpu.state().create_logical_plan(sql))?;
+        if let LogicalPlan::Ddl(_) | LogicalPlan::Statement(_) = plan {
+            let t = Instant::now();
+            self.runtime
+                .block_on(async { self.gpu.execute_logical_plan(plan).await?.collect().await })?;
+            if let Some(host) = &self.host {
+                self.runtime
+                    .block_on(async { host.sql(sql).await?.collect().await })
+                    .map_err(|e| format!("on MemTable: {e}"))?;
+            }
+            if self.timing {
+                eprintln!("{prefix}done in {:.2} s", t.elapsed().as_secs_f64());
+            }
+            return Ok(());
+        }
+        // A plan's text differs between the engines: EXPLAIN runs on the device session only.
+        let host = match plan {
+            LogicalPlan::Explain(_) | LogicalPlan::Analyze(_) => None,
+            _ => self.host.as_ref(),
+        };
+        let (out, gpu_secs, host_run) = self.runtime.block_on(async {
+            let (out, gpu_secs) = time_query(&self.gpu, sql, runs).await?;
+            let host_run = match host {
+                Some(host) => Some(time_query(host, sql, runs).await?),
+                None => None,
+            };
+            Ok::<_, DataFusionError>((out, gpu_secs, host_run))
+        })?;
+        write_result(name, &out, self.format, output)?;
+        let count = match out.iter().map(RecordBatch::num_rows).sum::<usize>() {
+            1 => "1 row".to_string(),
+            n => format!("{n} rows"),
+        };
+        let Some((theirs, host_secs)) = host_run else {
+            if self.timing {
+                eprintln!("{prefix}{count} in {:.2} ms", gpu_secs * 1e3);
+            }
+            return Ok(());
+        };
+        if self.timing {
+            eprintln!(
+                "{prefix}{count} in {:.2} ms on the {device} table, {:.2} ms on MemTable ({:.1}x)",
+                gpu_secs * 1e3,
+                host_secs * 1e3,
+                host_secs / gpu_secs
+            );
+        }
+        let ordered = sql.to_lowercase().contains("order by");
+        if rows(&out, ordered)? != rows(&theirs, ordered)? {
+            return Err(format!("the {device} table's rows differ from MemTable's").into());
+        }
+        Ok(())
+    }
+
+    /// The tables of the device session, a row each (sorted by name): its name, what it is, and
+    /// for a GPU table its rows, bytes and device; as `--format` writes them.
+    pub(crate) fn list_tables(&self) -> Result<(), Box<dyn std::error::Error>> {
+        let options = self.gpu.state().config().options().catalog.clone();
+        let schema = self
+            .gpu
+            .catalog(&options.default_catalog)
+            .and_then(|c| c.schema(&options.default_schema))
+            .ok_or("the session has no default schema")?;
+        let mut names = schema.table_names();
+        names.sort();
+        let (mut kinds, mut rows, mut bytes) = (Vec::new(), Vec::new(), Vec::new());
+        for name in &names {
+            let table = self.runtime.block_on(schema.table(name))?;
+            let gpu = table.as_deref().and_then(|t| t.downcast_ref::<GpuTable>());
+            let kind = match (gpu, table.as_ref().map(|t| t.table_type())) {
+                (Some(g), _) => {
+                    let devices: Vec<String> = g.partition_devices().iter().map(Device::to_string).collect();
+                    format!("GPU table on {}", devices.join(", "))
+                }
+                (None, Some(TableType::View)) => "view".to_string(),
+                (None, _) => "table".to_string(),
+            };
+            kinds.push(kind);
+            rows.push(gpu.map(|g| g.num_rows() as u64));
+            bytes.push(gpu.map(|g| g.size_in_bytes() as u64));
+        }
+        let batch = RecordBatch::try_from_iter([
+            ("name", Arc::new(StringArray::from(names)) as ArrayRef),
+            ("type", Arc::new(StringArray::from(kinds))),
+            ("rows", Arc::new(UInt64Array::from(rows))),
+            ("bytes", Arc::new(UInt64Array::from(bytes))),
+        ])?;
+        write_result(None, &[batch], self.format, None)
+    }
+}
+
+/// `CREATE EXTERNAL TABLE ... STORED AS GPU` in the host session of `--compare`: the files the
+/// device session stages, read by DataFusion into a `MemTable` (as `--parquet` and `--csv` tables
+/// are), so that both engines answer every query on it.
+#[derive(Debug)]
+struct HostTables;
+
+#[async_trait::async_trait]
+impl TableProviderFactory for HostTables {
+    async fn create(
+        &self,
+        state: &dyn datafusion::catalog::Session,
+        cmd: &CreateExternalTable,
+    ) -> datafusion::error::Result<Arc<dyn TableProvider>> {
+        let listing = ListingTableFactory::new().create(state, &files_statement(cmd)?).await?;
+        let plan = listing.scan(state, None, &[], None).await?;
+        let partitions = collect_partitioned(plan, state.task_ctx()).await?;
+        Ok(Arc::new(MemTable::try_new(listing.schema(), partitions)?))
+    }
+}
+
+/// Writes `batches` as `format` to `path`, or to stdout; a text table is headed by `name`.
 fn write_result(
-    q: &str,
+    name: Option<&str>,
     batches: &[RecordBatch],
     format: Format,
     path: Option<&std::path::Path>,
@@ -250,7 +393,10 @@ fn write_result(
         None => Box::new(std::io::stdout().lock()),
     };
     match format {
-        Format::Table => writeln!(out, "{q}:\n{}", pretty_format_batches(batches)?)?,
+        Format::Table => match name {
+            Some(name) => writeln!(out, "{name}:\n{}", pretty_format_batches(batches)?)?,
+            None => writeln!(out, "{}", pretty_format_batches(batches)?)?,
+        },
         Format::Csv => {
             let mut w = arrow_csv::Writer::new(&mut out);
             batches.iter().try_for_each(|b| w.write(b))?;

@@ -13,6 +13,22 @@ fn arrow_cuda(args: &[&str], envs: &[(&str, &str)]) -> Output {
     c.output().expect("run arrow-cuda")
 }
 
+/// `arrow-cuda ARGS` with `input` on its stdin (a pipe: not a terminal).
+fn arrow_cuda_with_input(args: &[&str], input: &str) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_arrow-cuda"))
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run arrow-cuda");
+    let mut stdin = child.stdin.take().expect("stdin");
+    stdin.write_all(input.as_bytes()).expect("write stdin");
+    drop(stdin);
+    child.wait_with_output().expect("wait for arrow-cuda")
+}
+
 fn text(o: &Output) -> String {
     format!(
         "{}{}",
@@ -214,6 +230,128 @@ fn query_stages_files_from_the_command_line_and_from_sql() {
     assert_eq!(String::from_utf8_lossy(&o.stdout), "t\n60\n", "{out}");
     assert!(
         out.contains("does not exist") && out.contains("1 of 3 queries failed"),
+        "{out}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// With no query and stdin not a terminal, `query` runs the statements it reads there as the
+/// prompt would: statements over several lines ending at `;` (not at one in a string or comment),
+/// `CREATE EXTERNAL TABLE ... STORED AS GPU`, `\d` and `\d NAME`, `\timing`; a failing statement
+/// prints its error, the others still run, and the exit status says so. `--help` tells of it.
+#[test]
+fn query_reads_statements_from_stdin() {
+    let o = arrow_cuda(&["query", "--help"], &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    for words in ["interactive prompt", "\\d NAME", "\\timing", "\\q", "history"] {
+        assert!(text(&o).contains(words), "{words}: {}", text(&o));
+    }
+    let dir = std::env::temp_dir().join(format!("arrow-cuda-cli-script-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let csv = dir.join("people.csv");
+    std::fs::write(&csv, "k,name\n1,ann\n2,bob;\n3,cy\n").unwrap();
+    let script = format!(
+        "create external table people stored as gpu location '{}'
+    options ('has_header' 'true');
+\\d
+\\d people
+-- a comment; not a statement
+select k, name -- the names; one has a ';'
+from people
+where name <> 'x;y'
+order by k;
+select * from nowhere;
+\\timing
+select count(*) as n from people; select max(k) as m
+  from people
+",
+        csv.display()
+    );
+    let o = arrow_cuda_with_input(&["query", "--device", "cpu", "--format", "csv"], &script);
+    let (stdout, stderr) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(!o.status.success(), "{}", text(&o));
+    // `\d` lists the table with its rows and bytes (however many alignment takes).
+    let (listing, rest) = stdout.split_at(stdout.find("column_name").unwrap_or(0));
+    assert!(
+        listing.starts_with("name,type,rows,bytes\npeople,GPU table on cpu,3,"),
+        "{stdout}"
+    );
+    assert_eq!(
+        rest,
+        "column_name,data_type,is_nullable\nk,Int64,YES\nname,Utf8,YES\n\
+         k,name\n1,ann\n2,bob;\n3,cy\n\
+         n\n3\n\
+         m\n3\n",
+        "{stderr}"
+    );
+    // Times until `\timing` turns them off; the error of the failing statement; the count.
+    assert!(stderr.contains("3 rows in "), "{stderr}");
+    assert!(!stderr.contains("1 row in "), "{stderr}");
+    assert!(stderr.contains("error: ") && stderr.contains("nowhere"), "{stderr}");
+    assert!(stderr.contains("timing is off"), "{stderr}");
+    assert!(stderr.contains("1 of 8 statements failed"), "{stderr}");
+    // Without the failing statement it succeeds; `\q` ends the script.
+    let o = arrow_cuda_with_input(
+        &[
+            "query",
+            "--device",
+            "cpu",
+            "--format",
+            "csv",
+            "--csv",
+            csv.to_str().unwrap(),
+        ],
+        "select count(*) as n from people;\n\\q\nselect * from nowhere;\n",
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "n\n3\n");
+    let o = arrow_cuda_with_input(&["query", "--device", "cpu"], "\\d nowhere\n\\nothing\n");
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("unknown command `\\nothing`"), "{}", text(&o));
+    assert!(text(&o).contains("2 of 2 statements failed"), "{}", text(&o));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--compare` compares tables made by `CREATE EXTERNAL TABLE ... STORED AS GPU` too: MemTable
+/// reads the same files, so both engines answer; rows that differ fail the query.
+#[test]
+fn compare_reads_tables_created_in_sql() {
+    let dir = std::env::temp_dir().join(format!("arrow-cuda-cli-compare-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let csv = dir.join("t.csv");
+    std::fs::write(&csv, "k,v\n1,10\n2,20\n3,30\n").unwrap();
+    let create = format!(
+        "create external table t stored as gpu location '{}' options ('has_header' 'true')",
+        csv.display()
+    );
+    let base = [
+        "query",
+        "--device",
+        "cpu",
+        "--compare",
+        "--runs",
+        "1",
+        "--format",
+        "csv",
+    ];
+    let o = arrow_cuda(
+        &[&base[..], &[&create, "select k, v from t where v > 10"]].concat(),
+        &[],
+    );
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "k,v\n2,20\n3,30\n", "{out}");
+    assert!(out.contains("2 rows in ") && out.contains("on MemTable"), "{out}");
+    // The same from stdin, and a result no two runs share: a difference is an error.
+    let o = arrow_cuda_with_input(
+        &base,
+        &format!("{create};\nselect sum(v) as s from t;\nselect random() as r;\n"),
+    );
+    let out = text(&o);
+    assert!(!o.status.success(), "{out}");
+    assert!(String::from_utf8_lossy(&o.stdout).starts_with("s\n60\n"), "{out}");
+    assert!(
+        out.contains("rows differ from MemTable's") && out.contains("1 of 3 statements failed"),
         "{out}"
     );
     std::fs::remove_dir_all(&dir).unwrap();

@@ -60,33 +60,43 @@ impl GpuTableFactory {
 #[async_trait]
 impl TableProviderFactory for GpuTableFactory {
     async fn create(&self, state: &dyn Session, cmd: &CreateExternalTable) -> DfResult<Arc<dyn TableProvider>> {
-        let mut options = cmd.options.clone();
-        let format = match options.remove(FORMAT_OPTION) {
-            Some(format) => format,
-            None => guess_format(&cmd.locations).to_string(),
-        };
-        let format = match format.to_lowercase().as_str() {
-            "parquet" => "PARQUET",
-            "csv" => "CSV",
-            _ => {
-                return plan_err!(
-                    "GPU tables are staged from Parquet or CSV files, not `{format}`: \
-                     OPTIONS ('format' 'parquet') or OPTIONS ('format' 'csv')"
-                );
-            }
-        };
-        if !cmd.table_partition_cols.is_empty() {
-            return not_impl_err!("GPU tables do not take partition columns (PARTITIONED BY)");
-        }
+        let listing = files_statement(cmd)?;
         let load_options = self.options.clone().with_name(cmd.name.to_string());
-        let listing = CreateExternalTable {
-            file_type: format.to_string(),
-            options,
-            ..cmd.clone()
-        };
         let table = load_listing(state, &listing, load_options).await?;
         Ok(Arc::new(table))
     }
+}
+
+/// The `STORED AS PARQUET` or `STORED AS CSV` statement that reads the files of `cmd`, a
+/// `CREATE EXTERNAL TABLE ... STORED AS GPU`, with the same options: the table [`GpuTableFactory`]
+/// stages is the one DataFusion's `ListingTableFactory` makes of it, so a host session can read
+/// the same table by running it (the CLI's `--compare` does).
+///
+/// Fails for a format other than Parquet or CSV and for partition columns, as the factory does.
+pub fn files_statement(cmd: &CreateExternalTable) -> DfResult<CreateExternalTable> {
+    let mut options = cmd.options.clone();
+    let format = match options.remove(FORMAT_OPTION) {
+        Some(format) => format,
+        None => guess_format(&cmd.locations).to_string(),
+    };
+    let format = match format.to_lowercase().as_str() {
+        "parquet" => "PARQUET",
+        "csv" => "CSV",
+        _ => {
+            return plan_err!(
+                "GPU tables are staged from Parquet or CSV files, not `{format}`: \
+                 OPTIONS ('format' 'parquet') or OPTIONS ('format' 'csv')"
+            );
+        }
+    };
+    if !cmd.table_partition_cols.is_empty() {
+        return not_impl_err!("GPU tables do not take partition columns (PARTITIONED BY)");
+    }
+    Ok(CreateExternalTable {
+        file_type: format.to_string(),
+        options,
+        ..cmd.clone()
+    })
 }
 
 /// `builder` with [`GpuTableFactory`] installed for `STORED AS GPU`, staging tables with `options`

@@ -18,7 +18,8 @@
 //! few prepared batches wait at most: host memory never holds the whole table. Partitions are
 //! the input's (runs of consecutive row groups for Parquet, one per core) unless
 //! [`LoadOptions::with_partitions`] sets them. [`LoadOptions::with_progress`] reports the bytes
-//! decoded and the bytes on the device.
+//! decoded and the bytes on the device; [`LoadOptions::with_staging_times`] counts the time of
+//! each step ([`StagingTimes`]).
 //!
 //! # Tables from SQL
 //!
@@ -32,7 +33,8 @@
 //!
 //! The location is a Parquet file or directory (CSV where it ends in `.csv`, or with `OPTIONS
 //! ('format' 'csv')`); other options are DataFusion's own for the format. `arrow-cuda query`
-//! takes such statements among its queries.
+//! takes such statements among its queries. [`files_statement`] gives the `STORED AS PARQUET` or
+//! `STORED AS CSV` statement of the same files, for a host session that should read the same table.
 //!
 //! # Filters
 //!
@@ -220,7 +222,8 @@ mod staging;
 mod stats;
 mod table;
 
-pub use files::{GPU_FILE_TYPE, GpuTableFactory, with_gpu_tables};
+pub use crate::transfer::times::{StagingStep, StagingTimes};
+pub use files::{GPU_FILE_TYPE, GpuTableFactory, files_statement, with_gpu_tables};
 pub use nvrtc::gpu_kernels_available;
 pub use options::{DEFAULT_BATCH_ROWS, LoadOptions, Progress, ProgressFn, default_device};
 pub use predicate::supports_filter;

@@ -4,6 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::device::Device;
+use crate::transfer::times::StagingTimes;
 
 /// How far a load has come, passed to the callback of [`LoadOptions::with_progress`] each time a
 /// device batch's worth of data has been decoded (or gathered) on the host and each time one has
@@ -47,6 +48,7 @@ pub struct LoadOptions {
     pub(crate) streams_per_device: Option<usize>,
     pub(crate) partitions: Option<usize>,
     pub(crate) batch_rows: Option<usize>,
+    pub(crate) staging_times: Option<Arc<StagingTimes>>,
 }
 
 impl fmt::Debug for LoadOptions {
@@ -59,6 +61,7 @@ impl fmt::Debug for LoadOptions {
             .field("streams_per_device", &self.streams_per_device)
             .field("partitions", &self.partitions)
             .field("batch_rows", &self.batch_rows)
+            .field("staging_times", &self.staging_times)
             .finish()
     }
 }
@@ -126,6 +129,14 @@ impl LoadOptions {
     /// ones scan fastest; `1` keeps the input's batches as they are.
     pub fn with_batch_rows(mut self, rows: usize) -> Self {
         self.batch_rows = Some(rows.max(1));
+        self
+    }
+
+    /// Counts the wall time of each step of the load (decoding, preparing, packing into pinned
+    /// staging, issuing copies, waiting for them, ...) in `times`, summed over the threads that
+    /// ran it: to see where a load spends its time. Off by default.
+    pub fn with_staging_times(mut self, times: Arc<StagingTimes>) -> Self {
+        self.staging_times = Some(times);
         self
     }
 

@@ -19,6 +19,8 @@ use super::table::{GpuTable, TableData};
 use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Stream};
 use crate::error::Error;
+use crate::transfer::htod_async_timed;
+use crate::transfer::times::{StagingStep, StagingTimes, timed};
 
 /// Batches into `n` partitions round-robin, or as they are.
 pub(crate) fn redistribute(partitions: Vec<Vec<RecordBatch>>, n: Option<usize>) -> Vec<Vec<RecordBatch>> {
@@ -198,6 +200,8 @@ pub(crate) fn stage_parallel<U: Send>(
         .min(units.len());
     let queue = std::sync::Mutex::new(units.into_iter().enumerate());
     let schema = stager.schema.clone();
+    let times = stager.times.clone();
+    let times = times.as_deref();
     let (tx, rx) = std::sync::mpsc::sync_channel::<DfResult<(usize, usize, Prepared)>>(2);
     std::thread::scope(|scope| {
         for _ in 0..workers {
@@ -213,17 +217,21 @@ pub(crate) fn stage_parallel<U: Send>(
                     let Some((order, (partition, unit))) = next else {
                         return;
                     };
-                    let prepared = make(unit).and_then(|b| prepare(schema, b));
+                    let prepared = timed(times, StagingStep::Decode, || make(unit))
+                        .and_then(|b| timed(times, StagingStep::Prepare, || prepare(schema, b)));
                     let failed = prepared.is_err();
+                    let sent = timed(times, StagingStep::Handoff, || {
+                        tx.send(prepared.map(|p| (order, partition, p)))
+                    });
                     // A closed queue means the stager stopped on an error: stop too.
-                    if tx.send(prepared.map(|p| (order, partition, p))).is_err() || failed {
+                    if sent.is_err() || failed {
                         return;
                     }
                 }
             });
         }
         drop(tx);
-        for prepared in rx {
+        while let Ok(prepared) = timed(times, StagingStep::Idle, || rx.recv()) {
             let (order, partition, prepared) = prepared?;
             stager.decoded(prepared.bytes());
             stager.put(order, partition, prepared)?;
@@ -262,6 +270,8 @@ pub(crate) struct Stager {
     progress: Option<ProgressFn>,
     done: Progress,
     streams_per_device: usize,
+    /// Where the load's steps count their time, if anywhere.
+    pub(crate) times: Option<Arc<StagingTimes>>,
 }
 
 impl Stager {
@@ -324,6 +334,7 @@ impl Stager {
                 total_bytes,
             },
             streams_per_device: options.streams_per_device.unwrap_or(4),
+            times: options.staging_times.clone(),
         })
     }
 
@@ -402,7 +413,7 @@ impl Stager {
         self.check_room(device, bytes)?;
         let stream = &self.streams[&device];
         let resource = crate::memory::MemoryResource::default_for(device);
-        let staged = crate::transfer::htod_async(&batch, resource, stream).map_err(|e| match e {
+        let staged = htod_async_timed(&batch, resource, stream, self.times.as_deref()).map_err(|e| match e {
             Error::OutOfMemory { .. } => self.no_room(device, bytes, Some(e)),
             e => e.into(),
         })?;
@@ -434,7 +445,7 @@ impl Stager {
         for mut p in self.partitions {
             p.sort_by_key(|(order, _)| *order);
             for (_, b) in &p {
-                b.ready().synchronize()?;
+                timed(self.times.as_deref(), StagingStep::Wait, || b.ready().synchronize())?;
             }
             partitions.push(p.into_iter().map(|(_, b)| b).collect::<Vec<_>>());
         }

@@ -25,6 +25,7 @@ use super::source::GpuScan;
 use super::staging::{Stager, gather, host_bytes, prepare, redistribute, stage_parallel};
 use crate::array::DeviceRecordBatch;
 use crate::device::Device;
+use crate::transfer::times::{StagingStep, timed};
 
 /// What a table holds: device batches per partition, where each partition lives, statistics.
 #[derive(Debug)]
@@ -144,15 +145,23 @@ impl GpuTable {
         // Each partition's batches not staged yet, and the place of the next device batch.
         let mut pending: Vec<Vec<RecordBatch>> = vec![Vec::new(); n_out];
         let mut order = 0;
+        let times = options.staging_times.clone();
         let mut put = |stager: &mut Stager, partition: usize, run: Vec<RecordBatch>| {
-            let prepared = prepare(&schema, run)?;
+            let prepared = timed(times.as_deref(), StagingStep::Prepare, || prepare(&schema, run))?;
             stager.decoded(prepared.bytes());
             order += 1;
             stager.put(order, partition, prepared)
         };
         let mut next = 0usize;
         for (i, mut s) in streams.into_iter().enumerate() {
-            while let Some(batch) = s.next().await {
+            loop {
+                let decoding = std::time::Instant::now();
+                let Some(batch) = s.next().await else {
+                    break;
+                };
+                if let Some(times) = &options.staging_times {
+                    times.add(StagingStep::Decode, decoding.elapsed());
+                }
                 let batch = batch?;
                 if batch.num_rows() == 0 {
                     continue;

@@ -17,7 +17,8 @@
 //! of an upload goes), `pack` (producing its bytes in staging, on several threads), `download` (the
 //! device-to-host entry points and [`PendingBatch`]), `gather` (the spans of a download and their
 //! DMAs), `layout` (an array's buffer ranges in one allocation, and the arrays built from them on
-//! either side), `deferred` (memory kept until the copies that use it are done).
+//! either side), `deferred` (memory kept until the copies that use it are done), `times` (where
+//! staging's time goes, when asked).
 
 mod deferred;
 mod download;
@@ -25,7 +26,9 @@ mod gather;
 mod layout;
 mod pack;
 mod plan;
+pub(crate) mod times;
 mod upload;
 
 pub use download::{PendingBatch, dtoh, dtoh_array, dtoh_async};
+pub(crate) use upload::htod_async_timed;
 pub use upload::{htod, htod_array, htod_async};

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, TryLockError};
 use arrow_buffer::Buffer;
 
 use super::plan::Plan;
+use super::times::{StagingStep, StagingTimes, timed};
 
 /// How an operation's destination bytes are made from its source.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,16 +86,20 @@ pub(crate) struct Part<'a> {
     /// Set once the bytes are written (not from the lock: another thread may hold it to find the
     /// part packed already).
     packed: AtomicBool,
+    /// Where packing it counts as [`StagingStep::Pack`], if anywhere.
+    times: Option<&'a StagingTimes>,
 }
 
 impl<'a> Part<'a> {
-    /// The part of `plan` in `range` (from [`Plan::cut`]), to be packed into `out`.
-    pub fn new(plan: &Plan<'a>, range: Range<usize>, out: &'a mut [u8]) -> Part<'a> {
+    /// The part of `plan` in `range` (from [`Plan::cut`]), to be packed into `out`, its time
+    /// counted in `times`.
+    pub fn new(plan: &Plan<'a>, range: Range<usize>, out: &'a mut [u8], times: Option<&'a StagingTimes>) -> Part<'a> {
         Part {
             ops: plan.ops_in(range.clone()).to_vec(),
             range,
             out: Mutex::new(Some(out)),
             packed: AtomicBool::new(false),
+            times,
         }
     }
 
@@ -116,7 +121,9 @@ impl<'a> Part<'a> {
                 }
             };
             if let Some(out) = out.take() {
-                fill_part(&self.ops, self.range.start, out);
+                timed(self.times, StagingStep::Pack, || {
+                    fill_part(&self.ops, self.range.start, out)
+                });
                 self.packed.store(true, Ordering::Release);
             }
             return;
@@ -235,7 +242,7 @@ mod tests {
             .map(|range| {
                 let (out, rest) = std::mem::take(&mut free).split_at_mut(range.len());
                 free = rest;
-                Arc::new(Part::new(&plan, range.clone(), out))
+                Arc::new(Part::new(&plan, range.clone(), out, None))
             })
             .collect();
         for (part, range) in parts.iter().zip(&ranges) {

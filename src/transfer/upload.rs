@@ -24,6 +24,7 @@ use super::deferred::{Keep, defer_release, release_finished};
 use super::layout::Layout;
 use super::pack::{Handoff, Part};
 use super::plan::Plan;
+use super::times::{StagingStep, StagingTimes, timed};
 
 /// Bytes packed and sent per DMA on large uploads.
 const CHUNK: usize = 32 << 20;
@@ -48,8 +49,19 @@ pub fn htod(batch: &RecordBatch, device: Device, stream: &Stream) -> Result<Devi
 /// Copies `batch` into memory of `resource`. Returns once `batch` has been read (it may be dropped
 /// then); the result's [`DeviceRecordBatch::ready`] event completes when the data is in place.
 pub fn htod_async(batch: &RecordBatch, resource: MemoryResource, stream: &Stream) -> Result<DeviceRecordBatch> {
+    htod_async_timed(batch, resource, stream, None)
+}
+
+/// [`htod_async`], counting the time of its steps (the whole upload, allocations, packing, copies
+/// issued, waits for staging) in `times`.
+pub(crate) fn htod_async_timed(
+    batch: &RecordBatch,
+    resource: MemoryResource,
+    stream: &Stream,
+    times: Option<&StagingTimes>,
+) -> Result<DeviceRecordBatch> {
     let arrays: Vec<&dyn Array> = batch.columns().iter().map(|c| c.as_ref()).collect();
-    let (columns, ready) = upload(&arrays, resource, stream)?;
+    let (columns, ready) = timed(times, StagingStep::Upload, || upload(&arrays, resource, stream, times))?;
     let mut laps = Laps::start();
     let out = DeviceRecordBatch::try_new(batch.schema(), columns, batch.num_rows(), ready);
     laps.lap("htod.batch");
@@ -58,19 +70,24 @@ pub fn htod_async(batch: &RecordBatch, resource: MemoryResource, stream: &Stream
 
 /// Copies one array to `device` and returns when the copy has finished.
 pub fn htod_array(array: &dyn Array, device: Device, stream: &Stream) -> Result<DeviceArrayData> {
-    let (mut columns, ready) = upload(&[array], MemoryResource::default_for(device), stream)?;
+    let (mut columns, ready) = upload(&[array], MemoryResource::default_for(device), stream, None)?;
     ready.synchronize()?;
     Ok(columns.remove(0))
 }
 
-/// Copies `arrays` into one allocation of `resource`; returns the device arrays and the event of
-/// the last copy.
-fn upload(arrays: &[&dyn Array], resource: MemoryResource, stream: &Stream) -> Result<(Vec<DeviceArrayData>, Event)> {
+/// Copies `arrays` into one allocation of `resource`, counting its steps in `times`; returns the
+/// device arrays and the event of the last copy.
+fn upload(
+    arrays: &[&dyn Array],
+    resource: MemoryResource,
+    stream: &Stream,
+    times: Option<&StagingTimes>,
+) -> Result<(Vec<DeviceArrayData>, Event)> {
     let device = resource.device();
     let stream = stream_for(stream, device, Device::Cpu)?;
     match device.ordinal().filter(|_| !device.is_host_accessible()) {
-        None => upload_in_place(arrays, resource, &stream),
-        Some(ordinal) => upload_staged(arrays, resource, &stream, ordinal),
+        None => upload_in_place(arrays, resource, &stream, times),
+        Some(ordinal) => upload_staged(arrays, resource, &stream, ordinal, times),
     }
 }
 
@@ -79,6 +96,7 @@ fn upload_in_place(
     arrays: &[&dyn Array],
     resource: MemoryResource,
     stream: &Stream,
+    times: Option<&StagingTimes>,
 ) -> Result<(Vec<DeviceArrayData>, Event)> {
     let device = resource.device();
     let mut laps = Laps::start();
@@ -87,12 +105,14 @@ fn upload_in_place(
     let mut plan = Plan::default();
     let layouts = try_collect(data.iter().map(|d| plan.array(d)))?;
     laps.lap("htod.plan");
-    let mut memory = DeviceBuffer::alloc(resource, plan.size(), stream)?;
+    let mut memory = timed(times, StagingStep::Alloc, || {
+        DeviceBuffer::alloc(resource, plan.size(), stream)
+    })?;
     laps.lap("htod.alloc");
     let out = memory
         .host_slice_mut()
         .ok_or_else(|| Error::Unsupported(format!("{device} is not host-accessible")))?;
-    plan.fill_parallel(0, out);
+    plan.fill_parallel(0, out, times);
     laps.lap("htod.pack");
     let columns = try_collect(layouts.iter().map(|l| l.to_device(&memory)))?;
     laps.lap("htod.arrays");
@@ -112,6 +132,7 @@ fn upload_staged(
     resource: MemoryResource,
     stream: &Stream,
     ordinal: usize,
+    times: Option<&StagingTimes>,
 ) -> Result<(Vec<DeviceArrayData>, Event)> {
     let device = resource.device();
     let mut laps = Laps::start();
@@ -124,20 +145,22 @@ fn upload_staged(
     // What the other copies read: kept until the last copy is done.
     let mut keep: Vec<Keep> = Vec::new();
     // The first EARLY bytes are packed into one block, part by part while the rest is planned.
-    let mut early = pool.take(EARLY)?;
+    let mut early = timed(times, StagingStep::Alloc, || pool.take(EARLY))?;
     let early_at = early.address();
     let send_early = |memory: &DeviceBuffer, range: Range<usize>| {
-        // SAFETY: the range lies in both allocations; `early` is kept until the copy is done.
-        unsafe {
-            copy(
-                memory.address() + range.start as u64,
-                device,
-                early_at + range.start as u64,
-                Device::CudaHost(ordinal),
-                range.len(),
-                stream,
-            )
-        }
+        timed(times, StagingStep::Copy, || {
+            // SAFETY: the range lies in both allocations; `early` is kept until the copy is done.
+            unsafe {
+                copy(
+                    memory.address() + range.start as u64,
+                    device,
+                    early_at + range.start as u64,
+                    Device::CudaHost(ordinal),
+                    range.len(),
+                    stream,
+                )
+            }
+        })
     };
     let free = early
         .host_slice_mut()
@@ -156,12 +179,14 @@ fn upload_staged(
         laps.lap("htod.wake");
         let data = data.get_or_init(|| arrays.iter().map(|a| a.to_data()).collect());
         laps.lap("htod.to_data");
-        let planned = plan_in_parts(data, free, &handoff);
+        let planned = plan_in_parts(data, free, &handoff, times);
         // The packers stop once the queue is empty, however planning ended.
         handoff.close();
         let (plan, layouts, parts, rest) = planned?;
         laps.lap("htod.plan");
-        let memory = DeviceBuffer::alloc(resource, plan.size(), stream)?;
+        let memory = timed(times, StagingStep::Alloc, || {
+            DeviceBuffer::alloc(resource, plan.size(), stream)
+        })?;
         laps.lap("htod.alloc");
         // Sends the parts packed since the last call, in one copy.
         let mut sent = 0;
@@ -179,7 +204,13 @@ fn upload_staged(
             Ok::<_, Error>(())
         };
         send_packed(&mut sent)?;
-        send_chunks(&plan, rest, &memory, &pool, stream, &mut keep, &mut in_flight)?;
+        let sink = Sink {
+            memory: &memory,
+            pool: &pool,
+            stream,
+            times,
+        };
+        send_chunks(&plan, rest, &sink, &mut keep, &mut in_flight)?;
         laps.lap("htod.send");
         // The device arrays are built while the pool packs, and what it has packed is sent on the
         // way, so that little is left to copy at the end.
@@ -195,7 +226,7 @@ fn upload_staged(
         parts.iter().for_each(|p| p.pack());
         laps.lap("htod.pack");
         send_packed(&mut sent)?;
-        let done = stream.record()?;
+        let done = timed(times, StagingStep::Copy, || stream.record())?;
         laps.lap("htod.last_copy");
         Ok((columns, done))
     });
@@ -231,23 +262,36 @@ fn retire(done: Option<&Event>, stream: &Stream, keep: Vec<Keep>, mut in_flight:
     defer_release(in_flight);
 }
 
-/// Sends `rest` of `plan` (what was not packed while planning) into `memory`: plain copies of at
-/// least [`DIRECT_MIN`] bytes from pinned memory straight from their source, the rest through
-/// [`CHUNK`]s of pinned staging from `pool` packed on every core, each sent while the next is packed.
-/// What the copies read goes to `keep` (kept until the last copy is done) or, for the staging, to
-/// `in_flight` with its copy's event.
+/// Where [`send_chunks`] sends: the upload's device memory, the pinned pool its staging comes
+/// from, the stream of its copies, and the times its steps count in.
+struct Sink<'s> {
+    memory: &'s DeviceBuffer,
+    pool: &'s Arc<PinnedPool>,
+    stream: &'s Stream,
+    times: Option<&'s StagingTimes>,
+}
+
+/// Sends `rest` of `plan` (what was not packed while planning) into `sink`'s memory: plain copies
+/// of at least [`DIRECT_MIN`] bytes from pinned memory straight from their source, the rest through
+/// [`CHUNK`]s of pinned staging from its pool packed on every core, each sent while the next is
+/// packed. What the copies read goes to `keep` (kept until the last copy is done) or, for the
+/// staging, to `in_flight` with its copy's event.
 fn send_chunks(
     plan: &Plan<'_>,
     rest: Range<usize>,
-    memory: &DeviceBuffer,
-    pool: &Arc<PinnedPool>,
-    stream: &Stream,
+    sink: &Sink<'_>,
     keep: &mut Vec<Keep>,
     in_flight: &mut VecDeque<(Keep, Event)>,
 ) -> Result<()> {
     if rest.is_empty() {
         return Ok(());
     }
+    let Sink {
+        memory,
+        pool,
+        stream,
+        times,
+    } = *sink;
     let device = memory.device();
     let pinned_host = Device::CudaHost(device.ordinal().unwrap_or(0));
     let direct: Vec<_> = plan
@@ -263,18 +307,20 @@ fn send_chunks(
             staged.push(at..d.dst);
         }
         at = (d.dst + d.src.len()).next_multiple_of(ALIGNMENT);
-        // SAFETY: the source is pinned host memory of an arrow buffer kept alive (in `keep`) until
-        // the last copy completes; the destination lies inside `memory`.
-        unsafe {
-            copy(
-                memory.address() + d.dst as u64,
-                device,
-                d.src.as_ptr() as u64,
-                pinned_host,
-                d.src.len(),
-                stream,
-            )?
-        };
+        timed(times, StagingStep::Copy, || {
+            // SAFETY: the source is pinned host memory of an arrow buffer kept alive (in `keep`)
+            // until the last copy completes; the destination lies inside `memory`.
+            unsafe {
+                copy(
+                    memory.address() + d.dst as u64,
+                    device,
+                    d.src.as_ptr() as u64,
+                    pinned_host,
+                    d.src.len(),
+                    stream,
+                )
+            }
+        })?;
         keep.push(Box::new(d.owner));
     }
     if at < rest.end {
@@ -286,39 +332,43 @@ fn send_chunks(
             if in_flight.len() >= IN_FLIGHT
                 && let Some((_, done)) = in_flight.pop_front()
             {
-                done.synchronize()?;
+                timed(times, StagingStep::Wait, || done.synchronize())?;
             }
-            let mut stage = pool.take(len)?;
+            let mut stage = timed(times, StagingStep::Alloc, || pool.take(len))?;
             let out = stage
                 .host_slice_mut()
                 .ok_or_else(|| Error::Unsupported("staging is not host memory".into()))?;
-            plan.fill_parallel(start, out);
-            // SAFETY: both ranges are valid; the staging block is kept (in `in_flight`, then the
-            // deferred list) until the event recorded after the copy completes.
-            unsafe {
-                copy(
-                    memory.address() + start as u64,
-                    device,
-                    stage.address(),
-                    stage.device(),
-                    len,
-                    stream,
-                )?
-            };
-            in_flight.push_back((Box::new(stage), stream.record()?));
+            plan.fill_parallel(start, out, times);
+            let copied = timed(times, StagingStep::Copy, || {
+                // SAFETY: both ranges are valid; the staging block is kept (in `in_flight`, then
+                // the deferred list) until the event recorded after the copy completes.
+                unsafe {
+                    copy(
+                        memory.address() + start as u64,
+                        device,
+                        stage.address(),
+                        stage.device(),
+                        len,
+                        stream,
+                    )?
+                };
+                stream.record()
+            })?;
+            in_flight.push_back((Box::new(stage), copied));
         }
     }
     Ok(())
 }
 
 /// Plans `data`, cutting off every [`SEGMENT`] bytes of the first [`EARLY`] as a part to be packed
-/// into the front of `free` and handing it to `handoff`. Returns the plan, the arrays' layouts, the
+/// into the front of `free` (its packing counted in `times`) and handing it to `handoff`. Returns the plan, the arrays' layouts, the
 /// parts in order, and the range left for packing in chunks (empty when the whole plan was cut).
 #[allow(clippy::type_complexity)]
 fn plan_in_parts<'a>(
     data: &'a [ArrayData],
     mut free: &'a mut [u8],
     handoff: &Handoff<'a>,
+    times: Option<&'a StagingTimes>,
 ) -> Result<(Plan<'a>, Vec<Layout>, Vec<Arc<Part<'a>>>, Range<usize>)> {
     let mut plan = Plan::default();
     let mut layouts = Vec::with_capacity(data.len());
@@ -327,7 +377,7 @@ fn plan_in_parts<'a>(
         let range = plan.cut();
         let (out, rest) = std::mem::take(free).split_at_mut(range.len());
         *free = rest;
-        let part = Arc::new(Part::new(plan, range, out));
+        let part = Arc::new(Part::new(plan, range, out, times));
         handoff.push(part.clone());
         parts.push(part);
     };
