@@ -220,7 +220,7 @@ mod staging;
 mod stats;
 mod table;
 
-pub use files::{GPU_FILE_TYPE, GpuTableFactory, with_gpu_tables};
+pub use files::{GPU_FILE_TYPE, GpuTableFactory, GpuTableSource, with_gpu_tables};
 pub use nvrtc::gpu_kernels_available;
 pub use options::{DEFAULT_BATCH_ROWS, LoadOptions, Progress, ProgressFn, default_device};
 pub use predicate::supports_filter;

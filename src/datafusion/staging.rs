@@ -452,6 +452,7 @@ impl Stager {
                 partitions,
                 partition_devices,
                 lanes,
+                source: None,
             }),
         })
     }
