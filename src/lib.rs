@@ -80,6 +80,7 @@
 //! | (none) | devices, memory, device arrays, transfers, the C Device Data Interface, IPC |
 //! | `datafusion` | [`datafusion`]: GPU-resident DataFusion tables, filters pushed to the device, device stages for aggregates |
 //! | `polars` | [`polars`]: polars-arrow arrays and batches to and from the device |
+//! | `ballista` | `ballista`: GPU tables and device stages in Apache DataFusion Ballista (codecs, the executors' table cache, session setup) |
 //!
 //! The `arrow-cuda` command-line tool (`info`, `bench`, `query`, `send`, `recv`) is a crate of its
 //! own, `arrow-cuda-cli`.
@@ -101,6 +102,7 @@
 //! - [`ffi`]: export and import through the C Device Data Interface, device array streams.
 //! - [`ipc`]: Arrow IPC messages in device memory, CUDA IPC handles, a process-to-process channel.
 //! - [`datafusion`] and [`polars`] (features): on top of all of them.
+//! - `ballista` (feature): on top of [`datafusion`], its tables and stages in Ballista's plans.
 //!
 //! One error type serves every layer: [`Error`], with [`Result`]; every layer may time its steps
 //! for a [`trace::Trace`].
@@ -144,6 +146,8 @@
 
 pub mod abi;
 pub mod array;
+#[cfg(feature = "ballista")]
+pub mod ballista;
 #[cfg(feature = "datafusion")]
 pub mod datafusion;
 pub mod device;

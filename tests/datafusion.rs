@@ -16,6 +16,7 @@ use arrow_cuda::Device;
 use arrow_cuda::datafusion::{GpuTable, LoadOptions, Progress, StagingStep, StagingTimes, supports_filter};
 use arrow_cuda_workloads::tpch;
 use arrow_schema::{DataType, Field, Schema, SchemaRef, TimeUnit};
+use common::rows;
 use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::catalog::TableProvider;
 use datafusion::common::stats::Precision;
@@ -115,26 +116,6 @@ fn query(ctx: &SessionContext, sql: &str) -> Vec<RecordBatch> {
         let df = ctx.sql(sql).await.unwrap_or_else(|e| panic!("planning {sql}: {e}"));
         df.collect().await.unwrap_or_else(|e| panic!("running {sql}: {e}"))
     })
-}
-
-/// The rows of a result as text lines; sorted unless the order matters.
-fn rows(batches: &[RecordBatch], ordered: bool) -> Vec<String> {
-    let text = pretty_format_batches(batches).expect("format").to_string();
-    let lines: Vec<String> = text.lines().map(str::to_string).collect();
-    // Border, header, border, rows..., border.
-    // Cells trimmed, so that rows compare across results whose columns have other widths.
-    let mut body: Vec<String> = if lines.len() > 4 {
-        lines[3..lines.len() - 1]
-            .iter()
-            .map(|l| l.split('|').map(str::trim).collect::<Vec<_>>().join("|"))
-            .collect()
-    } else {
-        vec![]
-    };
-    if !ordered {
-        body.sort();
-    }
-    body
 }
 
 fn assert_same(gpu: &SessionContext, mem: &SessionContext, sql: &str) -> usize {

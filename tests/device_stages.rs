@@ -16,6 +16,7 @@ use arrow_cuda::datafusion::{DeviceStageRule, GpuTable, LoadOptions};
 use arrow_cuda::{Device, DeviceBuffer, Error, MemoryResource, Stream};
 use arrow_cuda_workloads::tpch;
 use arrow_schema::SchemaRef;
+use common::rows;
 use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::datasource::MemTable;
 use datafusion::execution::SessionStateBuilder;
@@ -105,24 +106,6 @@ fn sessions(tables: &[(&str, &Data)], device: Device) -> (SessionContext, Sessio
 
 fn run(ctx: &SessionContext, sql: &str) -> datafusion::error::Result<Vec<RecordBatch>> {
     runtime().block_on(async { ctx.sql(sql).await?.collect().await })
-}
-
-/// The rows of a result as text lines; sorted unless the order matters.
-fn rows(batches: &[RecordBatch], ordered: bool) -> Vec<String> {
-    let text = pretty_format_batches(batches).expect("format").to_string();
-    let lines: Vec<String> = text.lines().map(str::to_string).collect();
-    let mut body: Vec<String> = if lines.len() > 4 {
-        lines[3..lines.len() - 1]
-            .iter()
-            .map(|l| l.split('|').map(str::trim).collect::<Vec<_>>().join("|"))
-            .collect()
-    } else {
-        vec![]
-    };
-    if !ordered {
-        body.sort();
-    }
-    body
 }
 
 fn explain(ctx: &SessionContext, sql: &str) -> String {

@@ -2,7 +2,7 @@
 //! stage Parquet or CSV files, and [`with_gpu_tables`] installs it in a session. The loads behind
 //! it serve [`GpuTable::from_parquet`] too.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -11,8 +11,10 @@ use ::datafusion::common::{DataFusionError, not_impl_err, plan_err};
 use ::datafusion::datasource::listing::ListingTable;
 use ::datafusion::datasource::listing_table_factory::ListingTableFactory;
 use ::datafusion::execution::SessionStateBuilder;
+use ::datafusion::execution::context::SessionContext;
 use ::datafusion::execution::object_store::ObjectStoreUrl;
 use ::datafusion::logical_expr::CreateExternalTable;
+use arrow_schema::SchemaRef;
 use async_trait::async_trait;
 
 use super::error::DfResult;
@@ -99,6 +101,62 @@ pub fn files_statement(cmd: &CreateExternalTable) -> DfResult<CreateExternalTabl
     })
 }
 
+/// Where a [`GpuTable`] was staged from ([`GpuTable::source`]): its files, their format, DataFusion's
+/// options for that format, the column list it was declared with (if any), and the
+/// [`LoadOptions`] it was staged with, its partition count among them. Enough for another machine
+/// that sees the same files to stage the same table; nothing of the device memory that holds it.
+#[derive(Clone, Debug)]
+pub struct GpuTableSource {
+    pub(crate) locations: Vec<String>,
+    /// `PARQUET` or `CSV`.
+    pub(crate) format: String,
+    pub(crate) options: BTreeMap<String, String>,
+    pub(crate) schema: Option<SchemaRef>,
+    /// The options of the load, without its progress callback, and with the partition count
+    /// the table has.
+    pub(crate) load: LoadOptions,
+}
+
+impl GpuTableSource {
+    /// The files, directories or globs the table was read from.
+    pub fn locations(&self) -> &[String] {
+        &self.locations
+    }
+
+    /// Their format: `PARQUET` or `CSV`.
+    pub fn format(&self) -> &str {
+        &self.format
+    }
+
+    /// DataFusion's options for the format (`format.has_header`, ...).
+    pub fn options(&self) -> &BTreeMap<String, String> {
+        &self.options
+    }
+
+    /// The options the table was staged with; their partition count is the table's.
+    pub fn load_options(&self) -> &LoadOptions {
+        &self.load
+    }
+
+    /// Stages the same files again, with `options` (the source's own, a device chosen elsewhere,
+    /// say), through a fresh DataFusion session.
+    pub(crate) async fn stage(&self, options: LoadOptions) -> DfResult<GpuTable> {
+        let Some(first) = self.locations.first() else {
+            return plan_err!("a GPU table source needs at least one location");
+        };
+        let schema = match &self.schema {
+            Some(s) => ::datafusion::common::DFSchema::try_from(s.clone())?,
+            None => ::datafusion::common::DFSchema::empty(),
+        };
+        let name = options.name.clone().unwrap_or_else(|| first.clone());
+        let cmd = CreateExternalTable::builder(name.as_str(), first.clone(), self.format.as_str(), Arc::new(schema))
+            .with_locations(self.locations.clone())
+            .with_options(self.options.clone().into_iter().collect())
+            .build();
+        load_listing(&SessionContext::new().state(), &cmd, options).await
+    }
+}
+
 /// `builder` with [`GpuTableFactory`] installed for `STORED AS GPU`, staging tables with `options`
 /// (`LoadOptions::new()`: on the first GPU, or the CPU device without one):
 ///
@@ -143,8 +201,23 @@ pub(crate) async fn load(
 }
 
 /// Stages the files `cmd` names (file type `PARQUET` or `CSV`), as DataFusion's own
-/// `ListingTableFactory` reads them.
+/// `ListingTableFactory` reads them, and remembers them as the table's source.
 async fn load_listing(state: &dyn Session, cmd: &CreateExternalTable, options: LoadOptions) -> DfResult<GpuTable> {
+    let mut load = options.clone();
+    load.progress = None;
+    let table = stage_listing(state, cmd, options).await?;
+    load.partitions = Some(table.partitions().len());
+    let source = GpuTableSource {
+        locations: cmd.locations.clone(),
+        format: cmd.file_type.clone(),
+        options: cmd.options.clone().into_iter().collect(),
+        schema: (!cmd.schema.fields().is_empty()).then(|| cmd.schema.inner().clone()),
+        load,
+    };
+    table.with_source(source)
+}
+
+async fn stage_listing(state: &dyn Session, cmd: &CreateExternalTable, options: LoadOptions) -> DfResult<GpuTable> {
     for location in &cmd.locations {
         check_exists(location)?;
     }

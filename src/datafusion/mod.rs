@@ -223,7 +223,7 @@ mod stats;
 mod table;
 
 pub use crate::transfer::times::{StagingStep, StagingTimes};
-pub use files::{GPU_FILE_TYPE, GpuTableFactory, files_statement, with_gpu_tables};
+pub use files::{GPU_FILE_TYPE, GpuTableFactory, GpuTableSource, files_statement, with_gpu_tables};
 pub use nvrtc::gpu_kernels_available;
 pub use options::{DEFAULT_BATCH_ROWS, LoadOptions, Progress, ProgressFn, default_device};
 pub use predicate::supports_filter;

@@ -463,6 +463,7 @@ impl Stager {
                 partitions,
                 partition_devices,
                 lanes,
+                source: None,
             }),
         })
     }

@@ -17,6 +17,7 @@ use async_trait::async_trait;
 use futures::StreamExt;
 
 use super::error::DfResult;
+use super::files::GpuTableSource;
 use super::lanes::DeviceLane;
 use super::options::LoadOptions;
 use super::options::{DEFAULT_BATCH_ROWS, MAX_GATHERED_BYTES};
@@ -41,6 +42,8 @@ pub(crate) struct TableData {
     /// `get_array_memory_size` counts them, per partition.
     pub(crate) column_bytes: Vec<Vec<usize>>,
     pub(crate) lanes: HashMap<Device, Arc<DeviceLane>>,
+    /// The files the table was staged from, when it was (see [`GpuTable::source`]).
+    pub(crate) source: Option<GpuTableSource>,
 }
 
 impl TableData {
@@ -248,6 +251,49 @@ impl GpuTable {
     pub fn scan_source(&self) -> GpuScan {
         GpuScan::new(self.data.clone())
     }
+
+    /// The files the table was staged from, their format and how they were staged: what a
+    /// distributed engine sends to the machines that stage the table again (the `ballista`
+    /// feature's codecs do). `None` for a table staged from batches or
+    /// another provider ([`GpuTable::try_new`], [`GpuTable::from_provider`],
+    /// [`GpuTable::from_csv`]), whose rows exist only here.
+    pub fn source(&self) -> Option<&GpuTableSource> {
+        self.data.source.as_ref()
+    }
+
+    /// The table, remembering that it was staged from `source`.
+    pub(crate) fn with_source(mut self, source: GpuTableSource) -> DfResult<Self> {
+        let data = Arc::get_mut(&mut self.data)
+            .ok_or_else(|| DataFusionError::Internal("a GPU table is shared before its source is set".into()))?;
+        data.source = Some(source);
+        Ok(self)
+    }
+
+    /// The plan that scans the table: `filters` (each one [`supports_filter`] accepts) on the
+    /// device, then `limit` rows, then the columns of `projection`.
+    pub(crate) fn scan_plan(
+        &self,
+        projection: Option<&Vec<usize>>,
+        filters: &[Expr],
+        limit: Option<usize>,
+    ) -> DfResult<Arc<dyn ExecutionPlan>> {
+        let mut predicates = Vec::with_capacity(filters.len());
+        for f in filters {
+            match Predicate::from_expr(f, &self.data.schema) {
+                Some(p) => predicates.push(p),
+                None => {
+                    return Err(DataFusionError::Plan(format!(
+                        "filter {f} was not accepted for pushdown into a GPU table"
+                    )));
+                }
+            }
+        }
+        let source = GpuScan::new(self.data.clone())
+            .with_projection(projection.cloned())?
+            .with_filters(filters.to_vec(), predicates)
+            .with_limit(limit);
+        Ok(DataSourceExec::from_data_source(source))
+    }
 }
 
 /// `options`, naming the table by `path` unless they name it.
@@ -279,22 +325,7 @@ impl TableProvider for GpuTable {
         filters: &[Expr],
         limit: Option<usize>,
     ) -> DfResult<Arc<dyn ExecutionPlan>> {
-        let mut predicates = Vec::with_capacity(filters.len());
-        for f in filters {
-            match Predicate::from_expr(f, &self.data.schema) {
-                Some(p) => predicates.push(p),
-                None => {
-                    return Err(DataFusionError::Plan(format!(
-                        "filter {f} was not accepted for pushdown into a GPU table"
-                    )));
-                }
-            }
-        }
-        let source = GpuScan::new(self.data.clone())
-            .with_projection(projection.cloned())?
-            .with_filters(filters.to_vec(), predicates)
-            .with_limit(limit);
-        Ok(DataSourceExec::from_data_source(source))
+        self.scan_plan(projection, filters, limit)
     }
 
     fn supports_filters_pushdown(&self, filters: &[&Expr]) -> DfResult<Vec<TableProviderFilterPushDown>> {

@@ -40,6 +40,29 @@ pub fn cuda() -> Option<Device> {
     devices().into_iter().find(|d| matches!(d, Device::Cuda(_)))
 }
 
+/// The rows of a result as text lines, cells trimmed (so that rows compare across results whose
+/// columns have other widths); sorted unless the order matters.
+#[cfg(feature = "datafusion")]
+pub fn rows(batches: &[RecordBatch], ordered: bool) -> Vec<String> {
+    let text = datafusion::arrow::util::pretty::pretty_format_batches(batches)
+        .expect("format")
+        .to_string();
+    let lines: Vec<String> = text.lines().map(str::to_string).collect();
+    // Border, header, border, rows..., border.
+    let mut body: Vec<String> = if lines.len() > 4 {
+        lines[3..lines.len() - 1]
+            .iter()
+            .map(|l| l.split('|').map(str::trim).collect::<Vec<_>>().join("|"))
+            .collect()
+    } else {
+        vec![]
+    };
+    if !ordered {
+        body.sort();
+    }
+    body
+}
+
 /// Whether the tests run under compute-sanitizer (the GPU run sets `ARROW_CUDA_SANITIZER`), which
 /// counts every failed driver call as an error: cases that provoke one on purpose skip there and
 /// run in the plain pass.

@@ -205,6 +205,11 @@ impl DeviceStageExec {
         }
     }
 
+    /// The plan the stage replaced.
+    pub(crate) fn original(&self) -> &Arc<dyn ExecutionPlan> {
+        &self.original
+    }
+
     /// What the stage runs.
     pub(crate) fn stage_plan(&self) -> &StagePlan {
         &self.plan
