@@ -275,6 +275,50 @@ fn final_rows_keep_the_hash_partitioning_a_join_needs() {
     });
 }
 
+/// Outer joins that keep their build side, under plans DataFusion partitions by hash (joins of
+/// every size partitioned): a `SinglePartitioned` aggregate becomes DataFusion's final aggregate
+/// over the two stages' partial state, repartitioned by its keys, and rows stay in their hash
+/// partitions (each the interleaving of both stages'), so that no group is split.
+#[test]
+fn outer_joins_keep_hash_partitions() {
+    let _gpu = gpu_shared();
+    let tables = join_tables();
+    let refs: Vec<(&str, &Data)> = tables.iter().map(|(n, d)| (*n, d)).collect();
+    common::each_device(|device, _| {
+        let (gpu, mem) = sessions(&refs, device);
+        for ctx in [&gpu, &mem] {
+            for option in [
+                "hash_join_single_partition_threshold",
+                "hash_join_single_partition_threshold_rows",
+            ] {
+                run(ctx, &format!("set datafusion.optimizer.{option} = 0")).expect("set");
+            }
+        }
+        for (sql, merged) in [
+            (
+                "select d.k, count(*), count(f.k), sum(f.amount) from d left join f on d.k = f.k group by d.k",
+                "UnionExec",
+            ),
+            (
+                "select d.k2, count(*), count(f.k) from d left join f on d.k = f.k group by d.k2",
+                "UnionExec",
+            ),
+            (
+                "select d.k, d.w, f.amount from d left join f on d.k = f.k",
+                "InterleaveExec",
+            ),
+        ] {
+            let plan = explain(&gpu, sql);
+            assert!(
+                plan.contains("HashJoinExec") == false && plan.contains(merged),
+                "{sql}\n{plan}"
+            );
+            assert_eq!(plan.matches("DeviceStageExec").count(), 2, "{sql}\n{plan}");
+            assert_same(&gpu, &mem, sql, true);
+        }
+    });
+}
+
 /// A `HAVING` filter over a stage's final rows joins the stage (`having=` in `EXPLAIN`, no
 /// `FilterExec` left) when every aggregate it reads keeps its value as its state (`SUM`, `COUNT`,
 /// `MIN`, `MAX`): the groups it drops are never split or merged. Over an `AVG` it stays with

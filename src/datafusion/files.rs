@@ -111,6 +111,7 @@ pub struct GpuTableSource {
     /// `PARQUET` or `CSV`.
     pub(crate) format: String,
     pub(crate) options: BTreeMap<String, String>,
+    #[cfg_attr(not(feature = "ballista"), allow(dead_code))]
     pub(crate) schema: Option<SchemaRef>,
     /// The options of the load, without its progress callback, and with the partition count
     /// the table has.
@@ -140,6 +141,7 @@ impl GpuTableSource {
 
     /// Stages the same files again, with `options` (the source's own, a device chosen elsewhere,
     /// say), through a fresh DataFusion session.
+    #[cfg(feature = "ballista")]
     pub(crate) async fn stage(&self, options: LoadOptions) -> DfResult<GpuTable> {
         let Some(first) = self.locations.first() else {
             return plan_err!("a GPU table source needs at least one location");

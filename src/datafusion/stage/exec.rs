@@ -206,6 +206,7 @@ impl DeviceStageExec {
     }
 
     /// The plan the stage replaced.
+    #[cfg(feature = "ballista")]
     pub(crate) fn original(&self) -> &Arc<dyn ExecutionPlan> {
         &self.original
     }

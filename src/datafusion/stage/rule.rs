@@ -21,7 +21,7 @@ use ::datafusion::physical_plan::joins::HashJoinExec;
 use ::datafusion::physical_plan::projection::ProjectionExec;
 use ::datafusion::physical_plan::repartition::RepartitionExec;
 use ::datafusion::physical_plan::statistics::{StatisticsArgs, StatisticsContext};
-use ::datafusion::physical_plan::union::UnionExec;
+use ::datafusion::physical_plan::union::{InterleaveExec, UnionExec};
 use ::datafusion::physical_plan::{ExecutionPlan, Partitioning};
 use arrow_schema::DataType;
 
@@ -609,7 +609,7 @@ impl DeviceStageRule {
                 return match self.lower(agg) {
                     Ok(plan) => Ok(Arc::new(DeviceStageExec::new(plan, Output::Partial, node.clone()))),
                     Err(why) => self
-                        .split_stages(node, |half| {
+                        .split_stages(node, true, |half| {
                             let agg = half.downcast_ref::<AggregateExec>().ok_or("not an aggregate")?;
                             Ok(Arc::new(DeviceStageExec::new(
                                 self.lower(agg)?,
@@ -651,7 +651,18 @@ impl DeviceStageRule {
                 return Err("an output partitioned by more than its group columns".into());
             }
         }
-        let plan = self.lower(partial.downcast_ref::<AggregateExec>().ok_or("not an aggregate")?)?;
+        let plan = match self.lower(partial.downcast_ref::<AggregateExec>().ok_or("not an aggregate")?) {
+            Ok(plan) => plan,
+            Err(why)
+                if having.is_none()
+                    && matches!(agg.mode(), AggregateMode::Single | AggregateMode::SinglePartitioned) =>
+            {
+                return self
+                    .split_single(agg, &partial, node)
+                    .map_err(|split| format!("{why}; as two stages: {split}"));
+            }
+            Err(why) => return Err(why),
+        };
         let having = having.map(|p| self.having(agg, p)).transpose()?;
         let output = Output::Final {
             aggr: agg.aggr_expr().to_vec(),
@@ -829,7 +840,7 @@ impl DeviceStageRule {
             Ok(below) => below,
             Err(why) => {
                 return self
-                    .split_stages(node, |half| self.rows_stage(half))
+                    .split_stages(node, true, |half| self.rows_stage(half))
                     .map_err(|split| format!("{why}; as two stages: {split}"));
             }
         };
@@ -863,15 +874,87 @@ impl DeviceStageRule {
     }
 
     /// `node` (a partial aggregate or rows over a join that keeps or marks rows without a match)
-    /// as the union of two stages, `stage` of each of its halves (see [`outer`]).
+    /// as the union of two stages, `stage` of each of its halves (see [`outer`]). With `keep`,
+    /// partitioned as `node`'s output, for the plan above it: one partition stays one, and hash
+    /// partitions stay hash partitions (each the interleaving of both stages' partition, or the
+    /// union repartitioned by the same hash).
     fn split_stages(
         &self,
         node: &Arc<dyn ExecutionPlan>,
+        keep: bool,
         stage: impl Fn(&Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>, String>,
     ) -> Result<Arc<dyn ExecutionPlan>, String> {
         let [matched, unmatched] = outer::split(node)?;
         let stages = vec![stage(&matched)?, stage(&unmatched)?];
-        UnionExec::try_new(stages).map_err(|e| e.to_string())
+        let partitioning = &node.properties().partitioning;
+        let err = |e: ::datafusion::common::DataFusionError| e.to_string();
+        let merged: Arc<dyn ExecutionPlan> = match partitioning {
+            _ if !keep => UnionExec::try_new(stages).map_err(err)?,
+            _ if partitioning.partition_count() == 1 => {
+                Arc::new(CoalescePartitionsExec::new(UnionExec::try_new(stages).map_err(err)?))
+            }
+            Partitioning::Hash(..) if stages.iter().all(|s| s.properties().partitioning == *partitioning) => {
+                Arc::new(InterleaveExec::try_new(stages).map_err(err)?)
+            }
+            // (A hash of columns the output no longer has promises nothing to the plan above.)
+            Partitioning::Hash(exprs, _) if exprs.iter().all(|e| e.downcast_ref::<Column>().is_some()) => Arc::new(
+                RepartitionExec::try_new(UnionExec::try_new(stages).map_err(err)?, partitioning.clone())
+                    .map_err(err)?,
+            ),
+            _ => UnionExec::try_new(stages).map_err(err)?,
+        };
+        Ok(merged)
+    }
+
+    /// A `Single` or `SinglePartitioned` aggregate (`agg`, whose partial form is `partial`) over a
+    /// join that keeps or marks rows without a match, as DataFusion's `Final` aggregate over the
+    /// partial state of the two stages of [`split_stages`](Self::split_stages) (repartitioned by
+    /// the group keys for `SinglePartitioned`): only groups cross to the host, not rows.
+    fn split_single(
+        &self,
+        agg: &AggregateExec,
+        partial: &Arc<dyn ExecutionPlan>,
+        node: &Arc<dyn ExecutionPlan>,
+    ) -> Result<Arc<dyn ExecutionPlan>, String> {
+        let states = self.split_stages(partial, false, |half| {
+            let agg = half.downcast_ref::<AggregateExec>().ok_or("not an aggregate")?;
+            Ok(Arc::new(DeviceStageExec::new(
+                self.lower(agg)?,
+                Output::Partial,
+                half.clone(),
+            )))
+        })?;
+        let group_by = agg.group_expr().as_final();
+        let (mode, input): (_, Arc<dyn ExecutionPlan>) = match agg.mode() {
+            AggregateMode::SinglePartitioned => {
+                let n = node.properties().partitioning.partition_count();
+                let keys = group_by.expr().iter().map(|(e, _)| e.clone()).collect();
+                let repartitioned =
+                    RepartitionExec::try_new(states, Partitioning::Hash(keys, n)).map_err(|e| e.to_string())?;
+                (AggregateMode::FinalPartitioned, Arc::new(repartitioned))
+            }
+            _ => (AggregateMode::Final, Arc::new(CoalescePartitionsExec::new(states))),
+        };
+        let final_agg = AggregateExec::try_new(
+            mode,
+            group_by,
+            agg.aggr_expr().to_vec(),
+            vec![None; agg.aggr_expr().len()],
+            input,
+            partial.schema(),
+        )
+        .map_err(|e| e.to_string())?;
+        let same = |a: &arrow_schema::Schema, b: &arrow_schema::Schema| {
+            a.fields().len() == b.fields().len()
+                && a.fields()
+                    .iter()
+                    .zip(b.fields())
+                    .all(|(x, y)| x.name() == y.name() && x.data_type() == y.data_type())
+        };
+        if !same(&final_agg.schema(), &agg.schema()) {
+            return Err("a final aggregate of another schema".into());
+        }
+        Ok(Arc::new(final_agg))
     }
 
     /// `plan` (without its columns and kernels) made ready to run: when the table is where the
