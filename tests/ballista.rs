@@ -32,17 +32,6 @@ fn config() -> SessionConfig {
     SessionConfig::new_with_ballista().with_target_partitions(2)
 }
 
-fn runtime() -> &'static tokio::runtime::Runtime {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(4)
-            .enable_all()
-            .build()
-            .expect("tokio runtime")
-    })
-}
-
 /// TPC-H at SF 0.01 as Parquet, a directory per table of two files each, written once.
 fn tpch_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
@@ -91,7 +80,7 @@ async fn run(ctx: &SessionContext, sql: &str) -> datafusion::error::Result<Vec<R
 /// the logical plan over GPU tables goes through the logical codec the same way.
 #[test]
 fn plans_round_trip_through_the_codecs() {
-    runtime().block_on(async {
+    common::runtime().block_on(async {
         let cache = Arc::new(GpuTableCache::new(CACHE_LIMIT));
         let ctx = SessionContext::new_with_state(session_state(config(), cache.clone()));
         create_tables(&ctx, "GPU").await;
@@ -139,7 +128,7 @@ fn plans_round_trip_through_the_codecs() {
 /// A GPU table staged from batches has no source: encoding a plan over it is an error that says so.
 #[test]
 fn a_table_without_a_source_does_not_travel() {
-    runtime().block_on(async {
+    common::runtime().block_on(async {
         let ctx = SessionContext::new_with_state(session_state(config(), Arc::new(GpuTableCache::new(CACHE_LIMIT))));
         let batch = arrow_cuda_workloads::small_batch();
         let table = GpuTable::from_batches(batch.schema(), vec![batch], &LoadOptions::new()).expect("stage");
@@ -161,7 +150,7 @@ fn a_table_without_a_source_does_not_travel() {
 /// over GPU tables with device stages and returns what DataFusion returns over the Parquet files.
 #[test]
 fn ballista_standalone_answers_tpch_as_datafusion() {
-    runtime().block_on(async {
+    common::runtime().block_on(async {
         let cache = Arc::new(GpuTableCache::new(CACHE_LIMIT));
         let ballista = SessionContext::standalone_with_state(session_state(config(), cache.clone()))
             .await

@@ -27,17 +27,6 @@ use proptest::prelude::*;
 
 const PARTITIONS: usize = 4;
 
-fn runtime() -> &'static tokio::runtime::Runtime {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(4)
-            .enable_all()
-            .build()
-            .expect("tokio runtime")
-    })
-}
-
 fn session() -> SessionContext {
     SessionContext::new_with_config(SessionConfig::new().with_target_partitions(PARTITIONS))
 }
@@ -112,7 +101,7 @@ fn tpch_sessions(device: Device) -> (SessionContext, SessionContext) {
 }
 
 fn query(ctx: &SessionContext, sql: &str) -> Vec<RecordBatch> {
-    runtime().block_on(async {
+    common::runtime().block_on(async {
         let df = ctx.sql(sql).await.unwrap_or_else(|e| panic!("planning {sql}: {e}"));
         df.collect().await.unwrap_or_else(|e| panic!("running {sql}: {e}"))
     })
@@ -313,10 +302,10 @@ fn limit_and_projection_pushdown() {
         // Scan-level checks straight on the data source.
         let table = gpu_table(&tpch().lineitem, device);
         let ctx = session();
-        let plan = runtime()
+        let plan = common::runtime()
             .block_on(table.scan(&ctx.state(), Some(&vec![0, 15]), &[], Some(5)))
             .expect("scan");
-        let batches = runtime()
+        let batches = common::runtime()
             .block_on(datafusion::physical_plan::collect(plan, ctx.task_ctx()))
             .expect("collect");
         // One partition's limit each: at most 5 rows per partition.
@@ -515,7 +504,7 @@ fn loading_from_providers_and_files() {
                    where o_orderstatus = 'O' group by o_orderpriority order by o_orderpriority";
         let mem = session();
         mem.register_table("t", Arc::new(mem_table(data))).expect("register");
-        let from_provider = runtime()
+        let from_provider = common::runtime()
             .block_on(GpuTable::from_provider(
                 Arc::new(mem_table(data)),
                 &LoadOptions::new().with_device(device).with_partitions(3),
@@ -532,7 +521,7 @@ fn loading_from_providers_and_files() {
         std::fs::create_dir_all(&dir).expect("temp dir");
         let parquet = dir.join("orders.parquet");
         let csv = dir.join("orders.csv");
-        runtime().block_on(async {
+        common::runtime().block_on(async {
             use datafusion::dataframe::DataFrameWriteOptions;
             let df = mem.table("t").await.unwrap();
             df.clone()
@@ -545,7 +534,7 @@ fn loading_from_providers_and_files() {
         });
         // With its steps timed: each that ran counted some time, and none that did not.
         let times = Arc::new(StagingTimes::new());
-        let from_parquet = runtime()
+        let from_parquet = common::runtime()
             .block_on(GpuTable::from_parquet(
                 &parquet,
                 &LoadOptions::new().with_device(device).with_staging_times(times.clone()),
@@ -563,7 +552,7 @@ fn loading_from_providers_and_files() {
         }
         let gpu_only = StagingStep::Copy;
         assert_eq!(times.get(gpu_only).is_zero(), device == Device::Cpu, "{times}");
-        let from_csv = runtime()
+        let from_csv = common::runtime()
             .block_on(GpuTable::from_csv(
                 &csv,
                 datafusion::prelude::CsvReadOptions::new(),
@@ -576,7 +565,7 @@ fn loading_from_providers_and_files() {
         let (g1, g2, m1, m2) = (session(), session(), session(), session());
         g1.register_table("t", Arc::new(from_parquet)).unwrap();
         g2.register_table("t", Arc::new(from_csv)).unwrap();
-        runtime().block_on(async {
+        common::runtime().block_on(async {
             m1.register_parquet("t", parquet.to_str().unwrap(), Default::default())
                 .await
                 .unwrap();
@@ -661,11 +650,11 @@ fn staged_views_take_the_memory_of_their_values() {
         let options = LoadOptions::new()
             .with_device(device)
             .with_progress(move |p| s.lock().unwrap().push(p));
-        let table = runtime()
+        let table = common::runtime()
             .block_on(GpuTable::from_parquet(&path, &options))
             .expect("from parquet");
         // What DataFusion reads: the same batches, in the same partitions.
-        let read: Vec<RecordBatch> = runtime().block_on(async {
+        let read: Vec<RecordBatch> = common::runtime().block_on(async {
             let ctx = SessionContext::new();
             let df = ctx
                 .read_parquet(path.to_str().unwrap(), Default::default())
@@ -746,7 +735,7 @@ fn out_of_memory_is_an_error() {
         );
         // Streaming loads check batch by batch (one of 4,096 rows fits, not two), and free what they
         // staged.
-        let err = runtime()
+        let err = common::runtime()
             .block_on(GpuTable::from_provider(
                 Arc::new(mem_table(data)),
                 &LoadOptions::new()
@@ -770,7 +759,7 @@ fn out_of_memory_is_an_error() {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("temp dir");
         let path = dir.join("orders.parquet");
-        runtime().block_on(async {
+        common::runtime().block_on(async {
             let ctx = session();
             ctx.register_table("t", Arc::new(mem_table(data))).unwrap();
             ctx.table("t")
@@ -780,7 +769,7 @@ fn out_of_memory_is_an_error() {
                 .await
                 .expect("write parquet")
         });
-        let err = runtime()
+        let err = common::runtime()
             .block_on(GpuTable::from_parquet(
                 &path,
                 &LoadOptions::new().with_device(device).with_memory_limit(200_000),
@@ -1100,7 +1089,7 @@ fn write_parquet(dir: &std::path::Path, batch: &RecordBatch) {
 /// DataFusion's read of the Parquet files at `path`, in file and row order.
 fn datafusion_read(path: &str) -> RecordBatch {
     let ctx = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(1));
-    let batches = runtime()
+    let batches = common::runtime()
         .block_on(async { ctx.read_parquet(path, Default::default()).await?.collect().await })
         .expect("read parquet");
     arrow_select::concat::concat_batches(&batches[0].schema(), &batches).expect("concat")
@@ -1125,7 +1114,7 @@ fn parquet_staging_keeps_values_partitions_and_statistics() {
             let seen: Arc<Mutex<Vec<Progress>>> = Arc::default();
             let s = seen.clone();
             let options = options.with_progress(move |p| s.lock().unwrap().push(p));
-            let table = runtime()
+            let table = common::runtime()
                 .block_on(GpuTable::from_parquet(&dir, &options))
                 .expect("from parquet");
             assert_eq!(table.schema(), expected.schema(), "{partitions:?}");
@@ -1176,7 +1165,7 @@ fn sql_session(device: Device) -> SessionContext {
 }
 
 fn sql(ctx: &SessionContext, statement: &str) -> Result<Vec<RecordBatch>, DataFusionError> {
-    runtime().block_on(async { ctx.sql(statement).await?.collect().await })
+    common::runtime().block_on(async { ctx.sql(statement).await?.collect().await })
 }
 
 /// `CREATE EXTERNAL TABLE ... STORED AS GPU` stages Parquet files (a directory) and CSV files
@@ -1208,7 +1197,7 @@ fn create_external_table_stored_as_gpu() {
             sql(&ctx, &statement).unwrap_or_else(|e| panic!("{statement}: {e}"));
         }
         for name in ["g", "gc", "gc2"] {
-            let provider = runtime().block_on(ctx.table_provider(name)).expect("provider");
+            let provider = common::runtime().block_on(ctx.table_provider(name)).expect("provider");
             assert!(provider.downcast_ref::<GpuTable>().is_some(), "{name} is a GPU table");
         }
         let same = |a: &str, b: &str| {

@@ -44,17 +44,6 @@ fn gpu_alone() -> RwLockWriteGuard<'static, ()> {
     GPU.write().unwrap_or_else(PoisonError::into_inner)
 }
 
-fn runtime() -> &'static tokio::runtime::Runtime {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(4)
-            .enable_all()
-            .build()
-            .expect("tokio runtime")
-    })
-}
-
 fn config() -> SessionConfig {
     SessionConfig::new().with_target_partitions(PARTITIONS)
 }
@@ -105,7 +94,7 @@ fn sessions(tables: &[(&str, &Data)], device: Device) -> (SessionContext, Sessio
 }
 
 fn run(ctx: &SessionContext, sql: &str) -> datafusion::error::Result<Vec<RecordBatch>> {
-    runtime().block_on(async { ctx.sql(sql).await?.collect().await })
+    common::runtime().block_on(async { ctx.sql(sql).await?.collect().await })
 }
 
 fn explain(ctx: &SessionContext, sql: &str) -> String {
@@ -309,10 +298,7 @@ fn outer_joins_keep_hash_partitions() {
             ),
         ] {
             let plan = explain(&gpu, sql);
-            assert!(
-                plan.contains("HashJoinExec") == false && plan.contains(merged),
-                "{sql}\n{plan}"
-            );
+            assert!(!plan.contains("HashJoinExec") && plan.contains(merged), "{sql}\n{plan}");
             assert_eq!(plan.matches("DeviceStageExec").count(), 2, "{sql}\n{plan}");
             assert_same(&gpu, &mem, sql, true);
         }
@@ -985,7 +971,7 @@ fn cancel_frees_device_memory() {
     // Once, so that kernels are compiled and pools warmed.
     run(&gpu, sql).expect("query");
     let before = free();
-    runtime().block_on(async {
+    common::runtime().block_on(async {
         let mut s = gpu.sql(sql).await.unwrap().execute_stream().await.unwrap();
         let first = s.next().await;
         assert!(first.is_some());

@@ -42,6 +42,19 @@ pub fn cuda() -> Option<Device> {
 
 /// The rows of a result as text lines, cells trimmed (so that rows compare across results whose
 /// columns have other widths); sorted unless the order matters.
+/// The tokio runtime the DataFusion tests block on (four workers).
+#[cfg(feature = "datafusion")]
+pub fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(4)
+            .enable_all()
+            .build()
+            .expect("tokio runtime")
+    })
+}
+
 #[cfg(feature = "datafusion")]
 pub fn rows(batches: &[RecordBatch], ordered: bool) -> Vec<String> {
     let text = datafusion::arrow::util::pretty::pretty_format_batches(batches)
