@@ -11,7 +11,6 @@ use ::datafusion::common::{DataFusionError, not_impl_err, plan_err};
 use ::datafusion::datasource::listing::ListingTable;
 use ::datafusion::datasource::listing_table_factory::ListingTableFactory;
 use ::datafusion::execution::SessionStateBuilder;
-use ::datafusion::execution::context::SessionContext;
 use ::datafusion::execution::object_store::ObjectStoreUrl;
 use ::datafusion::logical_expr::CreateExternalTable;
 use arrow_schema::SchemaRef;
@@ -155,7 +154,12 @@ impl GpuTableSource {
             .with_locations(self.locations.clone())
             .with_options(self.options.clone().into_iter().collect())
             .build();
-        load_listing(&SessionContext::new().state(), &cmd, options).await
+        load_listing(
+            &::datafusion::execution::context::SessionContext::new().state(),
+            &cmd,
+            options,
+        )
+        .await
     }
 }
 

@@ -83,7 +83,7 @@ impl DeviceBuffer {
     }
 
     /// Whether the memory can still be read: an error for memory that another process lent (a batch
-    /// received through [`crate::ipc::Receiver`]) and no longer keeps, because it died or reclaimed
+    /// received over the IPC channel) and no longer keeps, because it died or reclaimed
     /// it; `Ok` for all other memory. Every read through this crate checks it first (copies,
     /// downloads, exports, messages); code that hands [`DeviceBuffer::address`] on itself (to a
     /// kernel, say) calls it too. A check cannot keep the owner alive afterwards: a read already

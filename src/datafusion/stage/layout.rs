@@ -168,6 +168,17 @@ pub(crate) fn key_value_type(dt: &DataType) -> &DataType {
 /// The longest string a group key holds (its length must fit the length byte).
 pub(crate) const MAX_KEY_STRING: usize = 255;
 
+/// The first word of each key of `words` words, and the words of all.
+fn word_offsets(words: &[usize]) -> (Vec<usize>, usize) {
+    let mut offsets = Vec::with_capacity(words.len());
+    let mut n = 0;
+    for w in words {
+        offsets.push(n);
+        n += w;
+    }
+    (offsets, n)
+}
+
 /// The bytes a string key of `words` words holds.
 pub(crate) fn string_capacity(words: usize) -> usize {
     8 * words - 1
@@ -222,15 +233,9 @@ pub(crate) struct JoinStep {
 }
 
 impl JoinStep {
-    /// The key words of each key, the first word of each, and their total.
+    /// The first key word of each key, and their total.
     pub(crate) fn key_layout(&self) -> (Vec<usize>, usize) {
-        let mut offsets = Vec::with_capacity(self.words.len());
-        let mut n = 0;
-        for w in &self.words {
-            offsets.push(n);
-            n += w;
-        }
-        (offsets, n)
+        word_offsets(&self.words)
     }
 
     /// The build side's key columns, ascending and each once: the build kernel's columns.
@@ -342,12 +347,7 @@ impl StagePlan {
     /// The first word of each key, and the number of key words (a last word holds the keys'
     /// null bits); 0 words without keys.
     pub(crate) fn key_layout(&self) -> (Vec<usize>, usize) {
-        let mut offsets = Vec::with_capacity(self.key_words.len());
-        let mut n = 0;
-        for w in &self.key_words {
-            offsets.push(n);
-            n += w;
-        }
+        let (offsets, n) = word_offsets(&self.key_words);
         if self.keys.is_empty() {
             (offsets, 0)
         } else {
