@@ -341,6 +341,66 @@ fn having_filters_the_final_rows() {
     });
 }
 
+/// A sort with a limit over a stage's final rows cuts them in the stage (`top=` in `EXPLAIN`) to
+/// the candidates of its first rows by the first sort key (decimal sums, counts, integer and date
+/// keys; ascending and descending; nulls first and last, more of them than the limit; ties; a
+/// limit past the groups; after a `HAVING`), and the sort above returns what `MemTable` returns.
+#[test]
+fn sorts_with_a_limit_cut_the_final_rows() {
+    let _gpu = gpu_shared();
+    let t = tpch();
+    let tables = join_tables();
+    common::each_device(|device, _| {
+        let (gpu, mem) = sessions(&[("f", &tables[0].1), ("lineitem", &t.lineitem)], device);
+        let some = "sum(case when k2 = 0 then amount end)";
+        for sql in [
+            "select k, sum(amount) s from f group by k order by s desc, k limit 10".to_string(),
+            format!("select k, {some} s from f group by k order by s desc, k limit 50"),
+            format!("select k, {some} s from f group by k order by s desc nulls last, k limit 30"),
+            format!("select k, {some} s from f group by k order by s asc nulls first, k limit 90"),
+            "select k, count(*) c from f group by k order by c, k limit 7".into(),
+            "select k2, min(k) m from f group by k2 order by m desc limit 2".into(),
+            "select k, count(*) c from f group by k having count(*) > 80 order by k desc limit 5".into(),
+            "select k2, count(*) from f group by k2 order by count(*) desc limit 100".into(),
+            "select l_orderkey, sum(l_extendedprice * (1 - l_discount)) as revenue from lineitem \
+             group by l_orderkey order by revenue desc, l_orderkey limit 10"
+                .into(),
+            "select l_shipdate, sum(l_quantity) q from lineitem group by l_shipdate \
+             having sum(l_quantity) > 100 order by l_shipdate desc limit 5"
+                .into(),
+        ] {
+            let plan = explain(&gpu, &sql);
+            let stage = plan.lines().find(|l| l.contains("top=")).unwrap_or_default();
+            assert!(stage.contains("DeviceStageExec"), "{sql}\n{plan}");
+            let n = assert_same(&gpu, &mem, &sql, true);
+            assert!(n > 0, "{sql}: no rows");
+        }
+        // Of 121 and 150,000 groups, the stage emits the candidates only.
+        for (sql, limit) in [
+            (
+                "select k, sum(amount) s from f group by k order by s desc, k limit 10",
+                10,
+            ),
+            (
+                "select l_orderkey, sum(l_extendedprice * (1 - l_discount)) as revenue from lineitem \
+                 group by l_orderkey order by revenue desc, l_orderkey limit 10",
+                10,
+            ),
+        ] {
+            let analyzed = run(&gpu, &format!("explain analyze {sql}")).expect("explain analyze");
+            let text = pretty_format_batches(&analyzed).unwrap().to_string();
+            let stage = text.lines().find(|l| l.contains("DeviceStageExec")).expect("a stage");
+            let emitted: usize = stage
+                .split("output_rows=")
+                .nth(1)
+                .and_then(|r| r.split([',', ' ', ']']).next())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("no output_rows: {stage}"));
+            assert!((limit..=2 * limit).contains(&emitted), "{sql}: {stage}");
+        }
+    });
+}
+
 /// The tables of the join tests: a fact table `f` (10,000 rows over 4 batches; its key `k` null in
 /// every 13th row) and dimensions keyed by `k`: `d` (unique keys, one null key, a second key `k2`
 /// and a key `c` into `d3`), `dd` (every key twice), `d3` (keyed by `c`) and `e` (empty).

@@ -26,8 +26,10 @@ static long long __double_as_longlong(double d) { long long i; memcpy(&i, &d, 8)
 static double __longlong_as_double(long long i) { double d; memcpy(&d, &i, 8); return d; }
 static unsigned __ballot_sync(unsigned, bool p) { return p ? 1u : 0u; }
 static int __popc(unsigned x) { return __builtin_popcount(x); }
+template <class T> T __shfl_xor_sync(unsigned, T v, int) { return v; }
 template <class T> T atomicAdd(T* p, T v) { T o = *p; *p += v; return o; }
 template <class T> T atomicOr(T* p, T v) { T o = *p; *p |= v; return o; }
+template <class T> T atomicAnd(T* p, T v) { T o = *p; *p &= v; return o; }
 template <class T> T atomicMin(T* p, T v) { T o = *p; if (v < o) *p = v; return o; }
 template <class T> T atomicMax(T* p, T v) { T o = *p; if (v > o) *p = v; return o; }
 template <class T> T atomicExch(T* p, T v) { T o = *p; *p = v; return o; }

@@ -77,6 +77,55 @@ pub(crate) fn filter_compact(
     limit: usize,
     stream: &Stream,
 ) -> Result<Filtered> {
+    if batch.num_rows() == 0 || limit == 0 {
+        return Ok(Filtered::Empty);
+    }
+    on_stream(batch, stream, |ctx, cuda, scratch, keep| {
+        run(ctx, cuda, scratch, keep, batch, predicate, output, limit)
+    })
+}
+
+/// The indices (`u32`, on the batch's device) of the rows of `batch` (on a CUDA device) where
+/// `predicate` is true, and their count; `None` for none.
+pub(crate) fn selected(
+    batch: &DeviceRecordBatch,
+    predicate: &Predicate,
+    stream: &Stream,
+) -> Result<Option<(DeviceBuffer, usize)>> {
+    if batch.num_rows() == 0 {
+        return Ok(None);
+    }
+    on_stream(batch, stream, |ctx, cuda, scratch, keep| {
+        let sel = predicate_bytes(ctx, cuda, scratch, keep, batch, predicate)?;
+        selected_rows(ctx, cuda, scratch, &sel, batch.num_rows(), batch.num_rows())
+    })
+}
+
+/// The rows `rows[0..m]` (`u32` indices on the batch's device) of every column of `batch` (on a
+/// CUDA device, of types [`compact`] handles), in new device memory.
+pub(crate) fn take(
+    batch: &DeviceRecordBatch,
+    rows: &DeviceBuffer,
+    m: usize,
+    stream: &Stream,
+) -> Result<DeviceRecordBatch> {
+    on_stream(batch, stream, |ctx, cuda, scratch, _| {
+        let columns = batch
+            .columns()
+            .iter()
+            .map(|c| compact(ctx, cuda, scratch, c, rows, m))
+            .collect::<Result<Vec<_>>>()?;
+        DeviceRecordBatch::try_new(batch.schema().clone(), columns, m, scratch.stream.record()?)
+    })
+}
+
+/// Runs `work` on `stream` (made a stream of `batch`'s CUDA device) once the batch is ready, and
+/// waits for its kernels before its scratch memory (and what it puts in the keep list) is freed.
+fn on_stream<T>(
+    batch: &DeviceRecordBatch,
+    stream: &Stream,
+    work: impl FnOnce(&Arc<CudaContext>, &Arc<CudaStream>, &Scratch, &mut Vec<DeviceBuffer>) -> Result<T>,
+) -> Result<T> {
     let device = batch.device();
     let Device::Cuda(_) = device else {
         return Err(Error::Unsupported(format!(
@@ -92,9 +141,6 @@ pub(crate) fn filter_compact(
         )));
     }
     let n = batch.num_rows();
-    if n == 0 || limit == 0 {
-        return Ok(Filtered::Empty);
-    }
     if n > u32::MAX as usize {
         return Err(Error::InvalidArgument(format!(
             "a batch of {n} rows (at most 2^32 - 1 per batch)"
@@ -106,12 +152,40 @@ pub(crate) fn filter_compact(
         resource: MemoryResource::default_for(device),
         stream: stream.clone(),
     };
-    let result = run(&ctx, &cuda, &scratch, batch, predicate, output, limit, n);
+    let mut keep = Vec::new();
+    let result = work(&ctx, &cuda, &scratch, &mut keep);
     // Scratch memory is freed when this returns: let the kernels finish first, also on error.
     let synced = stream.synchronize();
+    drop(keep);
     let out = result?;
     synced?;
     Ok(out)
+}
+
+/// Step 1: a selection byte per row of `batch`, 1 where `predicate` is true; the tables its
+/// kernel reads go to `keep`.
+fn predicate_bytes(
+    ctx: &Arc<CudaContext>,
+    cuda: &Arc<CudaStream>,
+    scratch: &Scratch,
+    keep: &mut Vec<DeviceBuffer>,
+    batch: &DeviceRecordBatch,
+    predicate: &Predicate,
+) -> Result<DeviceBuffer> {
+    let n = batch.num_rows();
+    let n64 = n as u64;
+    let mut cols = BTreeSet::new();
+    predicate.columns(&mut cols);
+    let cols: Vec<usize> = cols.into_iter().collect();
+    let generated = generate(predicate, batch, &cols)?;
+    let pred = function(ctx, &generated.source, "pred")?;
+    let lit = DeviceBuffer::from_host(&generated.literals, scratch.resource, &scratch.stream)?;
+    let sel = scratch.alloc(n)?;
+    let mut args = vec![n64, sel.address(), lit.address()];
+    keep.extend(column_args(batch, &cols, &mut args, scratch.resource, &scratch.stream)?);
+    keep.push(lit);
+    launch(cuda, &pred, n64.div_ceil(BLOCK as u64), BLOCK, &args)?;
+    Ok(sel)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -119,25 +193,15 @@ fn run(
     ctx: &Arc<CudaContext>,
     cuda: &Arc<CudaStream>,
     scratch: &Scratch,
+    keep: &mut Vec<DeviceBuffer>,
     batch: &DeviceRecordBatch,
     predicate: &Predicate,
     output: &[usize],
     limit: usize,
-    n: usize,
 ) -> Result<Filtered> {
-    let stream = &scratch.stream;
-    let n64 = n as u64;
+    let (stream, n) = (&scratch.stream, batch.num_rows());
     // 1. The predicate.
-    let mut cols = BTreeSet::new();
-    predicate.columns(&mut cols);
-    let cols: Vec<usize> = cols.into_iter().collect();
-    let generated = generate(predicate, batch, &cols)?;
-    let pred = function(ctx, &generated.source, "pred")?;
-    let lit = DeviceBuffer::from_host(&generated.literals, scratch.resource, stream)?;
-    let sel = scratch.alloc(n)?;
-    let mut args = vec![n64, sel.address(), lit.address()];
-    let keep = column_args(batch, &cols, &mut args, scratch.resource, stream)?;
-    launch(cuda, &pred, n64.div_ceil(BLOCK as u64), BLOCK, &args)?;
+    let sel = predicate_bytes(ctx, cuda, scratch, keep, batch, predicate)?;
     // 2. and 3. The indices of the first `limit` selected rows.
     let Some((idx, m)) = selected_rows(ctx, cuda, scratch, &sel, n, limit)? else {
         return Ok(Filtered::Empty);
@@ -157,11 +221,12 @@ fn run(
         .iter()
         .map(|&c| compact(ctx, cuda, scratch, batch.column(c), &idx, m))
         .collect::<Result<Vec<_>>>()?;
-    let out = DeviceRecordBatch::try_new(schema, columns, m, stream.record()?)?;
-    // The scratch buffers (selection, indices, literals, view tables) drop on return.
-    stream.synchronize()?;
-    drop(keep);
-    Ok(Filtered::Device(out))
+    Ok(Filtered::Device(DeviceRecordBatch::try_new(
+        schema,
+        columns,
+        m,
+        stream.record()?,
+    )?))
 }
 
 /// The elements `rows` (indices into its buffers, its offset included) of `a`, an array on a CUDA

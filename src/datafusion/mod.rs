@@ -169,9 +169,18 @@
 //! (customers left-joined with their orders) runs so.
 //!
 //! A `HAVING` filter over a stage's final rows is part of the stage (`having=` in `EXPLAIN`):
-//! where one device holds every group and the filter reads only aggregates whose state is their
-//! value (`SUM`, `COUNT`, `MIN`, `MAX`), it filters that state before the rows are split among the
-//! partitions and merged (TPC-H Q18's subquery keeps about 600 of its 15 million groups at SF 10).
+//! where one device holds every group and the filter reads only group keys and aggregates whose
+//! state is their value (`SUM`, `COUNT`, `MIN`, `MAX`), the device evaluates it over that state
+//! (the scan's predicate kernels) and only the groups it keeps are written out and cross to the
+//! host (TPC-H Q18's subquery keeps about 600 of its 15 million groups at SF 10).
+//!
+//! A sort with a limit (`ORDER BY ... LIMIT k`, DataFusion's `TopK`) over a stage's final rows,
+//! through projections of columns, whose first sort key is such a column of an integer, date or
+//! decimal type, cuts the stage's groups (`top=` in `EXPLAIN`): on the device, after the
+//! `HAVING`, radix selection finds the first key's value at rank `k` of the order, and only the
+//! groups whose key reaches it (nulls too where they sort first) are written out: `k` rows and
+//! their ties, not every group (TPC-H Q3, Q10 and Q18). The sort stays with DataFusion and orders
+//! those candidates, so the answer and its tie-breaking by later keys are DataFusion's.
 //!
 //! ## Rows stages
 //!

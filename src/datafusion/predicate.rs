@@ -3,10 +3,13 @@
 //! (`super::predicate_codegen`).
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 
 use ::datafusion::common::ScalarValue;
 use ::datafusion::common::utils::{normalize_float_zero, normalize_float_zero_scalar};
 use ::datafusion::logical_expr::{Between, BinaryExpr, Expr, Like, Operator};
+use ::datafusion::physical_expr::PhysicalExpr;
+use ::datafusion::physical_expr::expressions::{self as phys, Column, IsNotNullExpr, IsNullExpr, Literal, NotExpr};
 use arrow_array::{Array, ArrayRef, BooleanArray, RecordBatch, Scalar};
 use arrow_schema::{ArrowError, DataType, Schema};
 
@@ -134,6 +137,10 @@ fn coerce(lit: &ScalarValue, dt: &DataType) -> Option<ScalarValue> {
     }
     let back = cast.cast_to(&lit.data_type()).ok()?;
     (&back == lit).then_some(cast)
+}
+
+fn physical_literal(e: &Arc<dyn PhysicalExpr>) -> Option<&ScalarValue> {
+    e.downcast_ref::<Literal>().map(Literal::value)
 }
 
 fn literal(e: &Expr) -> Option<&ScalarValue> {
@@ -282,9 +289,96 @@ impl Predicate {
         }
     }
 
+    /// Recognises a physical expression over the columns of `schema` (comparisons of a column
+    /// with a literal, `AND`, `OR`, `NOT`, `IS [NOT] NULL`), or `None` when it is anything else.
+    pub(crate) fn from_physical(expr: &Arc<dyn PhysicalExpr>, schema: &Schema) -> Option<Predicate> {
+        let column = |e: &Arc<dyn PhysicalExpr>| -> Option<(usize, &DataType, Kind)> {
+            let c = e.downcast_ref::<Column>()?;
+            let dt = schema.fields().get(c.index())?.data_type();
+            Some((c.index(), dt, kind(dt)?))
+        };
+        if let Some(b) = expr.downcast_ref::<phys::BinaryExpr>() {
+            let (left, right) = (b.left(), b.right());
+            return match b.op() {
+                Operator::And | Operator::Or => {
+                    let l = Box::new(Self::from_physical(left, schema)?);
+                    let r = Box::new(Self::from_physical(right, schema)?);
+                    Some(if *b.op() == Operator::And {
+                        Predicate::And(l, r)
+                    } else {
+                        Predicate::Or(l, r)
+                    })
+                }
+                op => {
+                    let cmp = CmpOp::from_operator(*op)?;
+                    let ((col, dt, k), lit, op) = match (
+                        column(left),
+                        physical_literal(right),
+                        column(right),
+                        physical_literal(left),
+                    ) {
+                        (Some(c), Some(l), _, _) => (c, l, cmp),
+                        (_, _, Some(c), Some(l)) => (c, l, cmp.swapped()),
+                        _ => return None,
+                    };
+                    if k == Kind::String && !matches!(op, CmpOp::Eq | CmpOp::NotEq) {
+                        return None;
+                    }
+                    Some(Predicate::Cmp {
+                        col,
+                        op,
+                        lit: coerce(lit, dt)?,
+                    })
+                }
+            };
+        }
+        if let Some(n) = expr.downcast_ref::<NotExpr>() {
+            return Some(Predicate::Not(Box::new(Self::from_physical(n.arg(), schema)?)));
+        }
+        if let Some(n) = expr.downcast_ref::<IsNullExpr>() {
+            return Some(Predicate::IsNull {
+                col: column(n.arg())?.0,
+            });
+        }
+        if let Some(n) = expr.downcast_ref::<IsNotNullExpr>() {
+            let col = column(n.arg())?.0;
+            return Some(Predicate::Not(Box::new(Predicate::IsNull { col })));
+        }
+        None
+    }
+
     /// Joins predicates with `AND` (`None` for none).
     pub(crate) fn conjunction(ps: Vec<Predicate>) -> Option<Predicate> {
         ps.into_iter().reduce(|a, b| Predicate::And(Box::new(a), Box::new(b)))
+    }
+
+    /// The predicate with each column `c` replaced by `at(c)`.
+    pub(crate) fn remapped(&self, at: &dyn Fn(usize) -> usize) -> Predicate {
+        let boxed = |p: &Predicate| Box::new(p.remapped(at));
+        match self {
+            Predicate::And(a, b) => Predicate::And(boxed(a), boxed(b)),
+            Predicate::Or(a, b) => Predicate::Or(boxed(a), boxed(b)),
+            Predicate::Not(a) => Predicate::Not(boxed(a)),
+            Predicate::Cmp { col, op, lit } => Predicate::Cmp {
+                col: at(*col),
+                op: *op,
+                lit: lit.clone(),
+            },
+            Predicate::InList { col, list } => Predicate::InList {
+                col: at(*col),
+                list: list.clone(),
+            },
+            Predicate::IsNull { col } => Predicate::IsNull { col: at(*col) },
+            Predicate::StartsWith { col, prefix } => Predicate::StartsWith {
+                col: at(*col),
+                prefix: prefix.clone(),
+            },
+            Predicate::Like { col, pattern } => Predicate::Like {
+                col: at(*col),
+                pattern: pattern.clone(),
+            },
+            Predicate::Column { col } => Predicate::Column { col: at(*col) },
+        }
     }
 
     /// The table columns the predicate reads.

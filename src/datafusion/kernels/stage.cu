@@ -280,18 +280,21 @@ __device__ __forceinline__ void emit_int(unsigned char* p, u64 width, i128 v) {
         default: *(i128*)p = v; break;
     }
 }
+/* Row g of the columns is group rows[g] (group g where `rows` is null). */
 extern "C" __global__ void stage_emit(u64 count, const u64* group_keys, u64 nw, const u64* acc, u64 stride,
-                                      const EmitColumn* cols, u64 ncols, unsigned long long* null_counts) {
+                                      const EmitColumn* cols, u64 ncols, unsigned long long* null_counts,
+                                      const u32* rows) {
     u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     bool live = g < count;
     unsigned lane = threadIdx.x & 31;
     unsigned live_mask = __ballot_sync(0xffffffffu, live);
-    const u64* kw = group_keys + (live ? g : 0) * nw;
+    u64 src = live ? (rows ? rows[g] : g) : 0;
+    const u64* kw = group_keys + src * nw;
     for (u64 c = 0; c < ncols; c++) {
         EmitColumn col = cols[c];
         bool valid = true, bit = false;
         if (live) {
-            u64 cnt = col.kind >= EMIT_COUNT ? acc[col.a * stride + g] : 0;
+            u64 cnt = col.kind >= EMIT_COUNT ? acc[col.a * stride + src] : 0;
             switch (col.kind) {
                 case EMIT_KEY_INT: case EMIT_KEY_BOOL: case EMIT_KEY_DEC: case EMIT_KEY_STR:
                     valid = !((kw[nw - 1] >> col.b) & 1);
@@ -324,15 +327,15 @@ extern "C" __global__ void stage_emit(u64 count, const u64* group_keys, u64 nw, 
                 }
                 case EMIT_COUNT: case EMIT_COUNT_OR_NULL: emit_int(out, col.width, (i128)cnt); break;
                 case EMIT_SUM128: {
-                    unsigned __int128 p0 = acc[(col.a + 1) * stride + g], p1 = acc[(col.a + 2) * stride + g],
-                                      p2 = acc[(col.a + 3) * stride + g];
+                    unsigned __int128 p0 = acc[(col.a + 1) * stride + src], p1 = acc[(col.a + 2) * stride + src],
+                                      p2 = acc[(col.a + 3) * stride + src];
                     emit_int(out, col.width, valid ? (i128)(p0 + (p1 << 32) + (p2 << 64)) : 0);
                     break;
                 }
-                case EMIT_I64: emit_int(out, col.width, valid ? (i128)(long long)acc[(col.a + 1) * stride + g] : 0); break;
-                case EMIT_F64: *(double*)out = valid ? __longlong_as_double((long long)acc[(col.a + 1) * stride + g]) : 0.0; break;
+                case EMIT_I64: emit_int(out, col.width, valid ? (i128)(long long)acc[(col.a + 1) * stride + src] : 0); break;
+                case EMIT_F64: *(double*)out = valid ? __longlong_as_double((long long)acc[(col.a + 1) * stride + src]) : 0.0; break;
                 case EMIT_ORDERED_F64: {
-                    long long b = (long long)acc[(col.a + 1) * stride + g];
+                    long long b = (long long)acc[(col.a + 1) * stride + src];
                     double v = valid ? __longlong_as_double(b ^ (long long)(((unsigned long long)(b >> 63)) >> 1)) : 0.0;
                     if (col.width == 4) *(float*)out = (float)v; else *(double*)out = v;
                     break;

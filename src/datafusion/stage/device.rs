@@ -25,6 +25,7 @@ use super::build::BuildRows;
 use super::emit::{self, GroupTable};
 use super::expr::late_literals;
 use super::layout::{JoinKind, JoinStep, NO_ROW, StagePlan};
+use super::narrow::Narrowing;
 use super::{Outcome, StageResult};
 use crate::array::{DeviceArrayData, DeviceRecordBatch};
 use crate::device::{Device, Stream};
@@ -572,8 +573,9 @@ impl<'p> DeviceStage<'p> {
         )?))
     }
 
-    /// The stage's state batch (see [`emit`](super::emit)) and the bytes copied to the host.
-    pub(crate) fn finish(self) -> StageResult<(RecordBatch, u64)> {
+    /// The stage's state batch (see [`emit`](super::emit)), with only the groups `narrowing`
+    /// keeps, and the bytes copied to the host.
+    pub(crate) fn finish(self, narrowing: Option<&Narrowing>) -> StageResult<(RecordBatch, u64)> {
         let (flags, count) = self.read_status()?;
         self.check(flags)?;
         let count = if self.nw == 0 { 1 } else { count as usize };
@@ -591,7 +593,15 @@ impl<'p> DeviceStage<'p> {
             stride: self.max_groups,
         };
         let kernel = (&self.kernels.emit, &self.cuda);
-        let (batch, bytes) = emit::state_batch(self.plan, &table, &extremes, kernel, self.resource, &self.stream)?;
+        let (batch, bytes) = emit::state_batch(
+            self.plan,
+            &table,
+            &extremes,
+            narrowing,
+            kernel,
+            self.resource,
+            &self.stream,
+        )?;
         Ok((batch, copied + bytes))
     }
 

@@ -17,6 +17,7 @@ use cudarc::driver::{CudaFunction, CudaStream};
 
 use super::super::nvrtc::{BLOCK, launch};
 use super::layout::{Acc, AggKind, StagePlan, key_value_type};
+use super::narrow::{Narrowing, kept_on_device, narrow_on_host};
 use super::{Outcome, StageResult};
 use crate::array::{DeviceArrayData, DeviceRecordBatch};
 use crate::device::Stream;
@@ -153,19 +154,21 @@ pub(crate) struct GroupTable<'a> {
 }
 
 /// The state batch of `plan`'s groups in `table`, made by `emit` (the stage's `stage_emit`) on
-/// the device and copied to the host; `extremes` holds the values of each row-reference
-/// aggregate. Returns the batch and the bytes copied.
+/// the device and copied to the host, with only the groups `narrowing` keeps (narrowed on the
+/// device, or on the host where a row-reference aggregate's values come from there); `extremes`
+/// holds the values of each row-reference aggregate. Returns the batch and the bytes copied.
 pub(crate) fn state_batch(
     plan: &StagePlan,
     table: &GroupTable<'_>,
     extremes: &[Option<ArrayRef>],
-    (emit, cuda): (&CudaFunction, &Arc<CudaStream>),
+    narrowing: Option<&Narrowing>,
+    kernel: (&CudaFunction, &Arc<CudaStream>),
     resource: MemoryResource,
     stream: &Stream,
 ) -> StageResult<(RecordBatch, u64)> {
-    let count = table.count;
-    if count == 0 {
-        return Ok((RecordBatch::new_empty(plan.schema.clone()), 0));
+    let empty = || Ok((RecordBatch::new_empty(plan.schema.clone()), 0));
+    if table.count == 0 {
+        return empty();
     }
     let columns = columns(plan)?;
     // The columns `stage_emit` writes, with their index among the state's.
@@ -177,11 +180,71 @@ pub(crate) fn state_batch(
             Column::Extremes(_) => None,
         })
         .collect();
+    let emit = |chosen: &[(usize, &Emitted)], rows: Option<&(DeviceBuffer, usize)>| {
+        emit_columns(chosen, table, rows, kernel, resource, stream)
+    };
+    // Narrowed on the device where every state column is the device's: the columns narrowing
+    // reads first, then only the groups it keeps.
+    let on_device = narrowing.filter(|_| device.len() == columns.len());
+    let kept = match on_device {
+        Some(n) => {
+            let reads = n.columns();
+            let read: Vec<(usize, &Emitted)> = reads.iter().map(|&c| device[c]).collect();
+            match kept_on_device(&emit(&read, None)?, &n.over(&reads), stream)? {
+                None => return empty(),
+                Some(kept) => kept,
+            }
+        }
+        None => None,
+    };
+    let emitted = emit(&device, kept.as_ref())?;
+    let count = emitted.num_rows();
+    let copied = emitted.size_in_bytes() as u64;
+    let host = crate::transfer::dtoh(&emitted, stream)?;
+    let mut downloaded = host.columns().iter();
+    let mut out = Vec::with_capacity(columns.len());
+    for (c, field) in columns.iter().zip(plan.schema.fields()) {
+        let column = match c {
+            Column::Device(_) => downloaded
+                .next()
+                .cloned()
+                .ok_or_else(|| Error::InvalidData("a stage's emitted column is missing".into()))?,
+            Column::Extremes(a) => extremes
+                .get(*a)
+                .cloned()
+                .flatten()
+                .ok_or_else(|| Error::InvalidData(format!("no values of {}", plan.aggs[*a].name)))?,
+        };
+        out.push(if column.data_type() == field.data_type() {
+            column
+        } else {
+            cast(&column, field.data_type())?
+        });
+    }
+    let options = RecordBatchOptions::new().with_row_count(Some(count));
+    let batch = RecordBatch::try_new_with_options(plan.schema.clone(), out, &options)?;
+    match narrowing {
+        Some(n) if on_device.is_none() => Ok((narrow_on_host(batch, n)?, copied)),
+        _ => Ok((batch, copied)),
+    }
+}
+
+/// The `chosen` state columns of the groups of `table` (or of the `rows` among them: indices on
+/// the device and their count), written by `stage_emit` into one allocation on the device.
+fn emit_columns(
+    chosen: &[(usize, &Emitted)],
+    table: &GroupTable<'_>,
+    rows: Option<&(DeviceBuffer, usize)>,
+    (emit, cuda): (&CudaFunction, &Arc<CudaStream>),
+    resource: MemoryResource,
+    stream: &Stream,
+) -> StageResult<DeviceRecordBatch> {
+    let count = rows.map_or(table.count, |r| r.1);
     // Validity bitmaps (and boolean values) are written 32 groups a word.
     let bitmap = count.div_ceil(32) * 4;
-    let mut placed = Vec::with_capacity(device.len());
+    let mut placed = Vec::with_capacity(chosen.len());
     let mut end = 0;
-    for (_, e) in &device {
+    for (_, e) in chosen {
         let (values_len, data_len) = match e.kind {
             KEY_BOOL => (bitmap, 0),
             KEY_STR => (count * 16, count * 8 * e.abc[2] as usize),
@@ -205,10 +268,10 @@ pub(crate) fn state_batch(
         });
     }
     let null_counts = end;
-    end += device.len() * 8;
+    end += chosen.len() * 8;
     let memory = DeviceBuffer::zeroed(resource, end, stream)?;
     let base = memory.address();
-    let descriptors: Vec<u8> = device
+    let descriptors: Vec<u8> = chosen
         .iter()
         .zip(&placed)
         .flat_map(|((_, e), p)| {
@@ -235,16 +298,18 @@ pub(crate) fn state_batch(
         table.acc.address(),
         table.stride,
         descriptors.address(),
-        device.len() as u64,
+        chosen.len() as u64,
         base + null_counts as u64,
+        rows.map_or(0, |r| r.0.address()),
     ];
     launch(cuda, emit, (count as u64).div_ceil(BLOCK as u64), BLOCK, &args)?;
-    let mut nulls = vec![0u8; device.len() * 8];
+    // Synchronous: the kernel is done when the counts are here.
+    let mut nulls = vec![0u8; chosen.len() * 8];
     memory.copy_to_host(null_counts, &mut nulls, stream)?;
 
-    let mut fields = Vec::with_capacity(device.len());
-    let mut arrays = Vec::with_capacity(device.len());
-    for (k, (&(i, e), p)) in device.iter().zip(&placed).enumerate() {
+    let mut fields = Vec::with_capacity(chosen.len());
+    let mut arrays = Vec::with_capacity(chosen.len());
+    for (k, (&(i, e), p)) in chosen.iter().zip(&placed).enumerate() {
         let n = u64::from_le_bytes(nulls[k * 8..k * 8 + 8].try_into().expect("8 bytes")) as usize;
         let validity = (n > 0).then(|| memory.slice(p.validity, bitmap)).transpose()?;
         let mut buffers = vec![memory.slice(p.values, p.values_len)?];
@@ -257,30 +322,10 @@ pub(crate) fn state_batch(
         arrays.push(array);
         fields.push(Field::new(format!("c{i}"), e.emitted.clone(), true));
     }
-    let copied = arrays.iter().map(DeviceArrayData::size_in_bytes).sum::<usize>() as u64;
-    let emitted = DeviceRecordBatch::try_new(Arc::new(Schema::new(fields)), arrays, count, stream.record()?)?;
-    let host = crate::transfer::dtoh(&emitted, stream)?;
-    let mut downloaded = host.columns().iter();
-    let mut out = Vec::with_capacity(columns.len());
-    for (c, field) in columns.iter().zip(plan.schema.fields()) {
-        let column = match c {
-            Column::Device(_) => downloaded
-                .next()
-                .cloned()
-                .ok_or_else(|| Error::InvalidData("a stage's emitted column is missing".into()))?,
-            Column::Extremes(a) => extremes
-                .get(*a)
-                .cloned()
-                .flatten()
-                .ok_or_else(|| Error::InvalidData(format!("no values of {}", plan.aggs[*a].name)))?,
-        };
-        out.push(if column.data_type() == field.data_type() {
-            column
-        } else {
-            cast(&column, field.data_type())?
-        });
-    }
-    let options = RecordBatchOptions::new().with_row_count(Some(count));
-    let batch = RecordBatch::try_new_with_options(plan.schema.clone(), out, &options)?;
-    Ok((batch, copied))
+    Ok(DeviceRecordBatch::try_new(
+        Arc::new(Schema::new(fields)),
+        arrays,
+        count,
+        stream.record()?,
+    )?)
 }

@@ -18,17 +18,19 @@ use ::datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties, SendableRecordBatchStream,
 };
 use arrow_array::RecordBatch;
-use arrow_schema::SchemaRef;
+use arrow_schema::{SchemaRef, SortOptions};
 use arrow_select::concat::concat_batches;
 use futures::future::{BoxFuture, FutureExt, Shared};
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 
 use super::super::error::DfResult;
+use super::super::predicate::Predicate;
 use super::build::{BuildRows, build_sides};
 use super::device::DeviceStage;
 use super::host::HostStage;
 use super::layout::{Groups, JoinKind, StagePlan, Step};
+use super::narrow::{Narrowing, Top, narrow_on_host, state_columns, top_key_supported};
 use super::output::{final_batch, state_batch};
 use super::{Outcome, StageResult};
 use crate::array::DeviceRecordBatch;
@@ -69,10 +71,25 @@ pub(crate) enum Output {
         aggr: Vec<Arc<AggregateFunctionExpr>>,
         schema: SchemaRef,
         having: Option<Having>,
+        /// The top-k cut of a sort with a limit above the stage (which stays there).
+        top: Option<Top>,
     },
     /// The rows the pipeline keeps, with the columns of the projection or filter the stage
     /// replaced (a rows stage: no aggregate above the pipeline).
     Rows,
+}
+
+impl Output {
+    /// Which of a device's groups the stage emits, where one device holds them all.
+    fn narrowing(&self) -> Option<Narrowing> {
+        match self {
+            Output::Final { having, top, .. } if having.is_some() || top.is_some() => Some(Narrowing {
+                having: having.as_ref().map(|h| h.on_state.clone()),
+                top: top.clone(),
+            }),
+            _ => None,
+        }
+    }
 }
 
 /// A `HAVING` filter over a stage's final rows (the `FilterExec` above the aggregate it replaced).
@@ -82,8 +99,9 @@ pub(crate) struct Having {
     pub(crate) predicate: Arc<dyn PhysicalExpr>,
     /// The same predicate over the state batch, whose state columns hold the values of the
     /// aggregates it reads (`SUM`, `COUNT`, `MIN`, `MAX`): where one device holds every group,
-    /// its state is the final rows, and the groups it drops are never split or merged.
-    pub(crate) on_state: Arc<dyn PhysicalExpr>,
+    /// its state is the final rows, and the groups it drops are never split, merged or copied
+    /// to the host.
+    pub(crate) on_state: Predicate,
     /// The columns of the filtered rows the filter emits, where it projects them.
     pub(crate) projection: Option<Vec<usize>>,
 }
@@ -149,8 +167,9 @@ impl DeviceStageExec {
                 let emit = self.emitter();
                 let original = self.original.clone();
                 let given_back = self.given_back.clone();
+                let narrowing = self.output.narrowing();
                 async move {
-                    let emitted = run(plan, &metrics, context).await.and_then(|states| {
+                    let emitted = run(plan, narrowing, &metrics, context).await.and_then(|states| {
                         let _timer = metrics.partition_time.timer();
                         Ok(emit(states)?)
                     });
@@ -179,11 +198,8 @@ impl DeviceStageExec {
     fn emitter(&self) -> impl FnOnce(Vec<RecordBatch>) -> DfResult<Vec<Vec<RecordBatch>>> + Send + 'static {
         let partitioning = self.properties.partitioning.clone();
         let output = self.output.clone();
-        move |mut batches| {
+        move |batches| {
             let n = partitioning.partition_count();
-            if let (Output::Final { having: Some(h), .. }, [state]) = (&output, batches.as_mut_slice()) {
-                *state = filtered(state, &h.on_state)?;
-            }
             match (output, partitioning) {
                 (Output::Partial, _) => Ok(shares(&batches, n)),
                 (_, partitioning @ Partitioning::Hash(..)) => {
@@ -203,6 +219,52 @@ impl DeviceStageExec {
                 }
             }
         }
+    }
+
+    /// This stage, emitting of its groups only the candidates of the first `k` rows of an order
+    /// (`options`) whose first key is column `column` of its output; why not where it cannot.
+    pub(crate) fn with_top(&self, column: usize, k: usize, options: SortOptions) -> Result<DeviceStageExec, String> {
+        let Output::Final {
+            aggr,
+            schema,
+            having,
+            top: None,
+        } = &self.output
+        else {
+            return Err("not a stage of final rows without a cut".into());
+        };
+        let keys = self.plan.keys.len();
+        if keys == 0 || k == 0 || self.plan.table.single_device().is_none() {
+            return Err("no groups to cut, or groups on several devices".into());
+        }
+        let column = match having.as_ref().and_then(|h| h.projection.as_ref()) {
+            Some(p) => p.get(column).copied().ok_or("a sort key outside the stage's output")?,
+            None => column,
+        };
+        let state = state_columns(aggr, keys)
+            .get(column)
+            .copied()
+            .flatten()
+            .ok_or("a sort key whose state is not its value")?;
+        let dt = self.plan.schema.field(state).data_type();
+        if !top_key_supported(dt) {
+            return Err(format!("a first sort key of {dt}"));
+        }
+        let output = Output::Final {
+            aggr: aggr.clone(),
+            schema: schema.clone(),
+            having: having.clone(),
+            top: Some(Top {
+                column: state,
+                k,
+                options,
+            }),
+        };
+        Ok(DeviceStageExec::new(
+            self.plan.as_ref().clone(),
+            output,
+            self.original.clone(),
+        ))
     }
 
     /// The plan the stage replaced.
@@ -260,8 +322,14 @@ impl DisplayAs for DeviceStageExec {
                     Output::Partial | Output::Rows => "partial",
                 };
                 write!(f, ", aggr=[{}], output={output}", aggs.join(", "))?;
-                if let Output::Final { having: Some(h), .. } = &self.output {
-                    write!(f, ", having={}", h.predicate)?;
+                if let Output::Final { having, top, .. } = &self.output {
+                    if let Some(h) = having {
+                        write!(f, ", having={}", h.predicate)?;
+                    }
+                    if let Some(t) = top {
+                        write!(f, ", top={} by {}", t.k, self.plan.schema.field(t.column).name())?;
+                        write!(f, "{}", if t.options.descending { " desc" } else { " asc" })?;
+                    }
                 }
                 self.fmt_given_back(f)
             }
@@ -415,13 +483,19 @@ fn rows_of<'a>(
     Ok(out)
 }
 
-/// Runs the stage over every partition of the table: one state batch per device, or a rows
-/// stage's batches.
-async fn run(plan: Arc<StagePlan>, metrics: &Metrics, context: Arc<TaskContext>) -> StageResult<Vec<RecordBatch>> {
+/// Runs the stage over every partition of the table: one state batch per device (narrowed by
+/// `narrowing` where one device holds every group), or a rows stage's batches.
+async fn run(
+    plan: Arc<StagePlan>,
+    narrowing: Option<Narrowing>,
+    metrics: &Metrics,
+    context: Arc<TaskContext>,
+) -> StageResult<Vec<RecordBatch>> {
     let table = &plan.table;
     let mut devices: Vec<Device> = table.partition_devices.clone();
     devices.sort();
     devices.dedup();
+    let narrowing = narrowing.filter(|_| devices.len() == 1);
     // Build sides stay on the device only for a stage on one device.
     let build_device = table.single_device().unwrap_or(Device::Cpu);
     let builds = build_sides(&plan, build_device, context).await?;
@@ -455,7 +529,11 @@ async fn run(plan: Arc<StagePlan>, metrics: &Metrics, context: Arc<TaskContext>)
             } else {
                 groups
             };
-            state_batch(&plan, &groups)
+            let state = state_batch(&plan, &groups)?;
+            Ok::<_, Outcome>(match &narrowing {
+                Some(n) => narrow_on_host(state, n)?,
+                None => state,
+            })
         };
         let batch = if none_kept {
             host_state(plan.initial_groups(0))?
@@ -475,7 +553,7 @@ async fn run(plan: Arc<StagePlan>, metrics: &Metrics, context: Arc<TaskContext>)
                 stage.add(b)?;
             }
             let emitting = Instant::now();
-            let (batch, bytes) = stage.finish()?;
+            let (batch, bytes) = stage.finish(narrowing.as_ref())?;
             metrics.emit_time.add_duration(emitting.elapsed());
             metrics.bytes_to_host.add(bytes as usize);
             batch
@@ -546,9 +624,9 @@ impl ExecutionPlan for DeviceStageExec {
         let merge_time = MetricBuilder::new(&self.metrics).subset_time("merge_time", partition);
         let last = match &self.output {
             Output::Partial | Output::Rows => None,
-            Output::Final { aggr, schema, having } => {
-                Some((aggr.clone(), schema.clone(), self.plan.keys.len(), having.clone()))
-            }
+            Output::Final {
+                aggr, schema, having, ..
+            } => Some((aggr.clone(), schema.clone(), self.plan.keys.len(), having.clone())),
         };
         let fut = async move {
             let stream: BoxStream<'static, DfResult<RecordBatch>> = match run.await.map_err(DataFusionError::Shared)? {

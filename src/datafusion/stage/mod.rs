@@ -8,6 +8,7 @@ mod exec;
 mod expr;
 mod host;
 mod layout;
+mod narrow;
 mod outcome;
 mod outer;
 mod output;

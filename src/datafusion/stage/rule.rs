@@ -16,10 +16,12 @@ use ::datafusion::physical_optimizer::PhysicalOptimizerRule;
 use ::datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use ::datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use ::datafusion::physical_plan::coop::CooperativeExec;
+use ::datafusion::physical_plan::execution_plan::replace_children_if_necessary;
 use ::datafusion::physical_plan::filter::FilterExec;
 use ::datafusion::physical_plan::joins::HashJoinExec;
 use ::datafusion::physical_plan::projection::ProjectionExec;
 use ::datafusion::physical_plan::repartition::RepartitionExec;
+use ::datafusion::physical_plan::sorts::sort::SortExec;
 use ::datafusion::physical_plan::statistics::{StatisticsArgs, StatisticsContext};
 use ::datafusion::physical_plan::union::{InterleaveExec, UnionExec};
 use ::datafusion::physical_plan::{ExecutionPlan, Partitioning};
@@ -27,11 +29,13 @@ use arrow_schema::DataType;
 
 use super::super::error::DfResult;
 use super::super::nvrtc::gpu_kernels_available;
+use super::super::predicate::Predicate;
 use super::super::source::GpuScan;
 use super::build::stays_on;
 use super::codegen;
 use super::exec::{DeviceStageExec, Having, Output};
 use super::layout::{self, Acc, AggKind, AggSpec, JoinKind, JoinStep, StagePlan, Step};
+use super::narrow::state_columns;
 use super::outer;
 use super::output::state_type_supported;
 use crate::device::Device;
@@ -87,6 +91,13 @@ impl PhysicalOptimizerRule for DeviceStageRule {
                     Ok(Transformed::no(node))
                 }
             }
+        })?;
+        // Sorts with a limit over stages of final rows: cut in the stage.
+        let out = out.data.transform_up(|node| {
+            Ok(match self.top(&node)? {
+                Some(cut) => Transformed::yes(cut),
+                None => Transformed::no(node),
+            })
         })?;
         Ok(out.data)
     }
@@ -663,36 +674,27 @@ impl DeviceStageRule {
             }
             Err(why) => return Err(why),
         };
-        let having = having.map(|p| self.having(agg, p)).transpose()?;
+        let having = having.map(|p| self.having(agg, p, &plan)).transpose()?;
         let output = Output::Final {
             aggr: agg.aggr_expr().to_vec(),
             schema: agg.schema(),
             having,
+            top: None,
         };
         Ok(Arc::new(DeviceStageExec::new(plan, output, node.clone())))
     }
 
     /// The [`Having`] of `filter` over `agg`'s rows: every aggregate its predicate reads must keep
     /// its value as its one state column (`SUM`, `COUNT`, `MIN`, `MAX`), so that it reads the
-    /// state batch too.
-    fn having(&self, agg: &AggregateExec, filter: &FilterExec) -> Result<Having, String> {
+    /// state batch too, where the device evaluates it; and there must be groups (without group
+    /// keys the one row is DataFusion's to keep or drop).
+    fn having(&self, agg: &AggregateExec, filter: &FilterExec, plan: &StagePlan) -> Result<Having, String> {
         let predicate = filter.predicate();
-        let schema = agg.schema();
         let keys = agg.group_expr().expr().len();
-        // Each output column's column of the state batch, where it has one.
-        let mut at = keys;
-        let mut state_column: Vec<Option<usize>> = (0..keys).map(Some).collect();
-        for (a, field) in agg.aggr_expr().iter().zip(schema.fields().iter().skip(keys)) {
-            let state = a.state_fields().map_err(|e| e.to_string())?;
-            let kept = matches!(
-                a.fun().name().to_ascii_lowercase().as_str(),
-                "sum" | "count" | "min" | "max"
-            ) && !a.is_distinct()
-                && state.len() == 1
-                && state[0].data_type() == field.data_type();
-            state_column.push(kept.then_some(at));
-            at += state.len();
+        if keys == 0 {
+            return Err("a filter over an aggregate without groups".into());
         }
+        let state_column = state_columns(agg.aggr_expr(), keys);
         if collect_columns(predicate)
             .iter()
             .any(|c| state_column[c.index()].is_none())
@@ -701,14 +703,60 @@ impl DeviceStageRule {
         }
         let on_state: Vec<Arc<dyn PhysicalExpr>> = state_column
             .iter()
-            .zip(schema.fields())
+            .zip(agg.schema().fields())
             .map(|(c, f)| Arc::new(Column::new(f.name(), c.unwrap_or(0))) as Arc<dyn PhysicalExpr>)
             .collect();
+        let on_state = Predicate::from_physical(&substitute(predicate, &on_state)?, &plan.schema)
+            .ok_or("a filter the device does not evaluate")?;
         Ok(Having {
             predicate: predicate.clone(),
-            on_state: substitute(predicate, &on_state)?,
+            on_state,
             projection: filter.projection().as_deref().map(<[usize]>::to_vec),
         })
+    }
+
+    /// `node` with a top-k cut in the stage below it, where `node` is a sort with a limit whose
+    /// first key is a column of a stage of final rows (through projections of columns and
+    /// coalescing), and the stage can cut by it; `None` otherwise.
+    fn top(&self, node: &Arc<dyn ExecutionPlan>) -> DfResult<Option<Arc<dyn ExecutionPlan>>> {
+        let Some((sort, k)) = node.downcast_ref::<SortExec>().and_then(|s| Some((s, s.fetch()?))) else {
+            return Ok(None);
+        };
+        let first = sort.expr().first();
+        let Some(mut column) = first.expr.downcast_ref::<Column>().map(Column::index) else {
+            return Ok(None);
+        };
+        // The nodes between the sort and the stage, the sort's first.
+        let mut path = vec![node.clone()];
+        let mut at = sort.input().clone();
+        loop {
+            let next = if let Some(p) = at.downcast_ref::<ProjectionExec>() {
+                match p.expr().get(column).and_then(|e| e.expr.downcast_ref::<Column>()) {
+                    Some(c) => column = c.index(),
+                    None => return Ok(None),
+                }
+                p.input().clone()
+            } else if let Some(c) = at.downcast_ref::<CoalescePartitionsExec>() {
+                c.input().clone()
+            } else {
+                break;
+            };
+            path.push(std::mem::replace(&mut at, next));
+        }
+        let Some(stage) = at.downcast_ref::<DeviceStageExec>() else {
+            return Ok(None);
+        };
+        let mut rebuilt: Arc<dyn ExecutionPlan> = match stage.with_top(column, k, first.options) {
+            Ok(stage) => Arc::new(stage),
+            Err(why) => {
+                log::debug!("arrow-cuda: no top-k cut in a device stage: {why}");
+                return Ok(None);
+            }
+        };
+        for above in path.into_iter().rev() {
+            rebuilt = replace_children_if_necessary(above, vec![rebuilt])?;
+        }
+        Ok(Some(rebuilt))
     }
 
     pub(crate) fn lower(&self, agg: &AggregateExec) -> Result<StagePlan, String> {
