@@ -322,13 +322,22 @@ impl DisplayAs for DeviceStageExec {
                     Output::Partial | Output::Rows => "partial",
                 };
                 write!(f, ", aggr=[{}], output={output}", aggs.join(", "))?;
-                if let Output::Final { having, top, .. } = &self.output {
+                if let Output::Final {
+                    having,
+                    top,
+                    aggr,
+                    schema,
+                } = &self.output
+                {
                     if let Some(h) = having {
                         write!(f, ", having={}", h.predicate)?;
                     }
                     if let Some(t) = top {
-                        write!(f, ", top={} by {}", t.k, self.plan.schema.field(t.column).name())?;
-                        write!(f, "{}", if t.options.descending { " desc" } else { " asc" })?;
+                        // The output column whose state column the cut reads.
+                        let states = state_columns(aggr, p.keys.len());
+                        let key = states.iter().position(|&c| c == Some(t.column)).unwrap_or(t.column);
+                        let order = if t.options.descending { "desc" } else { "asc" };
+                        write!(f, ", top={} by {} {order}", t.k, schema.field(key).name())?;
                     }
                 }
                 self.fmt_given_back(f)
