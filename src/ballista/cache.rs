@@ -51,8 +51,24 @@ struct Entries {
 struct Entry {
     key: Vec<u8>,
     table: GpuTable,
+    /// The partitions staged, when not all of them.
+    share: Option<Vec<usize>>,
     bytes: u64,
     used: u64,
+}
+
+/// A table a [`GpuTableCache`] holds ([`GpuTableCache::tables`]).
+#[derive(Debug, Clone)]
+pub struct CachedTable {
+    /// Where it was staged from.
+    pub source: Option<GpuTableSource>,
+    /// The table's partition count.
+    pub partition_count: usize,
+    /// The partitions staged, in order, when not all of them: a Ballista executor stages the
+    /// partitions its tasks read, and the others are empty in its copy.
+    pub partitions: Option<Vec<usize>>,
+    /// The bytes of device memory it takes.
+    pub bytes: u64,
 }
 
 impl Entries {
@@ -118,6 +134,22 @@ impl GpuTableCache {
         self.lock().bytes()
     }
 
+    /// The tables held, least recently used first.
+    pub fn tables(&self) -> Vec<CachedTable> {
+        let entries = self.lock();
+        let mut tables: Vec<&Entry> = entries.tables.iter().collect();
+        tables.sort_by_key(|e| e.used);
+        tables
+            .into_iter()
+            .map(|e| CachedTable {
+                source: e.table.source().cloned(),
+                partition_count: e.table.partitions().len(),
+                partitions: e.share.clone(),
+                bytes: e.bytes,
+            })
+            .collect()
+    }
+
     /// The cache of the session `context` belongs to, or an error saying how to install one.
     pub(crate) fn of(context: &TaskContext) -> DfResult<Arc<GpuTableCache>> {
         Self::of_config(context.session_config())
@@ -134,12 +166,14 @@ impl GpuTableCache {
         })
     }
 
-    /// The table staged from `source` on this process's devices: the one held, or a new one,
-    /// staged now (blocking the calling thread, off the async runtime's workers where it can)
-    /// and kept, evicting the least recently used tables until it fits.
-    pub(crate) fn table(&self, source: &GpuTableSource) -> DfResult<GpuTable> {
+    /// The table staged from `source` on this process's devices, whole or, with `share`, only
+    /// those of its partitions (the others empty): the one held, or a new one, staged now
+    /// (blocking the calling thread, off the async runtime's workers where it can) and kept,
+    /// evicting the least recently used tables until it fits.
+    pub(crate) fn table(&self, source: &GpuTableSource, share: Option<&[usize]>) -> DfResult<GpuTable> {
         let devices = self.devices();
-        let key = source_key(source, &devices)?;
+        let share = share.and_then(|s| partial_share(s, source.load_options().partitions));
+        let key = source_key(source, &devices, share.as_deref())?;
         let options = source.load_options().clone().with_devices(devices);
         if let Some(table) = self.lock().get(&key) {
             return Ok(table);
@@ -149,8 +183,8 @@ impl GpuTableCache {
             return Ok(table);
         }
         let limit = options.memory_limit.map_or(self.limit, |l| l.min(self.limit));
-        let table = block_on(source.stage(options.with_memory_limit(limit)))?;
-        self.keep(key, &table)?;
+        let table = block_on(source.stage(options.with_memory_limit(limit), share.clone()))?;
+        self.keep(key, &table, share)?;
         Ok(table)
     }
 
@@ -165,16 +199,16 @@ impl GpuTableCache {
         if source.load_options().devices() != devices {
             return Ok(());
         }
-        let key = source_key(source, &devices)?;
+        let key = source_key(source, &devices, None)?;
         let _staging = self.staging.lock().unwrap_or_else(PoisonError::into_inner);
         if self.lock().get(&key).is_some() {
             return Ok(());
         }
-        self.keep(key, table)
+        self.keep(key, table, None)
     }
 
-    /// Makes room for `table` and keeps it under `key`.
-    fn keep(&self, key: Vec<u8>, table: &GpuTable) -> DfResult<()> {
+    /// Makes room for `table` (of the partitions `share`, or all) and keeps it under `key`.
+    fn keep(&self, key: Vec<u8>, table: &GpuTable, share: Option<Vec<usize>>) -> DfResult<()> {
         let bytes = table.size_in_bytes() as u64;
         if bytes > self.limit {
             let name = table
@@ -202,6 +236,7 @@ impl GpuTableCache {
         entries.tables.push(Entry {
             key,
             table: table.clone(),
+            share,
             bytes,
             used,
         });
@@ -211,6 +246,16 @@ impl GpuTableCache {
     fn lock(&self) -> std::sync::MutexGuard<'_, Entries> {
         self.entries.lock().unwrap_or_else(PoisonError::into_inner)
     }
+}
+
+/// `share`, sorted and without repeats, unless it names every one of `partitions` (the table is
+/// then staged whole, and shares the whole table's entry).
+fn partial_share(share: &[usize], partitions: Option<usize>) -> Option<Vec<usize>> {
+    let mut share = share.to_vec();
+    share.sort_unstable();
+    share.dedup();
+    let whole = partitions.is_some_and(|n| share.len() == n && share.iter().enumerate().all(|(i, &p)| i == p));
+    (!whole).then_some(share)
 }
 
 /// Runs `future` to completion from synchronous code (a codec's decoding) that may be running on
@@ -265,7 +310,7 @@ mod tests {
         let sources: Vec<_> = ["a", "b", "c"].iter().map(|c| csv_source(c, 1000)).collect();
         let bytes = {
             let probe = GpuTableCache::new(u64::MAX);
-            rt.block_on(async { probe.table(&sources[0]) })
+            rt.block_on(async { probe.table(&sources[0], None) })
                 .expect("stage")
                 .size_in_bytes() as u64
         };
@@ -273,20 +318,22 @@ mod tests {
         // Room for two of the three tables.
         let cache = GpuTableCache::new(2 * bytes + bytes / 2);
         rt.block_on(async {
-            let a = cache.table(&sources[0]).expect("stage a");
-            let again = cache.table(&sources[0]).expect("find a");
+            let a = cache.table(&sources[0], None).expect("stage a");
+            let again = cache.table(&sources[0], None).expect("find a");
             assert!(Arc::ptr_eq(&a.data, &again.data), "a second use finds the staged table");
-            cache.table(&sources[1]).expect("stage b");
+            cache.table(&sources[1], None).expect("stage b");
             assert_eq!((cache.len(), cache.bytes()), (2, 2 * bytes));
             // a is used after b: b is the least recently used when c comes.
-            cache.table(&sources[0]).expect("find a");
-            cache.table(&sources[2]).expect("stage c");
+            cache.table(&sources[0], None).expect("find a");
+            cache.table(&sources[2], None).expect("stage c");
             assert_eq!((cache.len(), cache.bytes()), (2, 2 * bytes));
-            let a_again = cache.table(&sources[0]).expect("find a");
+            let a_again = cache.table(&sources[0], None).expect("find a");
             assert!(Arc::ptr_eq(&a.data, &a_again.data), "a stays");
             assert_eq!(cache.len(), 2, "a was held");
         });
-        let b = rt.block_on(async { cache.table(&sources[1]) }).expect("stage b again");
+        let b = rt
+            .block_on(async { cache.table(&sources[1], None) })
+            .expect("stage b again");
         assert_eq!(b.num_rows(), 1000);
         assert_eq!(cache.len(), 2, "b comes back in place of the least recently used");
     }
@@ -297,7 +344,7 @@ mod tests {
         let rt = runtime();
         let cache = GpuTableCache::new(1024);
         let err = rt
-            .block_on(async { cache.table(&csv_source("big", 10_000)) })
+            .block_on(async { cache.table(&csv_source("big", 10_000), None) })
             .expect_err("too large");
         assert!(matches!(err, DataFusionError::ResourcesExhausted(_)), "{err}");
         assert!(cache.is_empty());
