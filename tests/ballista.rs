@@ -215,8 +215,9 @@ const EXECUTOR_HANGS: &str = "ARROW_CUDA_BALLISTA_HANGS";
 /// Not a test of its own: the Ballista executor of a child process that the cluster tests start
 /// (this binary again, with [`EXECUTOR`] set), configured by `executor_config` with a cache on
 /// its default device (its first visible GPU, `CUDA_VISIBLE_DEVICES` choosing it, or the CPU
-/// device). It prints `DEVICE`, a `TASK` line per task it starts and a `CACHE` line each time its
-/// cache changes, for the test to read. Without [`EXECUTOR`] it returns at once.
+/// device). It prints `DEVICE` (its device and PCI bus), a `TASK` line per task it starts and a
+/// `CACHE` line each time its cache changes, for the test to read. Without [`EXECUTOR`] it
+/// returns at once.
 #[test]
 fn executor_process() {
     let Ok(ports) = std::env::var(EXECUTOR) else { return };
@@ -229,7 +230,17 @@ fn executor_process() {
     common::runtime().block_on(async {
         let cache = Arc::new(GpuTableCache::new(limit));
         // On a line of its own, after the test harness's `test executor_process ... `.
-        println!("\nDEVICE {}", arrow_cuda::datafusion::default_device());
+        let device = arrow_cuda::datafusion::default_device();
+        let pci = device
+            .ordinal()
+            .and_then(|o| {
+                arrow_cuda::device::cuda_devices()
+                    .ok()?
+                    .into_iter()
+                    .find(|d| d.ordinal == o)
+            })
+            .map_or_else(|| "-".to_string(), |d| d.pci_bus_id);
+        println!("\nDEVICE {device} {pci}");
         tokio::spawn(report_cache(cache.clone()));
         let config = ExecutorProcessConfig {
             scheduler_host: "localhost".into(),
@@ -265,8 +276,10 @@ impl ExecutionEngine for Announcing {
         config: &SessionConfig,
     ) -> datafusion::error::Result<Arc<dyn QueryStageExecutor>> {
         println!("TASK {job_id} stage {stage_id} partitions {partitions:?}");
-        while self.hangs {
-            std::thread::sleep(Duration::from_secs(60));
+        if self.hangs {
+            loop {
+                std::thread::sleep(Duration::from_secs(60));
+            }
         }
         DefaultExecutionEngine::new()
             .create_query_stage_exec(job_id, stage_id, task_id, partitions, plan, work_dir, config)
@@ -327,7 +340,7 @@ impl Said {
     fn hear(&mut self, line: &str) {
         let mut words = line.split_whitespace();
         match words.next() {
-            Some("DEVICE") => self.device = words.next().map(str::to_string),
+            Some("DEVICE") => self.device = Some(words.collect::<Vec<_>>().join(" ")),
             Some("TASK") => self.tasks += 1,
             Some("CACHE") => {
                 let mut number = || words.next().and_then(|w| w.parse().ok()).expect("a CACHE line");
@@ -517,11 +530,16 @@ fn executors_in_their_own_processes_split_the_partitions() {
         let (port, cluster) = start_scheduler().await;
         let executors: Vec<Executor> = (0..2).map(|i| Executor::start(i, port, CACHE_LIMIT, false)).collect();
         registered(&cluster, 2).await;
-        for e in &executors {
-            let device = e.wait_until("its device", |s| s.device.clone());
-            if own_gpu(0).is_some() {
-                assert!(device.contains("CUDA"), "an executor on {device}");
-            }
+        let devices: Vec<String> = executors
+            .iter()
+            .map(|e| e.wait_until("its device", |s| s.device.clone()))
+            .collect();
+        eprintln!("executors on {devices:?}");
+        if arrow_cuda::device::cuda_device_count().unwrap_or(0) > 0 {
+            assert!(devices.iter().all(|d| d.starts_with("cuda")), "{devices:?}");
+        }
+        if own_gpu(0).is_some() {
+            assert_ne!(devices[0], devices[1], "two GPUs, and the executors share one");
         }
         let (ballista, client_cache) = client(port).await;
         let local = SessionContext::new();
@@ -583,10 +601,10 @@ fn a_killed_executor_s_tasks_run_again_on_the_other() {
     common::runtime().block_on(async {
         let (port, cluster) = start_scheduler().await;
         let (ballista, client_cache) = client(port).await;
-        // Room for the largest table (a quarter more, for the device's alignment), not for all
-        // that the queries read: the surviving executor evicts.
+        // Room for the largest table (as the client's CPU copy counts it, half as much again for
+        // a GPU's alignment), not for all that the queries read: the surviving executor evicts.
         let largest = client_cache.tables().iter().map(|t| t.bytes).max().expect("tables");
-        let limit = largest + largest / 4;
+        let limit = largest + largest / 2;
         let survivor = Executor::start(0, port, limit, false);
         let mut doomed = Executor::start(1, port, CACHE_LIMIT, true);
         registered(&cluster, 2).await;

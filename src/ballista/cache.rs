@@ -338,6 +338,57 @@ mod tests {
         assert_eq!(cache.len(), 2, "b comes back in place of the least recently used");
     }
 
+    /// Shares of a Parquet table's partitions, staged apart (as executors stage them), hold its
+    /// rows once between them, and only their own partitions; a share of every partition is the
+    /// whole table's entry.
+    #[test]
+    fn shares_of_a_table_split_its_rows() {
+        use ::datafusion::parquet::arrow::ArrowWriter;
+        use arrow_array::Int64Array;
+
+        let dir = std::env::temp_dir().join(format!("arrow-cuda-cache-share-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("t.parquet");
+        let batch = arrow_array::RecordBatch::try_from_iter([(
+            "id",
+            Arc::new(Int64Array::from_iter_values(0..10_000)) as arrow_array::ArrayRef,
+        )])
+        .expect("batch");
+        let props = ::datafusion::parquet::file::properties::WriterProperties::builder()
+            .set_max_row_group_row_count(Some(500))
+            .build();
+        let mut writer = ArrowWriter::try_new(std::fs::File::create(&path).expect("file"), batch.schema(), Some(props))
+            .expect("writer");
+        writer.write(&batch).expect("write");
+        writer.close().expect("close");
+        let source = GpuTableSource {
+            locations: vec![path.display().to_string()],
+            format: "PARQUET".into(),
+            options: BTreeMap::new(),
+            schema: None,
+            load: LoadOptions::new().with_partitions(3).with_batch_rows(1000),
+        };
+        let rt = runtime();
+        let cache = GpuTableCache::new(u64::MAX).with_devices([Device::Cpu]);
+        let rows = |t: &GpuTable, p: usize| t.partitions()[p].iter().map(|b| b.num_rows()).sum::<usize>();
+        rt.block_on(async {
+            let a = cache.table(&source, Some(&[1])).expect("share [1]");
+            let b = cache.table(&source, Some(&[2, 0])).expect("share [0, 2]");
+            assert_eq!(a.partitions().len(), 3);
+            assert_eq!(
+                (rows(&a, 0), rows(&a, 2), rows(&b, 1)),
+                (0, 0, 0),
+                "only a share's partitions"
+            );
+            assert!(rows(&a, 1) > 0 && rows(&b, 0) > 0 && rows(&b, 2) > 0);
+            assert_eq!(a.num_rows() + b.num_rows(), 10_000, "the shares hold every row once");
+            let whole = cache.table(&source, Some(&[0, 1, 2])).expect("every partition");
+            assert_eq!(whole.num_rows(), 10_000);
+            let shares: Vec<_> = cache.tables().into_iter().map(|t| t.partitions).collect();
+            assert_eq!(shares, [Some(vec![1]), Some(vec![0, 2]), None]);
+        });
+    }
+
     /// A table larger than the cache's limit is an error, and nothing is kept.
     #[test]
     fn a_table_larger_than_the_limit_is_an_error() {
