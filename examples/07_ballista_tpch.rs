@@ -3,9 +3,12 @@
 //!
 //! ```text
 //! 07_ballista_tpch standalone DIR [SF]          scheduler and executor in this process
-//! 07_ballista_tpch scheduler PORT               a scheduler
-//! 07_ballista_tpch executor SCHEDULER_PORT PORT an executor (GPU tables on its first visible GPU)
-//! 07_ballista_tpch client DIR SCHEDULER_PORT    the queries, on that scheduler's executors
+//! 07_ballista_tpch scheduler PORT               a scheduler (tasks spread round-robin)
+//! 07_ballista_tpch executor SCHEDULER_PORT PORT [VCORES]
+//!                                               an executor (GPU tables on its first visible GPU;
+//!                                               VCORES tasks at once, default: its cores)
+//! 07_ballista_tpch client DIR SCHEDULER_PORT    the queries, on that scheduler's executors (a
+//!                                               partition per task)
 //! ```
 //!
 //! `DIR` holds TPC-H as Parquet, a directory per table; where it does not exist, the tables are
@@ -19,8 +22,8 @@
 //! cargo build --release --example 07_ballista_tpch --features ballista
 //! B=target/release/examples/07_ballista_tpch
 //! $B scheduler 50050 &
-//! CUDA_VISIBLE_DEVICES=0 $B executor 50050 50051 &
-//! CUDA_VISIBLE_DEVICES=1 $B executor 50050 50061 &
+//! CUDA_VISIBLE_DEVICES=0 $B executor 50050 50051 4 &
+//! CUDA_VISIBLE_DEVICES=1 $B executor 50050 50061 4 &
 //! $B client /tmp/tpch-sf1 50050
 //! ```
 //!
@@ -34,9 +37,10 @@ use arrow_cuda::Device;
 use arrow_cuda::ballista::{GpuTableCache, executor_config, scheduler_config, session_state};
 use arrow_cuda_workloads::tpch;
 use ballista::prelude::{SessionConfigExt, SessionContextExt};
+use ballista_core::config::BALLISTA_SCHEDULER_MAX_PARTITIONS_PER_TASK;
 use ballista_executor::executor_process::{ExecutorProcessConfig, start_executor_process};
 use ballista_scheduler::cluster::BallistaCluster;
-use ballista_scheduler::config::SchedulerConfig;
+use ballista_scheduler::config::{SchedulerConfig, TaskDistributionPolicy};
 use ballista_scheduler::scheduler_process::start_server;
 use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::parquet::arrow::ArrowWriter;
@@ -77,6 +81,7 @@ async fn run() -> Result<()> {
             let config = scheduler_config(
                 SchedulerConfig {
                     bind_port: port,
+                    task_distribution: TaskDistributionPolicy::RoundRobin,
                     ..Default::default()
                 },
                 cache,
@@ -87,13 +92,16 @@ async fn run() -> Result<()> {
         }
         "executor" => {
             let port: u16 = arg(2)?.parse()?;
-            let config = ExecutorProcessConfig {
+            let mut config = ExecutorProcessConfig {
                 scheduler_port: arg(1)?.parse()?,
                 scheduler_connect_timeout_seconds: 30,
                 port,
                 grpc_port: port + 1,
                 ..Default::default()
             };
+            if let Some(vcores) = args.get(3) {
+                config.vcores = vcores.parse()?;
+            }
             let cache = Arc::new(GpuTableCache::new(CACHE_LIMIT));
             tokio::spawn(report(cache.clone(), port));
             start_executor_process(Arc::new(executor_config(config, cache))).await?;
@@ -101,7 +109,9 @@ async fn run() -> Result<()> {
         }
         "client" => {
             let cache = Arc::new(GpuTableCache::new(CACHE_LIMIT).with_devices([Device::Cpu]));
-            let state = session_state(SessionConfig::new_with_ballista(), cache);
+            // A partition per task, so that a stage's partitions spread over the executors.
+            let config = SessionConfig::new_with_ballista().set_usize(BALLISTA_SCHEDULER_MAX_PARTITIONS_PER_TASK, 1);
+            let state = session_state(config, cache);
             let url = format!("df://localhost:{}", arg(2)?);
             run_queries(
                 SessionContext::remote_with_state(&url, state).await?,

@@ -51,8 +51,24 @@ struct Entries {
 struct Entry {
     key: Vec<u8>,
     table: GpuTable,
+    /// The partitions staged, when not all of them.
+    share: Option<Vec<usize>>,
     bytes: u64,
     used: u64,
+}
+
+/// A table a [`GpuTableCache`] holds ([`GpuTableCache::tables`]).
+#[derive(Debug, Clone)]
+pub struct CachedTable {
+    /// Where it was staged from.
+    pub source: Option<GpuTableSource>,
+    /// The table's partition count.
+    pub partition_count: usize,
+    /// The partitions staged, in order, when not all of them: a Ballista executor stages the
+    /// partitions its tasks read, and the others are empty in its copy.
+    pub partitions: Option<Vec<usize>>,
+    /// The bytes of device memory it takes.
+    pub bytes: u64,
 }
 
 impl Entries {
@@ -118,6 +134,22 @@ impl GpuTableCache {
         self.lock().bytes()
     }
 
+    /// The tables held, least recently used first.
+    pub fn tables(&self) -> Vec<CachedTable> {
+        let entries = self.lock();
+        let mut tables: Vec<&Entry> = entries.tables.iter().collect();
+        tables.sort_by_key(|e| e.used);
+        tables
+            .into_iter()
+            .map(|e| CachedTable {
+                source: e.table.source().cloned(),
+                partition_count: e.table.partitions().len(),
+                partitions: e.share.clone(),
+                bytes: e.bytes,
+            })
+            .collect()
+    }
+
     /// The cache of the session `context` belongs to, or an error saying how to install one.
     pub(crate) fn of(context: &TaskContext) -> DfResult<Arc<GpuTableCache>> {
         Self::of_config(context.session_config())
@@ -134,12 +166,14 @@ impl GpuTableCache {
         })
     }
 
-    /// The table staged from `source` on this process's devices: the one held, or a new one,
-    /// staged now (blocking the calling thread, off the async runtime's workers where it can)
-    /// and kept, evicting the least recently used tables until it fits.
-    pub(crate) fn table(&self, source: &GpuTableSource) -> DfResult<GpuTable> {
+    /// The table staged from `source` on this process's devices, whole or, with `share`, only
+    /// those of its partitions (the others empty): the one held, or a new one, staged now
+    /// (blocking the calling thread, off the async runtime's workers where it can) and kept,
+    /// evicting the least recently used tables until it fits.
+    pub(crate) fn table(&self, source: &GpuTableSource, share: Option<&[usize]>) -> DfResult<GpuTable> {
         let devices = self.devices();
-        let key = source_key(source, &devices)?;
+        let share = share.and_then(|s| partial_share(s, source.load_options().partitions));
+        let key = source_key(source, &devices, share.as_deref())?;
         let options = source.load_options().clone().with_devices(devices);
         if let Some(table) = self.lock().get(&key) {
             return Ok(table);
@@ -149,8 +183,8 @@ impl GpuTableCache {
             return Ok(table);
         }
         let limit = options.memory_limit.map_or(self.limit, |l| l.min(self.limit));
-        let table = block_on(source.stage(options.with_memory_limit(limit)))?;
-        self.keep(key, &table)?;
+        let table = block_on(source.stage(options.with_memory_limit(limit), share.clone()))?;
+        self.keep(key, &table, share)?;
         Ok(table)
     }
 
@@ -165,16 +199,16 @@ impl GpuTableCache {
         if source.load_options().devices() != devices {
             return Ok(());
         }
-        let key = source_key(source, &devices)?;
+        let key = source_key(source, &devices, None)?;
         let _staging = self.staging.lock().unwrap_or_else(PoisonError::into_inner);
         if self.lock().get(&key).is_some() {
             return Ok(());
         }
-        self.keep(key, table)
+        self.keep(key, table, None)
     }
 
-    /// Makes room for `table` and keeps it under `key`.
-    fn keep(&self, key: Vec<u8>, table: &GpuTable) -> DfResult<()> {
+    /// Makes room for `table` (of the partitions `share`, or all) and keeps it under `key`.
+    fn keep(&self, key: Vec<u8>, table: &GpuTable, share: Option<Vec<usize>>) -> DfResult<()> {
         let bytes = table.size_in_bytes() as u64;
         if bytes > self.limit {
             let name = table
@@ -202,6 +236,7 @@ impl GpuTableCache {
         entries.tables.push(Entry {
             key,
             table: table.clone(),
+            share,
             bytes,
             used,
         });
@@ -211,6 +246,16 @@ impl GpuTableCache {
     fn lock(&self) -> std::sync::MutexGuard<'_, Entries> {
         self.entries.lock().unwrap_or_else(PoisonError::into_inner)
     }
+}
+
+/// `share`, sorted and without repeats, unless it names every one of `partitions` (the table is
+/// then staged whole, and shares the whole table's entry).
+fn partial_share(share: &[usize], partitions: Option<usize>) -> Option<Vec<usize>> {
+    let mut share = share.to_vec();
+    share.sort_unstable();
+    share.dedup();
+    let whole = partitions.is_some_and(|n| share.len() == n && share.iter().enumerate().all(|(i, &p)| i == p));
+    (!whole).then_some(share)
 }
 
 /// Runs `future` to completion from synchronous code (a codec's decoding) that may be running on
@@ -265,7 +310,7 @@ mod tests {
         let sources: Vec<_> = ["a", "b", "c"].iter().map(|c| csv_source(c, 1000)).collect();
         let bytes = {
             let probe = GpuTableCache::new(u64::MAX);
-            rt.block_on(async { probe.table(&sources[0]) })
+            rt.block_on(async { probe.table(&sources[0], None) })
                 .expect("stage")
                 .size_in_bytes() as u64
         };
@@ -273,22 +318,75 @@ mod tests {
         // Room for two of the three tables.
         let cache = GpuTableCache::new(2 * bytes + bytes / 2);
         rt.block_on(async {
-            let a = cache.table(&sources[0]).expect("stage a");
-            let again = cache.table(&sources[0]).expect("find a");
+            let a = cache.table(&sources[0], None).expect("stage a");
+            let again = cache.table(&sources[0], None).expect("find a");
             assert!(Arc::ptr_eq(&a.data, &again.data), "a second use finds the staged table");
-            cache.table(&sources[1]).expect("stage b");
+            cache.table(&sources[1], None).expect("stage b");
             assert_eq!((cache.len(), cache.bytes()), (2, 2 * bytes));
             // a is used after b: b is the least recently used when c comes.
-            cache.table(&sources[0]).expect("find a");
-            cache.table(&sources[2]).expect("stage c");
+            cache.table(&sources[0], None).expect("find a");
+            cache.table(&sources[2], None).expect("stage c");
             assert_eq!((cache.len(), cache.bytes()), (2, 2 * bytes));
-            let a_again = cache.table(&sources[0]).expect("find a");
+            let a_again = cache.table(&sources[0], None).expect("find a");
             assert!(Arc::ptr_eq(&a.data, &a_again.data), "a stays");
             assert_eq!(cache.len(), 2, "a was held");
         });
-        let b = rt.block_on(async { cache.table(&sources[1]) }).expect("stage b again");
+        let b = rt
+            .block_on(async { cache.table(&sources[1], None) })
+            .expect("stage b again");
         assert_eq!(b.num_rows(), 1000);
         assert_eq!(cache.len(), 2, "b comes back in place of the least recently used");
+    }
+
+    /// Shares of a Parquet table's partitions, staged apart (as executors stage them), hold its
+    /// rows once between them, and only their own partitions; a share of every partition is the
+    /// whole table's entry.
+    #[test]
+    fn shares_of_a_table_split_its_rows() {
+        use ::datafusion::parquet::arrow::ArrowWriter;
+        use arrow_array::Int64Array;
+
+        let dir = std::env::temp_dir().join(format!("arrow-cuda-cache-share-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("t.parquet");
+        let batch = arrow_array::RecordBatch::try_from_iter([(
+            "id",
+            Arc::new(Int64Array::from_iter_values(0..10_000)) as arrow_array::ArrayRef,
+        )])
+        .expect("batch");
+        let props = ::datafusion::parquet::file::properties::WriterProperties::builder()
+            .set_max_row_group_row_count(Some(500))
+            .build();
+        let mut writer = ArrowWriter::try_new(std::fs::File::create(&path).expect("file"), batch.schema(), Some(props))
+            .expect("writer");
+        writer.write(&batch).expect("write");
+        writer.close().expect("close");
+        let source = GpuTableSource {
+            locations: vec![path.display().to_string()],
+            format: "PARQUET".into(),
+            options: BTreeMap::new(),
+            schema: None,
+            load: LoadOptions::new().with_partitions(3).with_batch_rows(1000),
+        };
+        let rt = runtime();
+        let cache = GpuTableCache::new(u64::MAX).with_devices([Device::Cpu]);
+        let rows = |t: &GpuTable, p: usize| t.partitions()[p].iter().map(|b| b.num_rows()).sum::<usize>();
+        rt.block_on(async {
+            let a = cache.table(&source, Some(&[1])).expect("share [1]");
+            let b = cache.table(&source, Some(&[2, 0])).expect("share [0, 2]");
+            assert_eq!(a.partitions().len(), 3);
+            assert_eq!(
+                (rows(&a, 0), rows(&a, 2), rows(&b, 1)),
+                (0, 0, 0),
+                "only a share's partitions"
+            );
+            assert!(rows(&a, 1) > 0 && rows(&b, 0) > 0 && rows(&b, 2) > 0);
+            assert_eq!(a.num_rows() + b.num_rows(), 10_000, "the shares hold every row once");
+            let whole = cache.table(&source, Some(&[0, 1, 2])).expect("every partition");
+            assert_eq!(whole.num_rows(), 10_000);
+            let shares: Vec<_> = cache.tables().into_iter().map(|t| t.partitions).collect();
+            assert_eq!(shares, [Some(vec![1]), Some(vec![0, 2]), None]);
+        });
     }
 
     /// A table larger than the cache's limit is an error, and nothing is kept.
@@ -297,7 +395,7 @@ mod tests {
         let rt = runtime();
         let cache = GpuTableCache::new(1024);
         let err = rt
-            .block_on(async { cache.table(&csv_source("big", 10_000)) })
+            .block_on(async { cache.table(&csv_source("big", 10_000), None) })
             .expect_err("too large");
         assert!(matches!(err, DataFusionError::ResourcesExhausted(_)), "{err}");
         assert!(cache.is_empty());

@@ -25,7 +25,7 @@ use datafusion_proto::protobuf;
 use prost::Message;
 
 use super::cache::GpuTableCache;
-use super::one_task::OneTaskExec;
+use super::one_task::{OneTaskExec, ShareExec, shared_partitions};
 use crate::datafusion::{DeviceStageExec, DeviceStageRule, GpuScan, GpuTable, GpuTableSource, LoadOptions};
 use crate::device::Device;
 
@@ -59,14 +59,18 @@ struct SourceProto {
     batch_rows: Option<u64>,
 }
 
-/// What a [`GpuTableCache`] keys a table by: its source, without its name, and the devices it is
-/// staged on.
+/// What a [`GpuTableCache`] keys a table by: its source, without its name, the devices it is
+/// staged on and the partitions staged (when not all of them).
 #[derive(Clone, PartialEq, Message)]
 struct KeyProto {
     #[prost(message, optional, tag = "1")]
     source: Option<SourceProto>,
     #[prost(message, repeated, tag = "2")]
     devices: Vec<DeviceProto>,
+    #[prost(uint64, repeated, tag = "3")]
+    share: Vec<u64>,
+    #[prost(bool, tag = "4")]
+    has_share: bool,
 }
 
 /// A device, as the C Device Data Interface names it.
@@ -81,7 +85,7 @@ struct DeviceProto {
 /// A GPU scan or a device stage on the wire.
 #[derive(Clone, PartialEq, Message)]
 struct NodeProto {
-    #[prost(oneof = "Node", tags = "1, 2, 3")]
+    #[prost(oneof = "Node", tags = "1, 2, 3, 4")]
     node: Option<Node>,
 }
 
@@ -95,6 +99,16 @@ enum Node {
     Stage(StageProto),
     #[prost(message, tag = "3")]
     OneTask(OneTaskProto),
+    #[prost(message, tag = "4")]
+    Share(ShareProto),
+}
+
+/// A [`ShareExec`]: the plan whose partitions it shares; its list of partitions travels as the
+/// node's input.
+#[derive(Clone, PartialEq, Message)]
+struct ShareProto {
+    #[prost(message, optional, boxed, tag = "1")]
+    inner: Option<Box<protobuf::PhysicalPlanNode>>,
 }
 
 /// A [`OneTaskExec`]: nothing but its input, which travels as the node's.
@@ -154,8 +168,9 @@ fn encode_source(source: &GpuTableSource) -> DfResult<SourceProto> {
     })
 }
 
-/// The key of a table staged from `source` on `devices` in a [`GpuTableCache`].
-pub(super) fn source_key(source: &GpuTableSource, devices: &[Device]) -> DfResult<Vec<u8>> {
+/// The key of a table staged from `source` on `devices` in a [`GpuTableCache`], whole or only the
+/// partitions `share`.
+pub(super) fn source_key(source: &GpuTableSource, devices: &[Device], share: Option<&[usize]>) -> DfResult<Vec<u8>> {
     let mut source = encode_source(source)?;
     source.name = None;
     let devices = devices
@@ -168,6 +183,8 @@ pub(super) fn source_key(source: &GpuTableSource, devices: &[Device]) -> DfResul
     Ok(KeyProto {
         source: Some(source),
         devices,
+        share: share.unwrap_or_default().iter().map(|&p| p as u64).collect(),
+        has_share: share.is_some(),
     }
     .encode_to_vec())
 }
@@ -251,7 +268,7 @@ impl LogicalExtensionCodec for GpuLogicalCodec {
         };
         let proto = SourceProto::decode(body).map_err(|e| decode_error("a GPU table", e))?;
         let source = decode_source(proto)?;
-        let table = GpuTableCache::of(ctx)?.table(&source)?;
+        let table = GpuTableCache::of(ctx)?.table(&source, None)?;
         if table.schema_ref().fields() != schema.fields() {
             return Err(DataFusionError::Plan(format!(
                 "GPU table {table_ref} staged from {} has the columns {:?} here, not the {:?} it was planned with: \
@@ -324,22 +341,26 @@ impl LogicalExtensionCodec for GpuLogicalCodec {
 ///   machine without a GPU), so no kernel, pointer or device layout crosses the wire. Where the
 ///   receiving process cannot place the stage (a GPU without NVRTC), the replaced plan runs
 ///   instead, with the same rows.
-/// - The node that runs a scan or a stage in one Ballista task (see [`session_state`](super::session_state))
-///   travels as itself.
+/// - The nodes that run a scan or a stage in one Ballista task, or split its partitions between
+///   tasks (see [`session_state`](super::session_state)), travel as themselves. Under the one
+///   that splits them, the receiving process stages only the task's partitions of the tables
+///   (the others are empty in its copy).
 #[derive(Debug)]
 pub struct GpuPhysicalCodec {
     inner: Arc<dyn PhysicalExtensionCodec>,
+    /// While decoding the plan under a [`ShareExec`]: the partitions of its tables to stage.
+    share: Option<Vec<usize>>,
 }
 
 impl GpuPhysicalCodec {
     /// A codec that wraps `inner` for everything but GPU scans and device stages.
     pub fn new(inner: Arc<dyn PhysicalExtensionCodec>) -> Self {
-        GpuPhysicalCodec { inner }
+        GpuPhysicalCodec { inner, share: None }
     }
 
     fn decode_scan(&self, proto: ScanProto, ctx: &TaskContext) -> DfResult<Arc<dyn ExecutionPlan>> {
         let source = decode_source(proto.source.ok_or_else(|| decode_error("a GPU scan", "no source"))?)?;
-        let table = GpuTableCache::of(ctx)?.table(&source)?;
+        let table = GpuTableCache::of(ctx)?.table(&source, self.share.as_deref())?;
         let projection: Option<Vec<usize>> = proto
             .has_projection
             .then(|| proto.projection.iter().map(|&c| c as usize).collect());
@@ -376,6 +397,27 @@ impl GpuPhysicalCodec {
         let options = ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute);
         lowered.clone().replace_children(inputs.to_vec(), options)
     }
+
+    /// A [`ShareExec`]: its input names the partitions that are this task's, and the plan under
+    /// it is decoded staging only those partitions of its tables.
+    fn decode_share(
+        &self,
+        proto: ShareProto,
+        inputs: &[Arc<dyn ExecutionPlan>],
+        ctx: &TaskContext,
+        converter: &dyn PhysicalProtoConverterExtension,
+    ) -> DfResult<Arc<dyn ExecutionPlan>> {
+        let [shares] = inputs else {
+            return Err(decode_error("a ShareExec", format!("{} inputs", inputs.len())));
+        };
+        let codec = GpuPhysicalCodec {
+            inner: self.inner.clone(),
+            share: Some(shared_partitions(shares)?),
+        };
+        let inner = proto.inner.ok_or_else(|| decode_error("a ShareExec", "no plan"))?;
+        let inner = converter.proto_to_execution_plan(&inner, &PhysicalPlanDecodeContext::new(ctx, &codec))?;
+        Ok(Arc::new(ShareExec::with_shares(inner, shares.clone())?))
+    }
 }
 
 impl Default for GpuPhysicalCodec {
@@ -404,6 +446,7 @@ impl PhysicalExtensionCodec for GpuPhysicalCodec {
                 [input] => Ok(Arc::new(OneTaskExec::new(input.clone()))),
                 _ => Err(decode_error("a OneTaskExec", format!("{} inputs", inputs.len()))),
             },
+            Some(Node::Share(share)) => self.decode_share(share, inputs, ctx, converter),
             None => Err(decode_error("a GPU plan node", "no node")),
         }
     }
@@ -434,6 +477,10 @@ impl PhysicalExtensionCodec for GpuPhysicalCodec {
             })
         } else if node.downcast_ref::<OneTaskExec>().is_some() {
             Node::OneTask(OneTaskProto {})
+        } else if let Some(share) = node.downcast_ref::<ShareExec>() {
+            Node::Share(ShareProto {
+                inner: Some(Box::new(converter.execution_plan_to_proto(share.inner(), self)?)),
+            })
         } else if let Some(stage) = node.downcast_ref::<DeviceStageExec>() {
             Node::Stage(StageProto {
                 original: Some(Box::new(converter.execution_plan_to_proto(stage.original(), self)?)),

@@ -59,15 +59,26 @@
 //!
 //! # What runs where
 //!
-//! Ballista runs each stage of its plan as tasks over shares of the stage's partitions, and narrows
-//! each task's copy of the plan to its share by rewriting the scans it knows. It does not know GPU
-//! scans and device stages, so the session's last physical optimizer rule puts each of them under
-//! a node of one partition that runs all of theirs, repartitioned above as before: each runs in
-//! one task, on one executor, which stages every partition of the tables it reads (a stage reads
-//! the whole table anyway), and a device stage runs once per query, as in one process. A hash
-//! repartitioning above it becomes Ballista's shuffle, which spreads the rows over the executors
-//! for the rest of the plan. Splitting one table's partitions over several executors' GPUs is not
-//! done yet.
+//! Ballista runs each stage of its plan as tasks over shares of the stage's partitions, and
+//! narrows each task's copy of the plan to its share by rewriting the scans it knows. It does not
+//! know GPU scans and device stages, so the session's last physical optimizer rule puts each of
+//! them under a node that Ballista can narrow:
+//!
+//! - A GPU scan over Parquet files, and a device stage over one whose plan works partition by
+//!   partition (filters, projections, a partial aggregate), split their partitions between the
+//!   tasks of their Ballista stage (`ShareExec` in `EXPLAIN`). A device stage that would finish
+//!   such an aggregation itself (TPC-H Q1, Q6) is split in two first: a stage of the partial
+//!   aggregate, shared so, and DataFusion's final aggregate after Ballista's shuffle. The
+//!   executor of a task stages only that task's partitions of the table (the others are empty in
+//!   its copy), so a table's partitions are split between the executors, each on its own device,
+//!   and each keeps its share in its cache ([`GpuTableCache::tables`] lists them). Which rows make
+//!   each partition is a function of the files, the batch rows and the partition count, the same
+//!   on every executor.
+//! - Any other GPU scan or device stage (a stage with joins, which reads their build sides whole;
+//!   a table staged from CSV) runs in one task (`OneTaskExec`), on one executor, which stages
+//!   every partition of the tables it reads (a copy of its own, beside any share it holds), and
+//!   is repartitioned above as before: a hash repartitioning becomes Ballista's shuffle, which
+//!   spreads the rows over the executors for the rest of the plan.
 
 mod cache;
 mod codec;
@@ -85,7 +96,7 @@ use ballista_core::extension::SessionConfigExt;
 use ballista_executor::executor_process::ExecutorProcessConfig;
 use ballista_scheduler::config::SchedulerConfig;
 
-pub use cache::GpuTableCache;
+pub use cache::{CachedTable, GpuTableCache};
 pub use codec::{GpuLogicalCodec, GpuPhysicalCodec};
 use one_task::OneTaskRule;
 

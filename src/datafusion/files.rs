@@ -63,7 +63,7 @@ impl TableProviderFactory for GpuTableFactory {
     async fn create(&self, state: &dyn Session, cmd: &CreateExternalTable) -> DfResult<Arc<dyn TableProvider>> {
         let listing = files_statement(cmd)?;
         let load_options = self.options.clone().with_name(cmd.name.to_string());
-        let table = load_listing(state, &listing, load_options).await?;
+        let table = load_listing(state, &listing, load_options, None).await?;
         Ok(Arc::new(table))
     }
 }
@@ -139,9 +139,10 @@ impl GpuTableSource {
     }
 
     /// Stages the same files again, with `options` (the source's own, a device chosen elsewhere,
-    /// say), through a fresh DataFusion session.
+    /// say), through a fresh DataFusion session: the whole table, or with `share`, only those of
+    /// its partitions (Parquet files only; see `parquet::stage`), the others left empty.
     #[cfg(feature = "ballista")]
-    pub(crate) async fn stage(&self, options: LoadOptions) -> DfResult<GpuTable> {
+    pub(crate) async fn stage(&self, options: LoadOptions, share: Option<Vec<usize>>) -> DfResult<GpuTable> {
         let Some(first) = self.locations.first() else {
             return plan_err!("a GPU table source needs at least one location");
         };
@@ -158,6 +159,7 @@ impl GpuTableSource {
             &::datafusion::execution::context::SessionContext::new().state(),
             &cmd,
             options,
+            share,
         )
         .await
     }
@@ -203,15 +205,21 @@ pub(crate) async fn load(
         .with_locations(locations.to_vec())
         .with_options(options)
         .build();
-    load_listing(state, &cmd, load_options).await
+    load_listing(state, &cmd, load_options, None).await
 }
 
 /// Stages the files `cmd` names (file type `PARQUET` or `CSV`), as DataFusion's own
-/// `ListingTableFactory` reads them, and remembers them as the table's source.
-async fn load_listing(state: &dyn Session, cmd: &CreateExternalTable, options: LoadOptions) -> DfResult<GpuTable> {
+/// `ListingTableFactory` reads them (with `share`, only those partitions), and remembers them as
+/// the table's source.
+async fn load_listing(
+    state: &dyn Session,
+    cmd: &CreateExternalTable,
+    options: LoadOptions,
+    share: Option<Vec<usize>>,
+) -> DfResult<GpuTable> {
     let mut load = options.clone();
     load.progress = None;
-    let table = stage_listing(state, cmd, options).await?;
+    let table = stage_listing(state, cmd, options, share).await?;
     load.partitions = Some(table.partitions().len());
     let source = GpuTableSource {
         locations: cmd.locations.clone(),
@@ -223,12 +231,20 @@ async fn load_listing(state: &dyn Session, cmd: &CreateExternalTable, options: L
     table.with_source(source)
 }
 
-async fn stage_listing(state: &dyn Session, cmd: &CreateExternalTable, options: LoadOptions) -> DfResult<GpuTable> {
+async fn stage_listing(
+    state: &dyn Session,
+    cmd: &CreateExternalTable,
+    options: LoadOptions,
+    share: Option<Vec<usize>>,
+) -> DfResult<GpuTable> {
     for location in &cmd.locations {
         check_exists(location)?;
     }
     let listing = ListingTableFactory::new().create(state, cmd).await?;
     if cmd.file_type == "CSV" {
+        if share.is_some() {
+            return not_impl_err!("a share of a GPU table's partitions is staged from Parquet files only");
+        }
         return GpuTable::from_provider(listing, &options).await;
     }
     let Some(table) = listing.downcast_ref::<ListingTable>() else {
@@ -257,7 +273,7 @@ async fn stage_listing(state: &dyn Session, cmd: &CreateExternalTable, options: 
         return plan_err!("no Parquet files at {}", cmd.locations.join(", "));
     }
     let schema = table.schema();
-    blocking(move || super::parquet::stage(&files, schema, &options)).await
+    blocking(move || super::parquet::stage(&files, schema, &options, share.as_deref())).await
 }
 
 /// Fails unless the local path `location` (not a URL or glob) exists.

@@ -27,7 +27,18 @@ struct Run {
 /// Stages the Parquet `files` as a table of `schema` (the types DataFusion reads them as): runs of
 /// consecutive row groups of about [`LoadOptions::with_batch_rows`] rows (fewer where that leaves
 /// fewer than two runs per core) are the device batches; consecutive runs make each partition.
-pub(crate) fn stage(files: &[PathBuf], schema: SchemaRef, options: &LoadOptions) -> DfResult<GpuTable> {
+///
+/// With `share`, only those partitions are staged and the others stay empty (a Ballista executor
+/// stages the partitions its tasks read). Which rows make each partition then depends on the
+/// files, the batch rows and the partition count only (runs of fewer than two per partition,
+/// rather than per core), so that processes on machines of any size that stage different
+/// partitions of the same files split their rows exactly.
+pub(crate) fn stage(
+    files: &[PathBuf],
+    schema: SchemaRef,
+    options: &LoadOptions,
+    share: Option<&[usize]>,
+) -> DfResult<GpuTable> {
     let reader_options = ArrowReaderOptions::new().with_schema(schema.clone());
     let metadata = files
         .iter()
@@ -41,19 +52,30 @@ pub(crate) fn stage(files: &[PathBuf], schema: SchemaRef, options: &LoadOptions)
         .map(|m| m.metadata().file_metadata().num_rows().max(0) as u64)
         .sum();
     let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+    let spread = match (share, options.partitions) {
+        (Some(_), Some(partitions)) => partitions,
+        (Some(_), None) => {
+            return Err(DataFusionError::Internal(
+                "staging a share of a table's partitions needs its partition count".into(),
+            ));
+        }
+        (None, _) => cores,
+    };
     let rows = options
         .batch_rows
         .unwrap_or(DEFAULT_BATCH_ROWS)
-        .min((total_rows as usize / (2 * cores)).max(1));
+        .min((total_rows as usize / (2 * spread.max(1))).max(1));
     let runs = runs(&metadata, rows);
     let partitions = options.partitions.unwrap_or(cores.min(runs.len())).max(1);
-    let mut stager = Stager::new(schema.clone(), partitions, options, Some(total_rows), None)?;
     let n = runs.len();
-    let units = runs
+    let units: Vec<(usize, Run)> = runs
         .into_iter()
         .enumerate()
         .map(|(i, run)| (i * partitions / n, run))
+        .filter(|(p, _)| share.is_none_or(|s| s.contains(p)))
         .collect();
+    let staged_rows = units.iter().map(|(_, run)| run.rows as u64).sum();
+    let mut stager = Stager::new(schema.clone(), partitions, options, Some(staged_rows), None)?;
     stage_parallel(&mut stager, units, |run: Run| {
         let path = &files[run.file];
         let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(open(path)?, metadata[run.file].clone())
