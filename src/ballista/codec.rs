@@ -14,6 +14,7 @@ use ::datafusion::logical_expr::{AggregateUDF, Extension, LogicalPlan, ScalarUDF
 use ::datafusion::physical_optimizer::PhysicalOptimizerRule;
 use ::datafusion::physical_plan::ExecutionPlan;
 use ::datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
+use arrow_schema::SortOptions;
 use ballista_core::serde::{BallistaLogicalExtensionCodec, BallistaPhysicalExtensionCodec};
 use datafusion_proto::logical_plan::LogicalExtensionCodec;
 use datafusion_proto::logical_plan::from_proto::parse_exprs;
@@ -139,6 +140,23 @@ struct ScanProto {
 struct StageProto {
     #[prost(message, optional, boxed, tag = "1")]
     original: Option<Box<protobuf::PhysicalPlanNode>>,
+    /// The stage's top-k cut, where it has one.
+    #[prost(message, optional, tag = "2")]
+    top: Option<TopProto>,
+}
+
+/// A device stage's top-k cut: the first `k` rows of an order whose first key is output column
+/// `column`.
+#[derive(Clone, PartialEq, Message)]
+struct TopProto {
+    #[prost(uint64, tag = "1")]
+    column: u64,
+    #[prost(uint64, tag = "2")]
+    k: u64,
+    #[prost(bool, tag = "3")]
+    descending: bool,
+    #[prost(bool, tag = "4")]
+    nulls_first: bool,
 }
 
 fn decode_error(what: &str, e: impl std::fmt::Display) -> DataFusionError {
@@ -390,6 +408,27 @@ impl GpuPhysicalCodec {
             log::info!("arrow-cuda: a device stage cannot be placed here; DataFusion's plan runs instead");
             return Ok(original);
         };
+        let cut = match proto.top {
+            Some(t) => {
+                let options = SortOptions {
+                    descending: t.descending,
+                    nulls_first: t.nulls_first,
+                };
+                match stage.with_top(t.column as usize, t.k as usize, options) {
+                    Ok(cut) => Some(Arc::new(cut) as Arc<dyn ExecutionPlan>),
+                    // The sort above still orders every row: only the cut is lost.
+                    Err(why) => {
+                        log::info!("arrow-cuda: a device stage's top-k cut cannot be placed here: {why}");
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
+        let lowered = cut.unwrap_or(lowered);
+        let stage = lowered
+            .downcast_ref::<DeviceStageExec>()
+            .ok_or_else(|| decode_error("a device stage", "a cut that is not a stage"))?;
         if stage.children().len() != inputs.len() {
             log::info!("arrow-cuda: a device stage lowers to other joins here; DataFusion's plan runs instead");
             return Ok(original);
@@ -484,6 +523,12 @@ impl PhysicalExtensionCodec for GpuPhysicalCodec {
         } else if let Some(stage) = node.downcast_ref::<DeviceStageExec>() {
             Node::Stage(StageProto {
                 original: Some(Box::new(converter.execution_plan_to_proto(stage.original(), self)?)),
+                top: stage.top().map(|(column, k, options)| TopProto {
+                    column: column as u64,
+                    k: k as u64,
+                    descending: options.descending,
+                    nulls_first: options.nulls_first,
+                }),
             })
         } else {
             return self.inner.try_encode(node, buf, converter);

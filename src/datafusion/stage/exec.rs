@@ -237,6 +237,7 @@ impl DeviceStageExec {
         if keys == 0 || k == 0 || self.plan.table.single_device().is_none() {
             return Err("no groups to cut, or groups on several devices".into());
         }
+        let output = column;
         let column = match having.as_ref().and_then(|h| h.projection.as_ref()) {
             Some(p) => p.get(column).copied().ok_or("a sort key outside the stage's output")?,
             None => column,
@@ -256,6 +257,7 @@ impl DeviceStageExec {
             having: having.clone(),
             top: Some(Top {
                 column: state,
+                output,
                 k,
                 options,
             }),
@@ -265,6 +267,16 @@ impl DeviceStageExec {
             output,
             self.original.clone(),
         ))
+    }
+
+    /// The stage's top-k cut, where it has one: the output column of its first sort key, `k`
+    /// and the order (what [`with_top`](Self::with_top) took).
+    #[cfg(feature = "ballista")]
+    pub(crate) fn top(&self) -> Option<(usize, usize, SortOptions)> {
+        match &self.output {
+            Output::Final { top: Some(t), .. } => Some((t.output, t.k, t.options)),
+            _ => None,
+        }
     }
 
     /// The plan the stage replaced.
@@ -322,22 +334,15 @@ impl DisplayAs for DeviceStageExec {
                     Output::Partial | Output::Rows => "partial",
                 };
                 write!(f, ", aggr=[{}], output={output}", aggs.join(", "))?;
-                if let Output::Final {
-                    having,
-                    top,
-                    aggr,
-                    schema,
-                } = &self.output
-                {
+                if let Output::Final { having, top, .. } = &self.output {
                     if let Some(h) = having {
                         write!(f, ", having={}", h.predicate)?;
                     }
                     if let Some(t) = top {
-                        // The output column whose state column the cut reads.
-                        let states = state_columns(aggr, p.keys.len());
-                        let key = states.iter().position(|&c| c == Some(t.column)).unwrap_or(t.column);
                         let order = if t.options.descending { "desc" } else { "asc" };
-                        write!(f, ", top={} by {} {order}", t.k, schema.field(key).name())?;
+                        let schema = self.schema();
+                        let key = schema.field(t.output).name();
+                        write!(f, ", top={} by {key} {order}", t.k)?;
                     }
                 }
                 self.fmt_given_back(f)

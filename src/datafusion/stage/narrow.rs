@@ -42,10 +42,12 @@ pub(crate) struct Narrowing {
     pub(crate) top: Option<Top>,
 }
 
-/// The first `k` rows of an order whose first sort key is state column `column`.
+/// The first `k` rows of an order whose first sort key is state column `column` (column
+/// `output` of the stage's output).
 #[derive(Clone, Debug)]
 pub(crate) struct Top {
     pub(crate) column: usize,
+    pub(crate) output: usize,
     pub(crate) k: usize,
     pub(crate) options: SortOptions,
 }
@@ -421,6 +423,7 @@ mod tests {
                         for (descending, nulls_first) in [(true, true), (true, false), (false, true), (false, false)] {
                             let top = Top {
                                 column: 0,
+                                output: 0,
                                 k,
                                 options: SortOptions {
                                     descending,
