@@ -721,7 +721,7 @@ fn aggregation_by_group_count() {
 }
 
 /// Projections and filters without an aggregate above them run as rows stages: computed columns of
-/// every fixed-width type (integers, decimals, floats, dates, booleans, with nulls) and filters the
+/// every fixed-width type (integers, decimals, floats, dates, booleans, with nulls) and strings, and filters the
 /// scan cannot take, beside table columns (strings among them) gathered as they are, over many
 /// batches; a stage that keeps no row, and arithmetic errors, as DataFusion has them.
 #[test]
@@ -741,6 +741,8 @@ fn rows_stages_compute_projections_and_filters() {
             "select v, k, s from g where k < v",
             "select v + 1 from g where v > 1000000000",
             "select a * 2, a - a from e",
+            // A computed string beside a computed number.
+            "select substr(s, 1, 2), v + 1 from g where v > 0",
         ] {
             assert_same(&gpu, &mem, sql, true);
             let plan = explain(&gpu, sql);
@@ -750,8 +752,7 @@ fn rows_stages_compute_projections_and_filters() {
             assert!(run(&gpu, sql).is_err(), "{sql}");
             assert!(run(&mem, sql).is_err(), "{sql}");
         }
-        // A computed string stays with DataFusion; the scan's own filter and projection need no stage.
-        assert_same(&gpu, &mem, "select substr(s, 1, 2), v + 1 from g where v > 0", false);
+        // The scan's own filter and projection need no stage.
         assert_same(&gpu, &mem, "select s, v from g where v > 0", false);
         let analyzed = run(&gpu, "explain analyze select k * 2 + v from g where v > 0").expect("explain analyze");
         let text = pretty_format_batches(&analyzed).unwrap().to_string();
@@ -928,6 +929,28 @@ fn predicate() -> impl Strategy<Value = String> {
     })
 }
 
+/// String expressions of the random table's `s`: `substr` with starts before, at and after the
+/// string's characters and counts from zero past its end, `CASE` with literals, nulls and columns,
+/// `COALESCE` and `NULLIF`.
+fn text() -> impl Strategy<Value = String> {
+    let leaf = prop_oneof![
+        Just("s".to_string()),
+        prop::sample::select(vec!["'x'", "'é-accent'", "''", "'a literal longer than twelve bytes'"])
+            .prop_map(str::to_string),
+    ];
+    leaf.prop_recursive(3, 10, 2, |inner| {
+        prop_oneof![
+            (inner.clone(), -3i64..9, 0i64..7).prop_map(|(t, start, count)| format!("substr({t}, {start}, {count})")),
+            (inner.clone(), -3i64..9).prop_map(|(t, start)| format!("substr({t}, {start})")),
+            (predicate_leaf(), inner.clone(), inner.clone())
+                .prop_map(|(p, a, b)| format!("(case when {p} then {a} else {b} end)")),
+            (predicate_leaf(), inner.clone()).prop_map(|(p, a)| format!("(case when {p} then {a} end)")),
+            (inner.clone(), inner.clone()).prop_map(|(a, b)| format!("coalesce({a}, {b})")),
+            inner.prop_map(|a| format!("nullif({a}, 'apple')")),
+        ]
+    })
+}
+
 /// Whether two result rows are equal, float cells to a relative 1e-9 when `floats`.
 fn same_row(a: &str, b: &str, floats: bool) -> bool {
     if a == b {
@@ -1012,6 +1035,31 @@ proptest! {
                 }
                 (Err(_), Err(_)) => {}
                 (g, m) => prop_assert!(false, "{} on {}: stage {:?}, DataFusion {:?}", sql, device, g.map(|_| "rows"), m.map(|_| "rows")),
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Random string expressions as a rows stage's output columns (with whether each is null:
+    /// the rows print nulls and empty strings alike) and as group keys: a stage runs them (unless
+    /// the query has a LIKE pattern with an escape) and its rows equal DataFusion's.
+    #[test]
+    fn random_string_columns_match_datafusion(t in text(), u in text(), p in predicate()) {
+        let _gpu = gpu_shared();
+        let projected = format!("select {t} as x, {t} is null as xn, {u} as y, {u} is null as yn, a from r where {p}");
+        let grouped = format!("select {t} as x, {t} is null as xn, count(*), sum(a) from r where {p} or a > 0 group by 1, 2");
+        for (device, gpu, mem) in random_sessions() {
+            for sql in [&projected, &grouped] {
+                // (A LIKE pattern with an escape stays with DataFusion, and the query with it.)
+                let plan = explain(gpu, sql);
+                prop_assert!(plan.contains("DeviceStageExec") || sql.contains('\\'), "{} on {}: no stage\n{}", sql, device, plan);
+                match (run(gpu, sql), run(mem, sql)) {
+                    (Ok(g), Ok(m)) => prop_assert_eq!(rows(&g, false), rows(&m, false), "{} on {}", sql, device),
+                    (g, m) => prop_assert!(false, "{} on {}: stage {:?}, DataFusion {:?}", sql, device, g.map(|_| "rows"), m.map(|_| "rows")),
+                }
             }
         }
     }
@@ -1234,6 +1282,67 @@ fn min_and_max_of_strings_and_wide_decimals() {
             "select k % 7, min(s), max(v), min(d), max(l), count(*) from t group by k % 7",
             "select k % 5000, max(s), min(v), max(d) from t group by k % 5000",
             "select k % 3, min(s) filter (where k > 50000), max(d) from t where k < 0 group by k % 3",
+        ] {
+            assert_same(&gpu, &mem, sql, true);
+        }
+    });
+}
+
+/// A table of `Utf8`, `LargeUtf8` and `Utf8View` columns with nulls, empty strings, multi-byte
+/// characters and values longer than a view's inline 12 bytes, over several batches and partitions.
+fn text_table() -> Data {
+    let batch = |b: usize| {
+        let n = 20_000;
+        let text = |i: usize| {
+            (!i.is_multiple_of(19)).then(|| match i * 7919 % 6 {
+                0 => String::new(),
+                1 => format!("{}", i * 31 % 977),
+                2 => format!("a longer value than twelve bytes {}", i % 101),
+                3 => "ü".repeat(i % 7),
+                4 => format!("日本{}🌏x", i % 11),
+                _ => format!("z{}", (i + b) % 13),
+            })
+        };
+        let s: ArrayRef = Arc::new(StringArray::from_iter((0..n).map(text)));
+        let l: ArrayRef = Arc::new(LargeStringArray::from_iter((0..n).map(|i| text(i * 3 + b))));
+        let v: ArrayRef = Arc::new(StringViewArray::from_iter((0..n).map(|i| text(i * 5 + 2 * b))));
+        let k: ArrayRef = Arc::new(Int64Array::from_iter_values((0..n).map(|i| (i * 13 + b) as i64)));
+        RecordBatch::try_from_iter([("s", s), ("l", l), ("v", v), ("k", k)]).unwrap()
+    };
+    let batches: Vec<RecordBatch> = (0..3).map(batch).collect();
+    Data::new(vec![batches[..1].to_vec(), batches[1..].to_vec()])
+}
+
+/// Computed string columns (`substr` with every kind of start and count, `CASE` yielding string
+/// literals or passing a string column through, `COALESCE`, `NULLIF`) of `Utf8`, `LargeUtf8` and
+/// `Utf8View` as a rows stage's output columns and as group keys: DataFusion's rows, nulls told
+/// from empty strings by an `IS NULL` column beside each.
+#[test]
+fn computed_string_columns() {
+    let _gpu = gpu_shared();
+    let data = text_table();
+    common::each_device(|device, _| {
+        let (gpu, mem) = sessions(&[("t", &data)], device);
+        for sql in [
+            "select substr(s, 1, 2), substr(s, 1, 2) is null, substr(l, 0, 3), substr(v, -2, 5), \
+             substr(v, -2, 5) is null, k from t where k % 3 = 0",
+            "select substring(v from 3), substring(v from 3) is null, substr(s, 2), substr(l, 7, 0), \
+             substr(l, 20), k from t where k > 100",
+            "select case when k % 4 = 0 then s else 'other' end, case when k % 2 = 0 then v end, \
+             case when k % 2 = 0 then v end is null, case when k % 3 = 0 then 'three' \
+             when k % 3 = 1 then 'a literal longer than twelve bytes' end, k from t where k < 30000",
+            "select coalesce(s, 'none'), nullif(v, ''), nullif(v, '') is null, k from t where k % 7 = 2",
+            "select l, v, substr(l, 2, 1) from t where k % 11 = 0",
+        ] {
+            assert_same(&gpu, &mem, sql, true);
+            let plan = explain(&gpu, sql);
+            assert!(plan.contains("rows=["), "{sql}\n{plan}");
+        }
+        for sql in [
+            "select substr(v, 2, 3), count(*), sum(k) from t group by 1",
+            "select case when k % 3 = 0 then 'three' else l end, count(*) from t group by 1",
+            "select substr(s, -1, 4), substr(l, 0), count(*), min(k) from t where k % 2 = 1 group by 1, 2",
+            "select nullif(substr(v, 1, 1), 'a'), coalesce(s, 'none'), count(*) from t group by 1, 2",
         ] {
             assert_same(&gpu, &mem, sql, true);
         }

@@ -18,6 +18,10 @@
 //!    prefix sum of the selected lengths) and `gather_bytes_*` (the bytes). `Utf8View` and
 //!    `BinaryView` gather their views and keep their data buffers.
 //!
+//! A device stage's computed string columns come as references (the address and length of each
+//! string's bytes) and become columns the same way: offsets from the prefix sum of the lengths,
+//! then `ref_bytes_*` (the bytes) and, for `Utf8View`, `ref_views` ([`strings_from_refs`]).
+//!
 //! Only the compacted columns are copied to the host. A projected column of a type the
 //! compaction does not handle (lists, structs, dictionaries...) makes the scan download the
 //! selection bytes and the projected columns and filter them on the host instead.
@@ -372,10 +376,10 @@ pub(crate) fn compact(
         DataType::Boolean => vec![bits(buffer(0)?)?],
         DataType::Utf8 | DataType::Binary | DataType::LargeUtf8 | DataType::LargeBinary => {
             let large = matches!(dt, DataType::LargeUtf8 | DataType::LargeBinary);
-            let (lengths_fn, write_fn, bytes_fn, width) = if large {
-                ("string_lengths_i64", "scan_write_i64", "gather_bytes_i64", 8)
+            let (lengths_fn, bytes_fn) = if large {
+                ("string_lengths_i64", "gather_bytes_i64")
             } else {
-                ("string_lengths_i32", "scan_write_i32", "gather_bytes_i32", 4)
+                ("string_lengths_i32", "gather_bytes_i32")
             };
             let (offsets, data) = (buffer(0)?, buffer(1)?);
             let lengths = scratch.alloc(m * 8)?;
@@ -386,38 +390,7 @@ pub(crate) fn compact(
                 BLOCK,
                 &[offsets.address(), off, idx.address(), m64, lengths.address()],
             )?;
-            let ntiles = m64.div_ceil(TILE);
-            let tiles = scratch.alloc((ntiles as usize + 1) * 8)?;
-            launch(
-                cuda,
-                &function(ctx, SCAN_KERNELS, "tile_sum_u64")?,
-                ntiles,
-                BLOCK,
-                &[lengths.address(), m64, tiles.address()],
-            )?;
-            launch(
-                cuda,
-                &function(ctx, SCAN_KERNELS, "scan_tiles")?,
-                1,
-                BLOCK,
-                &[tiles.address(), ntiles],
-            )?;
-            let mut total = [0u8; 8];
-            tiles.copy_to_host(ntiles as usize * 8, &mut total, &scratch.stream)?;
-            let total = u64::from_le_bytes(total) as usize;
-            if !large && total > i32::MAX as usize {
-                return Err(Error::InvalidData(format!(
-                    "{total} bytes of strings overflow i32 offsets"
-                )));
-            }
-            let new_offsets = scratch.alloc((m + 1) * width)?;
-            launch(
-                cuda,
-                &function(ctx, SCAN_KERNELS, write_fn)?,
-                ntiles,
-                BLOCK,
-                &[lengths.address(), m64, tiles.address(), new_offsets.address()],
-            )?;
+            let (new_offsets, total) = offsets_of(ctx, cuda, scratch, &lengths, m, large)?;
             let new_data = scratch.alloc(total)?;
             launch(
                 cuda,
@@ -483,6 +456,99 @@ pub(crate) fn compact(
     // those arrays are validated when downloaded.
     out.trusted = a.is_trusted() && !offsets_computed;
     Ok(out)
+}
+
+/// New string offsets (`i64` when `large`, else `i32`) for `m` strings of `lengths` (`u64` each):
+/// the prefix sums of the lengths, and their total (the one value read back).
+fn offsets_of(
+    ctx: &Arc<CudaContext>,
+    cuda: &Arc<CudaStream>,
+    scratch: &Scratch,
+    lengths: &DeviceBuffer,
+    m: usize,
+    large: bool,
+) -> Result<(DeviceBuffer, usize)> {
+    let m64 = m as u64;
+    let ntiles = m64.div_ceil(TILE);
+    let tiles = scratch.alloc((ntiles as usize + 1) * 8)?;
+    launch(
+        cuda,
+        &function(ctx, SCAN_KERNELS, "tile_sum_u64")?,
+        ntiles,
+        BLOCK,
+        &[lengths.address(), m64, tiles.address()],
+    )?;
+    launch(
+        cuda,
+        &function(ctx, SCAN_KERNELS, "scan_tiles")?,
+        1,
+        BLOCK,
+        &[tiles.address(), ntiles],
+    )?;
+    let mut total = [0u8; 8];
+    tiles.copy_to_host(ntiles as usize * 8, &mut total, &scratch.stream)?;
+    let total = u64::from_le_bytes(total) as usize;
+    if !large && total > i32::MAX as usize {
+        return Err(Error::InvalidData(format!(
+            "{total} bytes of strings overflow i32 offsets"
+        )));
+    }
+    let (write, width) = if large {
+        ("scan_write_i64", 8)
+    } else {
+        ("scan_write_i32", 4)
+    };
+    let offsets = scratch.alloc((m + 1) * width)?;
+    launch(
+        cuda,
+        &function(ctx, SCAN_KERNELS, write)?,
+        ntiles,
+        BLOCK,
+        &[lengths.address(), m64, tiles.address(), offsets.address()],
+    )?;
+    Ok((offsets, total))
+}
+
+/// The buffers of a string column of `dt` (`Utf8`, `LargeUtf8` or `Utf8View`) of `m` strings given
+/// by reference, in new device memory: `refs` holds the address of each string's bytes (in device
+/// memory that outlives the kernels), `lengths` its length in bytes (0 for a null), `u64` each. A
+/// view column's data buffer holds every string's bytes, its views the inline copies of the short
+/// ones too.
+pub(crate) fn strings_from_refs(
+    ctx: &Arc<CudaContext>,
+    cuda: &Arc<CudaStream>,
+    scratch: &Scratch,
+    dt: &DataType,
+    (refs, lengths): (&DeviceBuffer, &DeviceBuffer),
+    m: usize,
+) -> Result<Vec<DeviceBuffer>> {
+    let (large, bytes_fn) = match dt {
+        DataType::Utf8 => (false, "ref_bytes_i32"),
+        DataType::LargeUtf8 | DataType::Utf8View => (true, "ref_bytes_i64"),
+        other => return Err(Error::Unsupported(format!("strings by reference as {other}"))),
+    };
+    let m64 = m as u64;
+    let grid = m64.div_ceil(BLOCK as u64);
+    let (offsets, total) = offsets_of(ctx, cuda, scratch, lengths, m, large)?;
+    if *dt == DataType::Utf8View && total > u32::MAX as usize {
+        return Err(Error::InvalidData(format!(
+            "{total} bytes of strings overflow a view's u32 offsets"
+        )));
+    }
+    let data = scratch.alloc(total)?;
+    let pair = [refs.address(), lengths.address(), m64];
+    let mut args = pair.to_vec();
+    args.extend([offsets.address(), data.address()]);
+    launch(cuda, &function(ctx, SCAN_KERNELS, bytes_fn)?, grid, BLOCK, &args)?;
+    let data = data.slice(0, total)?;
+    if *dt != DataType::Utf8View {
+        return Ok(vec![offsets, data]);
+    }
+    let views = scratch.alloc(m * 16)?;
+    let mut args = pair.to_vec();
+    args.extend([offsets.address(), views.address()]);
+    launch(cuda, &function(ctx, SCAN_KERNELS, "ref_views")?, grid, BLOCK, &args)?;
+    Ok(vec![views.slice(0, m * 16)?, data])
 }
 
 /// Wraps a host-filtered batch with the scan's schema and row count.
@@ -555,5 +621,79 @@ fn validity(a: &DeviceArrayData) -> u64 {
     match (a.nulls(), a.null_count()) {
         (Some(_), Some(0)) | (None, _) => 0,
         (Some(b), _) => b.address(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The kernels that assemble a column from strings by reference, compiled as C++ on the host:
+    //! their bytes and views are arrow-rs's.
+
+    use arrow_array::builder::make_view;
+
+    use super::SCAN_KERNELS;
+    use crate::datafusion::cuda_as_cpp;
+
+    /// Reads `m` strings as hex ("-": empty), runs `ref_bytes_i64` and `ref_views` one thread at a
+    /// time, and prints the data buffer, then each view as a 128-bit hex number.
+    const MAIN: &str = r#"
+int main() {
+    static unsigned char strings[64][64], data[4096];
+    static u64 refs[64], len[64];
+    static long long offsets[65];
+    static unsigned int views[256];
+    u64 m = 0;
+    if (scanf("%llu", &m) != 1 || m > 64) return 1;
+    for (u64 j = 0; j < m; j++) {
+        char hex[130];
+        if (scanf("%129s", hex) != 1) return 1;
+        len[j] = hex[0] == '-' ? 0 : strlen(hex) / 2;
+        for (u64 k = 0; k < len[j]; k++) sscanf(hex + 2 * k, "%2hhx", &strings[j][k]);
+        refs[j] = (u64)strings[j];
+        offsets[j + 1] = offsets[j] + (long long)len[j];
+    }
+    blockDim.x = 1;
+    for (u64 j = 0; j < m; j++) {
+        blockIdx.x = (unsigned int)j;
+        ref_bytes_i64(refs, len, m, offsets, data);
+        ref_views(refs, len, m, offsets, views);
+    }
+    for (long long i = 0; i < offsets[m]; i++) printf("%02x", data[i]);
+    printf("\n");
+    for (u64 j = 0; j < m; j++) printf("%08x%08x%08x%08x\n", views[4 * j + 3], views[4 * j + 2], views[4 * j + 1], views[4 * j]);
+    return 0;
+}
+"#;
+
+    #[test]
+    fn strings_by_reference_match_arrow() {
+        let words = [
+            "",
+            "a",
+            "twelve bytes",
+            "thirteen byte",
+            "日本語テキスト",
+            "🌏x🌏",
+            "",
+            "a longer value than twelve bytes",
+            "ü",
+        ];
+        let hex = |w: &str| w.bytes().map(|b| format!("{b:02x}")).collect::<String>();
+        let input: String = std::iter::once(words.len().to_string())
+            .chain(words.iter().map(|w| if w.is_empty() { "-".into() } else { hex(w) }))
+            .map(|l| l + "\n")
+            .collect();
+        let Some(cxx) = cuda_as_cpp::compiler() else {
+            eprintln!("skipped: no C++ compiler");
+            return;
+        };
+        let got = cuda_as_cpp::run(cxx, "ref_strings", &format!("{SCAN_KERNELS}\n{MAIN}"), &input);
+        assert_eq!(got.len(), words.len() + 1);
+        assert_eq!(got[0], hex(&words.concat()));
+        let mut offset = 0;
+        for (w, view) in words.iter().zip(&got[1..]) {
+            assert_eq!(view, &format!("{:032x}", make_view(w.as_bytes(), 0, offset)), "{w:?}");
+            offset += w.len() as u32;
+        }
     }
 }

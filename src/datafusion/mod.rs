@@ -107,11 +107,15 @@
 //! - expressions: see `stage/expr.rs` (arithmetic on integers, floats and `Decimal128` with DataFusion's
 //!   types, precision and overflow errors; comparisons; three-valued `AND`/`OR`/`NOT`; `IS [NOT]
 //!   NULL`; `CASE WHEN`; `CAST` between integer, float and decimal types; negation; `IN` lists; `LIKE` with `%`
-//!   and `_`; `date_part` of year and month);
-//! - group keys of integers, dates, booleans, decimals and strings of up to 255 bytes (each string
-//!   key takes the words its column's longest value needs, measured while staging; a longer string
-//!   found while running makes the stage give its work back), and dictionary columns of those
-//!   (a dictionary key groups by its value, so batches with different dictionaries agree);
+//!   and `_`; `date_part` of year and month; `substr` of strings with DataFusion's character
+//!   semantics, `COALESCE` and `NULLIF`);
+//! - group keys of integers, dates, booleans, decimals and strings of up to 255 bytes, computed
+//!   ones among them (`substr`, `CASE` yielding literals or string columns: TPC-H Q22 groups by
+//!   `substring(c_phone, 1, 2)`). Each string key takes the words its longest value needs: its
+//!   columns' longest values, measured while staging, its literals, and for `substr` at most the
+//!   characters it keeps, 4 bytes each; a longer string found while running makes the stage give
+//!   its work back. Dictionary columns of those group by their values (so batches with different
+//!   dictionaries agree);
 //! - `COUNT`, `SUM` and `AVG` of integers, decimals (exact, 128-bit) and floats, `MIN` and `MAX`
 //!   of integers, dates, decimals and floats, and of string columns (`Utf8`, `LargeUtf8`,
 //!   `Utf8View`; compared byte by byte, as arrow compares them), each with an optional
@@ -189,13 +193,16 @@
 //! when it does something the scan alone does not: a computed column, a filter the scan cannot
 //! take (two columns compared, an expression), or a join whose build side stays on the device
 //! (TPC-H Q20: partsupp semi-joined with the parts named `forest%`). The stage runs the row pipeline on the device, once to select
-//! the rows it keeps and once, for those rows only, to compute its output columns of fixed-width
+//! the rows it keeps and once, for those rows only, to compute its output columns: fixed-width
 //! types (integers, floats, decimals, dates, booleans; values and validity bitmaps written by warp
-//! votes); output columns that are table columns as they are (strings among them) are gathered
+//! votes) and strings (`Utf8`, `LargeUtf8`, `Utf8View`: `substr`, `CASE`, `COALESCE`, a build
+//! side's string column). A computed string is written as the address and length of its bytes,
+//! which always lie in a column or the literal buffer (the expressions never make new bytes);
+//! the scan's prefix-sum kernels turn the lengths into offsets and copy the bytes into the new
+//! column. Output columns that are table columns as they are (strings among them) are gathered
 //! by the scan's compaction kernels. Only the kept rows' output columns cross to the host, one
 //! batch per table batch with kept rows, split among the partitions of the node it replaced (by
-//! the hash of columns where that node's output was hash-partitioned). A projection that
-//! computes a string (or reads one of a build side) stays with DataFusion. A rows stage that is a join's
+//! the hash of columns where that node's output was hash-partitioned). A rows stage that is a join's
 //! build side for a stage on the same device keeps its rows there (TPC-H Q4 and Q21: lineitem
 //! filtered by `l_commitdate < l_receiptdate`, hashed for the stage's semi and anti joins).
 //!

@@ -147,6 +147,37 @@ extern "C" __global__ void BYTES(const T* offsets, u64 off, const unsigned char*
 STRINGS(string_lengths_i32, gather_bytes_i32, int)
 STRINGS(string_lengths_i64, gather_bytes_i64, long long)
 
+/* Strings given by reference, as the address of their bytes and their length (a device stage's
+   computed string columns, whose values point into the columns and literals they come from): the
+   bytes copied to their place at the new offsets. */
+#define REF_BYTES(NAME, T) \
+extern "C" __global__ void NAME(const u64* refs, const u64* len, u64 m, const T* out_offsets, unsigned char* out) { \
+    u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x; \
+    if (j < m) { \
+        const unsigned char* s = (const unsigned char*)refs[j]; \
+        long long d = (long long)out_offsets[j]; \
+        for (u64 k = 0; k < len[j]; k++) out[d + k] = s[k]; \
+    } \
+}
+REF_BYTES(ref_bytes_i32, int)
+REF_BYTES(ref_bytes_i64, long long)
+
+/* The views of strings by reference whose bytes `ref_bytes_i64` copied to `data` at `offsets`: up to
+   12 bytes inline, longer ones by their first 4 bytes, buffer 0 and their offset there. */
+extern "C" __global__ void ref_views(const u64* refs, const u64* len, u64 m, const long long* offsets, unsigned int* views) {
+    u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= m) return;
+    const unsigned char* s = (const unsigned char*)refs[j];
+    u64 l = len[j];
+    unsigned int w[3] = {0u, 0u, 0u};
+    for (u64 k = 0; k < (l <= 12 ? l : 4); k++) w[k >> 2] |= (unsigned int)s[k] << (8 * (k & 3));
+    if (l > 12) { w[1] = 0u; w[2] = (unsigned int)offsets[j]; }
+    views[4 * j] = (unsigned int)l;
+    views[4 * j + 1] = w[0];
+    views[4 * j + 2] = w[1];
+    views[4 * j + 3] = w[2];
+}
+
 /* Concatenation on the device (device_concat.rs). `concat_bits` ORs bits src_off..src_off + n of a
    bitmap (all ones when `src` is null) into a zeroed bitmap of 32-bit words from bit dst_off;
    `rebase_views` moves the buffer index of the long views (more than 12 bytes) among n by `add`. */

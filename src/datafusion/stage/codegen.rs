@@ -236,7 +236,11 @@ pub(crate) fn generate(plan: &StagePlan, batch: &DeviceRecordBatch) -> Result<St
 ///   (`idx`, the selected rows' indices) runs the pipeline for its row again, to reach the values
 ///   its outputs read, and writes each computed output column at the thread's position: the
 ///   value, and the validity bitmap (a boolean's values too) by warp votes, with the column's null
-///   count. Output columns that copy a table column are gathered by the scan's kernels instead.
+///   count. A string output (`Utf8`, `LargeUtf8`, `Utf8View`) is written by reference: the address
+///   of its bytes (in a column or the literal buffer: the expressions never make new bytes) and
+///   its length, from which the scan's kernels assemble the column
+///   (`device_filter::strings_from_refs`). Output columns that copy a table column are gathered by
+///   the scan's kernels instead.
 fn rows_kernels(
     g: &mut Codegen,
     plan: &StagePlan,
@@ -271,11 +275,18 @@ fn rows_kernels(
         vars.push_str(&format!("    {held} rv{k} = 0; bool rk{k} = false;\n"));
         g.body.push_str(&format!("    rv{k} = {}; rk{k} = {};\n", val.v, val.k));
         outs.push_str(&format!(", void* ro{k}, u32* rb{k}"));
-        let value = match dt {
-            DataType::Boolean => format!(
+        let value = match (dt, &val.len) {
+            (DataType::Boolean, _) => format!(
                 "u32 bv = __ballot_sync(0xffffffffu, live && rk{k} && rv{k}); if (lane0) ((u32*)ro{k})[t >> 5] = bv;"
             ),
-            _ => {
+            // A string by reference: the address of its bytes and its length.
+            (_, Some(len)) => {
+                vars.push_str(&format!("    u64 rl{k} = 0;\n"));
+                g.body.push_str(&format!("    rl{k} = {len};\n"));
+                outs.push_str(&format!(", u64* rz{k}"));
+                format!("if (live) {{ ((u64*)ro{k})[t] = rk{k} ? (u64)rv{k} : 0; rz{k}[t] = rk{k} ? rl{k} : 0; }}")
+            }
+            (_, None) => {
                 let ty = stored(dt)?;
                 format!("if (live) (({ty}*)ro{k})[t] = rk{k} ? ({ty})rv{k} : 0;")
             }

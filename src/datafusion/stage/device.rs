@@ -19,7 +19,7 @@ use arrow_array::{Array, ArrayRef, RecordBatch, new_null_array};
 use arrow_schema::{DataType, Schema};
 use arrow_select::interleave::interleave;
 
-use super::super::device_filter::{Scratch, column_args, compact, gather_to_host, selected_rows};
+use super::super::device_filter::{Scratch, column_args, compact, gather_to_host, selected_rows, strings_from_refs};
 use super::super::nvrtc::{BLOCK, cuda_stream, function, launch, launch_shared};
 use super::build::BuildRows;
 use super::emit::{self, GroupTable};
@@ -517,8 +517,11 @@ impl<'p> DeviceStage<'p> {
         let mut written = Vec::with_capacity(computed.len());
         for &k in &computed {
             let dt = plan.schema.field(k).data_type();
+            let string = matches!(dt, DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View);
             let len = match dt {
                 DataType::Boolean => m.div_ceil(8),
+                // Strings by reference: each one's address here, its length in `lengths`.
+                _ if string => m * 8,
                 _ => {
                     m * dt
                         .primitive_width()
@@ -527,10 +530,28 @@ impl<'p> DeviceStage<'p> {
             };
             let (values, validity) = (self.alloc(len.max(bitmap) as u64)?, self.alloc(bitmap as u64)?);
             args.extend([values.address(), validity.address()]);
-            written.push((values.slice(0, len)?, validity.slice(0, m.div_ceil(8))?));
+            let lengths = string.then(|| self.alloc(len as u64)).transpose()?;
+            args.extend(lengths.as_ref().map(DeviceBuffer::address));
+            written.push((values.slice(0, len)?, validity.slice(0, m.div_ceil(8))?, lengths));
         }
         args.extend_from_slice(&cols);
         launch(&self.cuda, &project, (m as u64).div_ceil(BLOCK as u64), BLOCK, &args)?;
+        // The string outputs' columns, assembled from their references while the batch's columns
+        // and the literals they point into are alive.
+        let written = written
+            .into_iter()
+            .zip(&computed)
+            .map(|((values, validity, lengths), &k)| {
+                let buffers = match lengths {
+                    Some(lengths) => {
+                        let dt = plan.schema.field(k).data_type();
+                        strings_from_refs(&ctx, &self.cuda, &scratch, dt, (&values, &lengths), m)?
+                    }
+                    None => vec![values],
+                };
+                Ok((buffers, validity))
+            })
+            .collect::<StageResult<Vec<_>>>()?;
         let mut gathered = (0..rows.len())
             .map(|k| {
                 plan.gathered(k)
@@ -548,20 +569,12 @@ impl<'p> DeviceStage<'p> {
             arrays.push(match gathered.next().flatten().transpose()? {
                 Some(column) => column,
                 None => {
-                    let ((values, validity), count) = written
+                    let ((buffers, validity), count) = written
                         .next()
                         .ok_or_else(|| Error::InvalidData("a stage's output column is missing".into()))?;
                     let count = u64::from_le_bytes(count.try_into().expect("8 bytes")) as usize;
                     let validity = (count > 0).then_some(validity);
-                    DeviceArrayData::try_new(
-                        field.data_type().clone(),
-                        m,
-                        0,
-                        Some(count),
-                        validity,
-                        vec![values],
-                        vec![],
-                    )?
+                    DeviceArrayData::try_new(field.data_type().clone(), m, 0, Some(count), validity, buffers, vec![])?
                 }
             });
         }

@@ -888,13 +888,13 @@ impl<'c> ExprCompiler<'c> {
 
 /// The character positions `[from, to)` that `substr(s, start, count)` keeps (`to` -1: the end),
 /// clamped at 0 as DataFusion clamps them; `None` when `start - 1` overflows.
-fn substr_range(start: i64, count: Option<i64>) -> Option<(i64, i64)> {
+pub(crate) fn substr_range(start: i64, count: Option<i64>) -> Option<(i64, i64)> {
     let start0 = start.checked_sub(1)?;
     Some((start0.max(0), count.map_or(-1, |c| start0.saturating_add(c).max(0))))
 }
 
 /// The value of an integer literal (a function's argument).
-fn int_literal(e: &Arc<dyn PhysicalExpr>) -> Result<i64> {
+pub(crate) fn int_literal(e: &Arc<dyn PhysicalExpr>) -> Result<i64> {
     match e.downcast_ref::<Literal>().map(|l| l.value()) {
         Some(ScalarValue::Int64(Some(x))) => Ok(*x),
         Some(ScalarValue::Int32(Some(x))) => Ok(*x as i64),

@@ -4,14 +4,13 @@
 use std::sync::Arc;
 
 use ::datafusion::common::config::ConfigOptions;
-use ::datafusion::common::tree_node::TreeNodeRecursion;
 use ::datafusion::common::tree_node::{Transformed, TreeNode};
 use ::datafusion::common::{JoinSide, JoinType, NullEquality};
 use ::datafusion::datasource::source::DataSourceExec;
 use ::datafusion::execution::SessionStateBuilder;
-use ::datafusion::physical_expr::PhysicalExpr;
 use ::datafusion::physical_expr::expressions::{Column, Literal};
 use ::datafusion::physical_expr::utils::collect_columns;
+use ::datafusion::physical_expr::{PhysicalExpr, ScalarFunctionExpr};
 use ::datafusion::physical_optimizer::PhysicalOptimizerRule;
 use ::datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use ::datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
@@ -34,6 +33,7 @@ use super::super::source::GpuScan;
 use super::build::stays_on;
 use super::codegen;
 use super::exec::{DeviceStageExec, Having, Output};
+use super::expr::{int_literal, substr_range};
 use super::layout::{self, Acc, AggKind, AggSpec, JoinKind, JoinStep, StagePlan, Step};
 use super::narrow::state_columns;
 use super::outer;
@@ -877,8 +877,8 @@ impl DeviceStageRule {
     /// table's scan (through other projections, filters and joins) with no aggregate above it
     /// that a stage runs: when the stage does something the scan alone does not (a filter, a join,
     /// a computed column), every output column is either a table column that the scan's
-    /// compaction gathers or a value of a fixed-width type that the stage computes (a build
-    /// side's column among them), and every join's build side stays on the stage's device (a
+    /// compaction gathers or a value of a fixed-width or string type that the stage computes (a
+    /// build side's column among them), and every join's build side stays on the stage's device (a
     /// build side DataFusion runs on the host is better joined there too).
     fn rows_stage(&self, node: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>, String> {
         if node.properties().output_ordering().is_some() {
@@ -1051,28 +1051,35 @@ impl DeviceStageRule {
 }
 
 /// A bound on the bytes of the strings `expr` yields: the longest value of the string columns
-/// (from the tables' statistics; `None` where they do not bound one) and string literals in it. The expressions a stage compiles never
-/// lengthen a string: columns, literals, `substr`, `CASE`, `COALESCE`, `NULLIF`, casts between
-/// string types.
+/// (from the tables' statistics; `None` where they do not bound one) and string literals in it,
+/// and for `substr`, at most the characters its start and count keep, of up to 4 bytes each. The
+/// expressions a stage compiles never lengthen a string: columns, literals, `substr`, `CASE`,
+/// `COALESCE`, `NULLIF`, casts between string types.
 fn longest_string(expr: &Arc<dyn PhysicalExpr>, longest: &[Option<usize>]) -> Option<usize> {
-    let mut bound = 0;
-    expr.apply(|e| {
-        let here = if let Some(c) = e.downcast_ref::<Column>() {
-            let n = longest.get(c.index()).copied().flatten();
-            if n == Some(UNKNOWN_LENGTH) {
-                return Err(::datafusion::common::DataFusionError::Plan("unbounded".into()));
-            }
-            n
-        } else if let Some(l) = e.downcast_ref::<Literal>() {
-            l.value().try_as_str().flatten().map(str::len)
-        } else {
+    if let Some(c) = expr.downcast_ref::<Column>() {
+        let n = longest.get(c.index()).copied().flatten();
+        return if n == Some(UNKNOWN_LENGTH) {
             None
+        } else {
+            Some(n.unwrap_or(0))
         };
-        bound = bound.max(here.unwrap_or(0));
-        Ok(TreeNodeRecursion::Continue)
-    })
-    .ok()?;
-    Some(bound)
+    }
+    if let Some(l) = expr.downcast_ref::<Literal>() {
+        return Some(l.value().try_as_str().flatten().map_or(0, str::len));
+    }
+    if let Some(f) = expr.downcast_ref::<ScalarFunctionExpr>()
+        && matches!(f.name(), "substr" | "substring")
+        && let [s, start, count] = f.args()
+        && let (Ok(start), Ok(count)) = (int_literal(start), int_literal(count))
+        && count >= 0
+        && let Some((from, to)) = substr_range(start, Some(count))
+    {
+        let bytes = usize::try_from(to - from).ok()?.checked_mul(4)?;
+        return Some(longest_string(s, longest).map_or(bytes, |n| n.min(bytes)));
+    }
+    expr.children()
+        .into_iter()
+        .try_fold(0, |bound, e| Some(bound.max(longest_string(e, longest)?)))
 }
 
 /// Adds [`DeviceStageRule`] to a session's physical optimizer rules, after DataFusion's own:

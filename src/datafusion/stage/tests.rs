@@ -117,6 +117,8 @@ pub(crate) const STAGED: &[&str] = &[
     "select a * 2 + b, s, d * (1 - d), f / 2.0, flag, not flag, a is null from t where b > 10",
     "select t + interval '1' day, cast(a as smallint), -d, case when a > 3 then f else -f end, cast(f as real) \
      from t where b > a",
+    // Computed strings: a rows stage writes them by reference.
+    "select substr(s, 2), case when a > 3 then 'big' when a > 1 then s end, coalesce(s, 'z'), a from t where b > 10",
 ];
 
 /// Why the rule declines each partial aggregate of `sql`'s plan.
@@ -232,6 +234,17 @@ fn string_key_words_come_from_the_longest_value() {
         (
             "select case when a > 3 then s else 'a literal of 26 characters' end, count(*) from t group by 1",
             vec![4],
+        ),
+        // At most as many characters as `substr`'s count, of up to 4 bytes each.
+        (
+            "select substr(case when a > 3 then s else 'a literal of 26 characters' end, 2, 3), count(*) \
+             from t group by 1",
+            vec![2],
+        ),
+        (
+            "select substr(case when a > 3 then s else 'a literal of 26 characters' end, -1, 2), count(*) \
+             from t group by 1",
+            vec![1],
         ),
     ] {
         let stages = stage_plans(sql);
