@@ -1314,15 +1314,27 @@ fn text_table() -> Data {
 }
 
 /// Computed string columns (`substr` with every kind of start and count, `CASE` yielding string
-/// literals or passing a string column through, `COALESCE`, `NULLIF`) of `Utf8`, `LargeUtf8` and
-/// `Utf8View` as a rows stage's output columns and as group keys: DataFusion's rows, nulls told
-/// from empty strings by an `IS NULL` column beside each.
+/// literals or passing a string column through, `COALESCE`, `NULLIF`, a join's build-side string
+/// columns) of `Utf8`, `LargeUtf8` and `Utf8View` as a rows stage's output columns and as group
+/// keys: DataFusion's rows, nulls told from empty strings by an `IS NULL` column beside each.
 #[test]
 fn computed_string_columns() {
     let _gpu = gpu_shared();
     let data = text_table();
+    // A dimension of 200 rows whose ids match some of `t`'s keys (its columns of types the device
+    // concatenates, so that it stays there as a join's build side).
+    let id: ArrayRef = Arc::new(Int64Array::from_iter_values((0..200).map(|i| i * 39)));
+    let name: ArrayRef = Arc::new(StringViewArray::from_iter(
+        (0..200).map(|i| (i % 7 != 3).then(|| format!("näme {i} of the dimension"))),
+    ));
+    let tag: ArrayRef = Arc::new(StringViewArray::from_iter(
+        (0..200).map(|i| (i % 5 != 1).then(|| "t".repeat(i % 17))),
+    ));
+    let dim = Data::new(vec![vec![
+        RecordBatch::try_from_iter([("id", id), ("name", name), ("tag", tag)]).unwrap(),
+    ]]);
     common::each_device(|device, _| {
-        let (gpu, mem) = sessions(&[("t", &data)], device);
+        let (gpu, mem) = sessions(&[("t", &data), ("d", &dim)], device);
         for sql in [
             "select substr(s, 1, 2), substr(s, 1, 2) is null, substr(l, 0, 3), substr(v, -2, 5), \
              substr(v, -2, 5) is null, k from t where k % 3 = 0",
@@ -1338,6 +1350,14 @@ fn computed_string_columns() {
             let plan = explain(&gpu, sql);
             assert!(plan.contains("rows=["), "{sql}\n{plan}");
         }
+        // A join's build-side strings, read at each row's match: the join is in the stage.
+        let sql = "select t.k, d.name, substr(d.tag, 2), d.tag is null from t join d on t.k = d.id where t.k % 2 = 0";
+        assert_same(&gpu, &mem, sql, true);
+        let plan = explain(&gpu, sql);
+        assert!(
+            plan.contains("inner join") && !plan.contains("HashJoinExec"),
+            "{sql}\n{plan}"
+        );
         for sql in [
             "select substr(v, 2, 3), count(*), sum(k) from t group by 1",
             "select case when k % 3 = 0 then 'three' else l end, count(*) from t group by 1",
