@@ -43,6 +43,16 @@ pub(crate) struct Plan<'a> {
 static ZERO_OFFSETS: [u8; 8] = [0; 8];
 
 impl<'a> Plan<'a> {
+    /// An empty plan with room for the operations of `columns` columns of up to three buffers
+    /// each (a bitmap, offsets and data), so that a batch's few hundred operations are not moved
+    /// as the list grows.
+    pub fn for_columns(columns: usize) -> Self {
+        Plan {
+            ops: Vec::with_capacity(columns * 3),
+            ..Plan::default()
+        }
+    }
+
     /// The size of the allocation.
     pub fn size(&self) -> usize {
         self.size

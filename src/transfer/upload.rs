@@ -102,7 +102,7 @@ fn upload_in_place(
     let mut laps = Laps::start();
     let data = column_data(arrays);
     laps.lap("htod.to_data");
-    let mut plan = Plan::default();
+    let mut plan = Plan::for_columns(arrays.len());
     let layouts = try_collect(arrays.iter().zip(&data).map(|(a, d)| plan.column(*a, d.as_ref())))?;
     laps.lap("htod.plan");
     let mut memory = timed(times, StagingStep::Alloc, || {
@@ -371,7 +371,7 @@ fn plan_in_parts<'a>(
     handoff: &Handoff<'a>,
     times: Option<&'a StagingTimes>,
 ) -> Result<(Plan<'a>, Vec<Layout>, Vec<Arc<Part<'a>>>, Range<usize>)> {
-    let mut plan = Plan::default();
+    let mut plan = Plan::for_columns(arrays.len());
     let mut layouts = Vec::with_capacity(arrays.len());
     let mut parts = Vec::new();
     let mut cut = |plan: &mut Plan<'a>, free: &mut &'a mut [u8]| {
