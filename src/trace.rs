@@ -142,23 +142,29 @@ pub(crate) struct Laps {
 impl Laps {
     /// Starts the first step now, if a trace records on this thread.
     pub(crate) fn start() -> Laps {
-        let on = RECORDING.with(|r| r.borrow().is_some());
+        Laps::start_or(false)
+    }
+
+    /// Starts the first step now, if a trace records on this thread or `always` (for a caller
+    /// that also keeps the times itself: see [`Laps::lap`]).
+    pub(crate) fn start_or(always: bool) -> Laps {
+        let on = always || RECORDING.with(|r| r.borrow().is_some());
         Laps {
             last: on.then(Instant::now),
         }
     }
 
-    /// Ends the current step as `name` and starts the next.
-    pub(crate) fn lap(&mut self, name: &'static str) {
-        if let Some(last) = self.last {
-            let now = Instant::now();
-            RECORDING.with(|r| {
-                if let Some(trace) = r.borrow_mut().as_mut() {
-                    trace.add(name, now - last);
-                }
-            });
-            self.last = Some(now);
-        }
+    /// Ends the current step as `name` and starts the next; returns the step's time, when timed.
+    pub(crate) fn lap(&mut self, name: &'static str) -> Option<Duration> {
+        let last = self.last?;
+        let now = Instant::now();
+        RECORDING.with(|r| {
+            if let Some(trace) = r.borrow_mut().as_mut() {
+                trace.add(name, now - last);
+            }
+        });
+        self.last = Some(now);
+        Some(now - last)
     }
 }
 

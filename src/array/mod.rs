@@ -110,15 +110,15 @@ impl DeviceArrayData {
     /// buffers and children as the type has them, of the sizes the lengths need.
     fn check_layout(&self) -> Result<()> {
         let dt = &self.data_type;
-        let spec = arrow_data::layout(dt);
-        let (n, expected) = (self.buffers.len(), spec.buffers.len());
-        if n != expected && !(spec.variadic && n > expected) {
-            let at_least = if spec.variadic { "at least " } else { "" };
+        let (expected, variadic) = buffer_count(dt);
+        let n = self.buffers.len();
+        if n != expected && !(variadic && n > expected) {
+            let at_least = if variadic { "at least " } else { "" };
             return Err(Error::InvalidData(format!(
                 "{dt} array with {n} buffers; expected {at_least}{expected}"
             )));
         }
-        if self.nulls.is_some() && !spec.can_contain_null_mask {
+        if self.nulls.is_some() && !has_validity(dt) {
             return Err(Error::InvalidData(format!(
                 "a {dt} array cannot have a validity bitmap"
             )));
@@ -462,6 +462,21 @@ fn one_device<'a>(mut buffers: impl Iterator<Item = &'a DeviceBuffer>, what: &st
             "buffers on {first} and {other} in one {what}"
         ))),
         None => Ok(()),
+    }
+}
+
+/// The data buffers an array of `dt` has (beside the validity bitmap), and whether it may have
+/// more (the data buffers of views): arrow-rs's `layout`, which allocates, asked only for types
+/// other than primitives, booleans, strings and binaries.
+fn buffer_count(dt: &DataType) -> (usize, bool) {
+    match dt {
+        DataType::Utf8 | DataType::Binary | DataType::LargeUtf8 | DataType::LargeBinary => (2, false),
+        DataType::Boolean => (1, false),
+        dt if dt.is_primitive() => (1, false),
+        dt => {
+            let spec = arrow_data::layout(dt);
+            (spec.buffers.len(), spec.variadic)
+        }
     }
 }
 

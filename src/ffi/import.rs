@@ -379,6 +379,8 @@ impl Walker {
         match dt {
             DataType::Struct(fields) => {
                 p.expect(1, fields.len())?;
+                // Nodes are large: a batch's hundreds of columns would be moved at every growth.
+                node.children.reserve_exact(fields.len());
                 for (i, f) in fields.iter().enumerate() {
                     // SAFETY: `p` is valid per the caller.
                     let c = unsafe { self.child(p, i, f.data_type())? };
@@ -399,6 +401,7 @@ impl Walker {
                 if dense {
                     node.buffers.push(p.values(1, 4)?);
                 }
+                node.children.reserve_exact(fields.len());
                 for (i, (_, f)) in fields.iter().enumerate() {
                     // SAFETY: as above.
                     let c = unsafe { self.child(p, i, f.data_type())? };

@@ -4,7 +4,7 @@
 //! buffers without another copy; the block goes back to the pinned pool when the last arrow buffer
 //! drops.
 
-use arrow_array::{ArrayRef, RecordBatch, RecordBatchOptions, make_array};
+use arrow_array::{ArrayRef, RecordBatch, RecordBatchOptions};
 use arrow_schema::SchemaRef;
 use rayon::prelude::*;
 
@@ -44,9 +44,7 @@ pub fn dtoh_async(batch: &DeviceRecordBatch, stream: &Stream) -> Result<PendingB
 pub fn dtoh_array(array: &DeviceArrayData, stream: &Stream) -> Result<ArrayRef> {
     let gathered = gather(std::slice::from_ref(array), array.device(), None, stream)?;
     gathered.event.synchronize()?;
-    Ok(make_array(
-        gathered.layouts[0].to_host(&gathered.memory.to_arrow_buffer()?)?,
-    ))
+    gathered.layouts[0].to_host_array(&gathered.memory.to_arrow_buffer()?)
 }
 
 /// A device-to-host copy in flight. Dropping it without [`PendingBatch::wait`] is safe: what the
@@ -102,7 +100,7 @@ impl PendingBatch {
             .expect("a pending batch is waited for once")
             .memory
             .to_arrow_buffer()?;
-        let build = |l: &Layout| Ok(make_array(l.to_host(&memory)?));
+        let build = |l: &Layout| l.to_host_array(&memory);
         // Validation reads every string: untrusted columns are validated on every core. Trusted
         // ones only need their arrays built, which threads would slow down (they would all count
         // references to the one host block); those whose bytes came with the first half of the

@@ -4,13 +4,19 @@
 
 use std::ops::Range;
 
-use arrow_buffer::{BooleanBuffer, Buffer, NullBuffer};
+use std::sync::Arc;
+
+use arrow_array::types::{ByteArrayType, GenericBinaryType, GenericStringType};
+use arrow_array::{ArrayRef, ArrowPrimitiveType, BooleanArray, GenericByteArray, PrimitiveArray, make_array};
+use arrow_buffer::{ArrowNativeType, BooleanBuffer, Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
 use arrow_data::ArrayData;
 use arrow_schema::{DataType, UnionMode};
 
 use crate::array::{Buffers, DeviceArrayData};
 use crate::error::{Error, Result, try_collect};
 use crate::memory::DeviceBuffer;
+
+use super::plan::is_flat;
 
 /// Where one array's buffers are, as byte ranges of one allocation.
 #[derive(Clone, Debug)]
@@ -59,6 +65,142 @@ impl Layout {
         self.host_window(memory, 0, self.len)
     }
 
+    /// [`Layout::to_host`] as an arrow array. A trusted layout of a flat type (primitives,
+    /// booleans, strings, binaries) with aligned buffers is built as its typed array straight from
+    /// the buffers, without an `ArrayData` in between or counting its nulls again.
+    pub fn to_host_array(&self, memory: &Buffer) -> Result<ArrayRef> {
+        if self.trusted
+            && let Some(array) = self.flat_host(memory)?
+        {
+            return Ok(array);
+        }
+        Ok(make_array(self.to_host(memory)?))
+    }
+
+    /// The typed array of a trusted layout of a flat type, or `None` when the layout is not one
+    /// or a buffer is not aligned to its type (then [`Layout::to_host`] builds it, moving the
+    /// buffer).
+    fn flat_host(&self, memory: &Buffer) -> Result<Option<ArrayRef>> {
+        if !is_flat(&self.data_type) {
+            return Ok(None);
+        }
+        let (offset, len) = (self.offset, self.len);
+        let bits = offset
+            .checked_add(len)
+            .ok_or_else(|| Error::InvalidData("length overflows".into()))?;
+        let Some(first) = self.buffers.first() else {
+            return Ok(None);
+        };
+        let nulls = self.nulls.as_ref().map(|r| self.host_nulls(memory, r)).transpose()?;
+        let array: ArrayRef = match &self.data_type {
+            DataType::Boolean => {
+                self.bitmap_fits(first, bits)?;
+                Arc::new(BooleanArray::new(
+                    BooleanBuffer::new(slice_of(memory, first)?, offset, len),
+                    nulls,
+                ))
+            }
+            DataType::Utf8 => return self.flat_bytes::<GenericStringType<i32>>(memory, nulls),
+            DataType::LargeUtf8 => return self.flat_bytes::<GenericStringType<i64>>(memory, nulls),
+            DataType::Binary => return self.flat_bytes::<GenericBinaryType<i32>>(memory, nulls),
+            DataType::LargeBinary => return self.flat_bytes::<GenericBinaryType<i64>>(memory, nulls),
+            dt => {
+                macro_rules! primitive {
+                    ($t:ty) => {
+                        self.flat_primitive::<$t>(memory, nulls)
+                    };
+                }
+                return arrow_array::downcast_primitive!(dt => (primitive), _ => Ok(None));
+            }
+        };
+        Ok(Some(array))
+    }
+
+    /// The validity bitmap at `r` of `memory` of a trusted layout, with the null count the layout
+    /// knows (counted when it does not).
+    fn host_nulls(&self, memory: &Buffer, r: &Range<usize>) -> Result<NullBuffer> {
+        self.bitmap_fits(r, self.offset + self.len)?;
+        let bits = BooleanBuffer::new(slice_of(memory, r)?, self.offset, self.len);
+        Ok(match self.null_count {
+            // SAFETY: a trusted layout's null count is that of a valid arrow array's bitmap, whose
+            // bytes these are.
+            Some(n) if self.trusted => unsafe { NullBuffer::new_unchecked(bits, n) },
+            _ => NullBuffer::new(bits),
+        })
+    }
+
+    /// An error unless the bitmap at `r` holds `bits` bits.
+    fn bitmap_fits(&self, r: &Range<usize>, bits: usize) -> Result<()> {
+        if r.len() < bits.div_ceil(8) {
+            return Err(Error::InvalidData(format!(
+                "bitmap of {} bytes is too short for {bits} bits of {}",
+                r.len(),
+                self.data_type
+            )));
+        }
+        Ok(())
+    }
+
+    /// The `count` elements of `T` from element `offset` of the buffer at `r` of `memory`, or
+    /// `None` when the buffer is not aligned to `T`.
+    fn scalars<T: ArrowNativeType>(
+        &self,
+        memory: &Buffer,
+        r: &Range<usize>,
+        offset: usize,
+        count: usize,
+    ) -> Result<Option<ScalarBuffer<T>>> {
+        let size = std::mem::size_of::<T>();
+        if offset
+            .checked_add(count)
+            .and_then(|n| n.checked_mul(size))
+            .is_none_or(|n| n > r.len())
+        {
+            return Err(Error::InvalidData(format!(
+                "buffer of {} bytes is too short for {count} elements of {}",
+                r.len(),
+                self.data_type
+            )));
+        }
+        let buffer = slice_of(memory, r)?;
+        if buffer.as_ptr().align_offset(std::mem::align_of::<T>()) != 0 {
+            return Ok(None);
+        }
+        Ok(Some(ScalarBuffer::new(buffer, offset, count)))
+    }
+
+    /// A primitive array of type `T` (and this layout's data type, with its parameters).
+    fn flat_primitive<T: ArrowPrimitiveType>(
+        &self,
+        memory: &Buffer,
+        nulls: Option<NullBuffer>,
+    ) -> Result<Option<ArrayRef>> {
+        let Some(values) = self.scalars::<T::Native>(memory, self.buffer_at(0)?, self.offset, self.len)? else {
+            return Ok(None);
+        };
+        let array = PrimitiveArray::<T>::try_new(values, nulls)?.with_data_type(self.data_type.clone());
+        Ok(Some(Arc::new(array)))
+    }
+
+    /// A string or binary array of type `T`, its offsets and data taken as they are.
+    fn flat_bytes<T: ByteArrayType>(&self, memory: &Buffer, nulls: Option<NullBuffer>) -> Result<Option<ArrayRef>> {
+        let Some(offsets) = self.scalars::<T::Offset>(memory, self.buffer_at(0)?, self.offset, self.len + 1)? else {
+            return Ok(None);
+        };
+        let values = slice_of(memory, self.buffer_at(1)?)?;
+        if nulls.as_ref().is_some_and(|n| n.len() != self.len) {
+            return Err(Error::InvalidData(format!(
+                "{} bitmap of another length",
+                self.data_type
+            )));
+        }
+        // SAFETY: a trusted layout holds the bytes of a valid arrow array (see `to_host`): its
+        // offsets start within, rise through and end within `values`, and strings are UTF-8.
+        let array =
+            unsafe { GenericByteArray::<T>::new_unchecked(OffsetBuffer::new_unchecked(offsets), values, nulls) };
+        Ok(Some(Arc::new(array)))
+    }
+
     /// Elements `start..start + len` of this layout as an arrow array, fully validated unless the
     /// layout is trusted.
     ///
@@ -89,7 +231,15 @@ impl Layout {
                         r.len()
                     )));
                 }
-                Some(NullBuffer::new(BooleanBuffer::new(slice_of(memory, r)?, offset, len)))
+                let bits = BooleanBuffer::new(slice_of(memory, r)?, offset, len);
+                Some(match self.null_count {
+                    // SAFETY: a trusted layout's null count is that of a valid arrow array's
+                    // bitmap, whose bytes these are; it holds for the whole array only.
+                    Some(n) if self.trusted && start == 0 && len == self.len => unsafe {
+                        NullBuffer::new_unchecked(bits, n)
+                    },
+                    _ => NullBuffer::new(bits),
+                })
             }
         };
         let (offset, buffers, children) = self.host_contents(memory, offset, len)?;

@@ -8,7 +8,9 @@
 
 use std::ops::Range;
 
-use arrow_buffer::Buffer;
+use arrow_array::cast::AsArray;
+use arrow_array::{Array, OffsetSizeTrait, downcast_primitive_array};
+use arrow_buffer::{Buffer, NullBuffer};
 use arrow_data::ArrayData;
 use arrow_schema::{DataType, UnionMode};
 use rayon::prelude::*;
@@ -41,6 +43,16 @@ pub(crate) struct Plan<'a> {
 static ZERO_OFFSETS: [u8; 8] = [0; 8];
 
 impl<'a> Plan<'a> {
+    /// An empty plan with room for the operations of `columns` columns of up to three buffers
+    /// each (a bitmap, offsets and data), so that a batch's few hundred operations are not moved
+    /// as the list grows.
+    pub fn for_columns(columns: usize) -> Self {
+        Plan {
+            ops: Vec::with_capacity(columns * 3),
+            ..Plan::default()
+        }
+    }
+
     /// The size of the allocation.
     pub fn size(&self) -> usize {
         self.size
@@ -68,6 +80,74 @@ impl<'a> Plan<'a> {
     /// Plans a whole array.
     pub fn array(&mut self, data: &'a ArrayData) -> Result<Layout> {
         self.window(data, 0, data.len())
+    }
+
+    /// Plans a whole column: one of a [flat type](is_flat) from the typed array's own buffers,
+    /// any other from `data`, its `ArrayData` (which [`column_data`] makes for it).
+    ///
+    /// arrow-rs's `to_data` clones every buffer of an array into a new `ArrayData` (a few
+    /// allocations per column); a flat array needs none of that to be planned.
+    pub fn column(&mut self, array: &'a dyn Array, data: Option<&'a ArrayData>) -> Result<Layout> {
+        match data {
+            Some(data) => self.array(data),
+            None => self.flat(array),
+        }
+    }
+
+    /// Plans a whole array of a flat type from its typed buffers: typed arrays keep their slice
+    /// in their buffers (values and offsets cut to it, the validity bitmap with its bit offset).
+    fn flat(&mut self, array: &'a dyn Array) -> Result<Layout> {
+        let len = array.len();
+        // As in an `ArrayData`, a bitmap without nulls is left out.
+        let nulls = array.nulls().filter(|n| n.null_count() > 0);
+        let mut layout = Layout {
+            data_type: array.data_type().clone(),
+            len,
+            offset: 0,
+            null_count: Some(nulls.map_or(0, NullBuffer::null_count)),
+            nulls: nulls
+                .map(|n| self.bitmap(n.inner().inner(), n.offset(), len))
+                .transpose()?,
+            buffers: Default::default(),
+            children: vec![],
+            trusted: false,
+        };
+        let buffers = &mut layout.buffers;
+        match array.data_type() {
+            DataType::Boolean => {
+                let values = array.as_boolean().values();
+                buffers.push(self.bitmap(values.inner(), values.offset(), len)?);
+            }
+            DataType::Utf8 => self.flat_bytes(array.as_string::<i32>(), buffers)?,
+            DataType::LargeUtf8 => self.flat_bytes(array.as_string::<i64>(), buffers)?,
+            DataType::Binary => self.flat_bytes(array.as_binary::<i32>(), buffers)?,
+            DataType::LargeBinary => self.flat_bytes(array.as_binary::<i64>(), buffers)?,
+            dt => {
+                let values: &'a Buffer = downcast_primitive_array!(
+                    array => array.values().inner(),
+                    _ => return Err(Error::Unsupported(format!("{dt} is not a flat type"))),
+                );
+                buffers.push(self.bytes(values, 0, values.len())?);
+            }
+        }
+        Ok(layout)
+    }
+
+    /// The offsets (rebased) and the data they reach of a string or binary array.
+    fn flat_bytes<T: arrow_array::types::ByteArrayType>(
+        &mut self,
+        array: &'a arrow_array::GenericByteArray<T>,
+        buffers: &mut smallvec::SmallVec<[Range<usize>; 2]>,
+    ) -> Result<()>
+    where
+        T::Offset: OffsetSizeTrait,
+    {
+        let width = std::mem::size_of::<T::Offset>();
+        let offsets = array.offsets().inner().inner();
+        let (range, first, last) = self.offsets(offsets, 0, array.len(), width)?;
+        buffers.push(range);
+        buffers.push(self.bytes(array.values(), first, last - first)?);
+        Ok(())
     }
 
     /// Reserves `len` bytes produced from `src` and returns their range.
@@ -332,6 +412,24 @@ impl<'a> Plan<'a> {
     }
 }
 
+/// Whether [`Plan::column`] plans arrays of `data_type` from their typed buffers: primitives
+/// (`DataType::is_primitive`), booleans, strings and binaries.
+pub(crate) fn is_flat(data_type: &DataType) -> bool {
+    data_type.is_primitive()
+        || matches!(
+            data_type,
+            DataType::Boolean | DataType::Utf8 | DataType::LargeUtf8 | DataType::Binary | DataType::LargeBinary
+        )
+}
+
+/// The `ArrayData` [`Plan::column`] needs for each of `arrays`: none for a [flat type](is_flat).
+pub(crate) fn column_data(arrays: &[&dyn Array]) -> Vec<Option<ArrayData>> {
+    arrays
+        .iter()
+        .map(|a| (!is_flat(a.data_type())).then(|| a.to_data()))
+        .collect()
+}
+
 /// `len` bytes of `buffer` from `start`, or an error naming the overrun.
 fn source(buffer: &Buffer, start: usize, len: usize) -> Result<&[u8]> {
     start
@@ -356,4 +454,61 @@ fn buffer_of(data: &ArrayData, i: usize) -> Result<&Buffer> {
     data.buffers()
         .get(i)
         .ok_or_else(|| Error::InvalidData(format!("{} array without buffer {i}", data.data_type())))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use arrow_array::types::{Decimal128Type, Int64Type, TimestampMicrosecondType};
+    use arrow_array::{
+        ArrayRef, BinaryArray, BooleanArray, Float64Array, LargeStringArray, PrimitiveArray, StringArray, UInt8Array,
+    };
+
+    use super::*;
+
+    /// Planned from their typed buffers, flat arrays (sliced, with nulls at bit offsets, empty) get
+    /// the layouts and bytes that planning their `ArrayData` gives.
+    #[test]
+    fn flat_columns_plan_as_their_array_data_does() {
+        let strings = StringArray::from_iter((0..300).map(|i| (i % 7 != 0).then(|| format!("s{i}"))));
+        let arrays: Vec<ArrayRef> = vec![
+            Arc::new(PrimitiveArray::<Int64Type>::from_iter(
+                (0..100).map(|i| (i % 3 != 0).then_some(i)),
+            )),
+            Arc::new(PrimitiveArray::<Int64Type>::from_iter((0..100).map(|i| (i % 3 != 0).then_some(i))).slice(5, 61)),
+            Arc::new(strings.slice(3, 200)),
+            Arc::new(strings.slice(300, 0)),
+            Arc::new(LargeStringArray::from_iter_values(["a", "bc", "", "def"]).slice(1, 2)),
+            Arc::new(BinaryArray::from_iter([Some(&b"x"[..]), None, Some(b"yz")])),
+            Arc::new(BooleanArray::from_iter((0..99).map(|i| (i % 4 != 0).then_some(i % 3 == 0))).slice(7, 50)),
+            Arc::new(Float64Array::from(Vec::<f64>::new())),
+            Arc::new(UInt8Array::from_iter_values(0..=255).slice(9, 17)),
+            Arc::new(
+                PrimitiveArray::<Decimal128Type>::from_iter([Some(1), None, Some(3)])
+                    .with_precision_and_scale(20, 2)
+                    .unwrap(),
+            ),
+            Arc::new(
+                PrimitiveArray::<TimestampMicrosecondType>::from_iter_values([1, 2, 3])
+                    .with_timezone("+01:00")
+                    .slice(1, 2),
+            ),
+        ];
+        for array in &arrays {
+            assert!(is_flat(array.data_type()), "{}", array.data_type());
+            let data = array.to_data();
+            let (mut typed, mut whole) = (Plan::default(), Plan::default());
+            let a = typed.column(array.as_ref(), None).unwrap();
+            let b = whole.column(array.as_ref(), Some(&data)).unwrap();
+            assert_eq!(format!("{a:?}"), format!("{b:?}"), "{}", array.data_type());
+            assert_eq!(typed.size(), whole.size());
+            let (mut x, mut y) = (vec![0xAA; typed.size()], vec![0x55; whole.size()]);
+            typed.fill(0, &mut x);
+            whole.fill(0, &mut y);
+            assert_eq!(x, y, "{}", array.data_type());
+        }
+        assert_eq!(column_data(&[arrays[0].as_ref()]).len(), 1);
+        assert!(column_data(&[arrays[0].as_ref()])[0].is_none());
+    }
 }

@@ -1,8 +1,11 @@
-//! [`StagingTimes`]: where staging spends its time, when asked.
+//! [`StagingTimes`]: where staging spends its time, when asked. Its steps are timed as the laps
+//! of a [`Trace`](crate::trace::Trace) are (`trace::Laps`): one clock serves both.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use crate::trace::Laps;
 
 /// A step of staging tables on a device, as [`StagingTimes`] counts it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -43,6 +46,21 @@ impl StagingStep {
         StagingStep::Copy,
         StagingStep::Wait,
     ];
+
+    /// The step's name in a [`Trace`](crate::trace::Trace): `staging.` and its name.
+    fn trace_name(self) -> &'static str {
+        match self {
+            StagingStep::Decode => "staging.decode",
+            StagingStep::Prepare => "staging.prepare",
+            StagingStep::Handoff => "staging.handoff",
+            StagingStep::Idle => "staging.idle",
+            StagingStep::Upload => "staging.upload",
+            StagingStep::Alloc => "staging.alloc",
+            StagingStep::Pack => "staging.pack",
+            StagingStep::Copy => "staging.copy",
+            StagingStep::Wait => "staging.wait",
+        }
+    }
 
     /// The step's name, in lower case.
     pub fn name(self) -> &'static str {
@@ -87,14 +105,15 @@ impl StagingTimes {
     }
 }
 
-/// Runs `f`, counting its wall time in `step` of `times` when there are times to count.
+/// Runs `f`, counting its wall time in `step` of `times` when there are times to count, and as
+/// the step `staging.<step>` of the [`Trace`](crate::trace::Trace) recording on this thread, if
+/// any: staging's times are laps of the same clock as a trace's steps.
 pub(crate) fn timed<T>(times: Option<&StagingTimes>, step: StagingStep, f: impl FnOnce() -> T) -> T {
-    let Some(times) = times else {
-        return f();
-    };
-    let start = Instant::now();
+    let mut laps = Laps::start_or(times.is_some());
     let out = f();
-    times.add(step, start.elapsed());
+    if let (Some(elapsed), Some(times)) = (laps.lap(step.trace_name()), times) {
+        times.add(step, elapsed);
+    }
     out
 }
 
@@ -130,5 +149,23 @@ mod tests {
             text.contains("pack 0.007 s") && text.ends_with("wait 0.000 s"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn timed_steps_are_steps_of_a_recording_trace_too() {
+        let times = StagingTimes::new();
+        let mut trace = crate::trace::Trace::default();
+        trace.record(|| {
+            timed(Some(&times), StagingStep::Alloc, || {
+                std::thread::sleep(Duration::from_millis(2))
+            });
+            timed(None, StagingStep::Copy, || ());
+        });
+        let steps: Vec<_> = trace.steps().iter().map(|s| (s.name, s.count)).collect();
+        assert_eq!(steps, [("staging.alloc", 1), ("staging.copy", 1)]);
+        // The one lap went to both.
+        assert_eq!(times.get(StagingStep::Alloc), trace.steps()[0].total);
+        assert!(times.get(StagingStep::Alloc) >= Duration::from_millis(2));
+        assert_eq!(times.get(StagingStep::Copy), Duration::ZERO);
     }
 }

@@ -23,7 +23,7 @@ use crate::trace::Laps;
 use super::deferred::{Keep, defer_release, release_finished};
 use super::layout::Layout;
 use super::pack::{Handoff, Part};
-use super::plan::Plan;
+use super::plan::{Plan, column_data};
 use super::times::{StagingStep, StagingTimes, timed};
 
 /// Bytes packed and sent per DMA on large uploads.
@@ -100,10 +100,10 @@ fn upload_in_place(
 ) -> Result<(Vec<DeviceArrayData>, Event)> {
     let device = resource.device();
     let mut laps = Laps::start();
-    let data: Vec<ArrayData> = arrays.iter().map(|a| a.to_data()).collect();
+    let data = column_data(arrays);
     laps.lap("htod.to_data");
-    let mut plan = Plan::default();
-    let layouts = try_collect(data.iter().map(|d| plan.array(d)))?;
+    let mut plan = Plan::for_columns(arrays.len());
+    let layouts = try_collect(arrays.iter().zip(&data).map(|(a, d)| plan.column(*a, d.as_ref())))?;
     laps.lap("htod.plan");
     let mut memory = timed(times, StagingStep::Alloc, || {
         DeviceBuffer::alloc(resource, plan.size(), stream)
@@ -167,7 +167,7 @@ fn upload_staged(
         .ok_or_else(|| Error::Unsupported("staging is not host memory".into()))?;
     // Filled once the packers have been started (below): copying the arrays' layouts out takes
     // long enough for them to wake.
-    let data: OnceCell<Vec<ArrayData>> = OnceCell::new();
+    let data: OnceCell<Vec<Option<ArrayData>>> = OnceCell::new();
     let handoff = Handoff::default();
     laps.lap("htod.setup");
     let result = rayon::in_place_scope(|scope| {
@@ -177,9 +177,9 @@ fn upload_staged(
             start_packers(scope, &handoff);
         }
         laps.lap("htod.wake");
-        let data = data.get_or_init(|| arrays.iter().map(|a| a.to_data()).collect());
+        let data = data.get_or_init(|| column_data(arrays));
         laps.lap("htod.to_data");
-        let planned = plan_in_parts(data, free, &handoff, times);
+        let planned = plan_in_parts(arrays, data, free, &handoff, times);
         // The packers stop once the queue is empty, however planning ended.
         handoff.close();
         let (plan, layouts, parts, rest) = planned?;
@@ -360,18 +360,19 @@ fn send_chunks(
     Ok(())
 }
 
-/// Plans `data`, cutting off every [`SEGMENT`] bytes of the first [`EARLY`] as a part to be packed
+/// Plans `arrays` (with their `data`, see [`Plan::column`]), cutting off every [`SEGMENT`] bytes of the first [`EARLY`] as a part to be packed
 /// into the front of `free` (its packing counted in `times`) and handing it to `handoff`. Returns the plan, the arrays' layouts, the
 /// parts in order, and the range left for packing in chunks (empty when the whole plan was cut).
 #[allow(clippy::type_complexity)]
 fn plan_in_parts<'a>(
-    data: &'a [ArrayData],
+    arrays: &[&'a dyn Array],
+    data: &'a [Option<ArrayData>],
     mut free: &'a mut [u8],
     handoff: &Handoff<'a>,
     times: Option<&'a StagingTimes>,
 ) -> Result<(Plan<'a>, Vec<Layout>, Vec<Arc<Part<'a>>>, Range<usize>)> {
-    let mut plan = Plan::default();
-    let mut layouts = Vec::with_capacity(data.len());
+    let mut plan = Plan::for_columns(arrays.len());
+    let mut layouts = Vec::with_capacity(arrays.len());
     let mut parts = Vec::new();
     let mut cut = |plan: &mut Plan<'a>, free: &mut &'a mut [u8]| {
         let range = plan.cut();
@@ -381,11 +382,11 @@ fn plan_in_parts<'a>(
         handoff.push(part.clone());
         parts.push(part);
     };
-    for d in data {
+    for (a, d) in arrays.iter().zip(data) {
         if plan.size() <= EARLY && plan.uncut() >= SEGMENT {
             cut(&mut plan, &mut free);
         }
-        layouts.push(plan.array(d)?);
+        layouts.push(plan.column(*a, d.as_ref())?);
         if plan.size() > EARLY {
             // No more parts: the pool threads need not wait for the rest of the planning.
             handoff.close();
