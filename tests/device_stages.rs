@@ -1524,3 +1524,19 @@ proptest! {
         }
     }
 }
+
+/// A rows stage replaces a node that DataFusion partitioned by the hash of columns its projection
+/// then dropped (TPC-H Q2 at SF 1: partsupp joined with part, supplier, nation and region, their
+/// strings read at each match): the stage promises no partitioning it cannot compute, and the
+/// answer is `MemTable`'s. On the CPU device, where CI runs it.
+#[test]
+fn rows_stage_under_a_projected_hash_partitioning() {
+    let tables = tpch::tables(1.0, PARTITIONS, tpch::BATCH_SIZE).expect("generate");
+    let data: Vec<(&str, Data)> = tables.into_iter().map(|t| (t.name, Data::from(t))).collect();
+    let refs: Vec<(&str, &Data)> = data.iter().map(|(n, d)| (*n, d)).collect();
+    let (gpu, mem) = sessions(&refs, Device::Cpu);
+    let sql = tpch_query("q2");
+    let plan = explain(&gpu, sql);
+    assert!(plan.contains("rows=[p_partkey"), "{plan}");
+    assert!(assert_same(&gpu, &mem, sql, true) > 0);
+}

@@ -5,9 +5,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use ::datafusion::common::DataFusionError;
-use ::datafusion::common::tree_node::TreeNodeRecursion;
+use ::datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use ::datafusion::execution::TaskContext;
 use ::datafusion::physical_expr::aggregate::AggregateFunctionExpr;
+use ::datafusion::physical_expr::expressions::UnKnownColumn;
 use ::datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
 use ::datafusion::physical_plan::execution_plan::reset_plan_states;
 use ::datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
@@ -137,8 +138,19 @@ impl DeviceStageExec {
     /// A stage that runs `plan` in place of `original`, which emits `output`.
     pub(crate) fn new(plan: StagePlan, output: Output, original: Arc<dyn ExecutionPlan>) -> Self {
         let properties = match &output {
-            // Unordered, partitioned as the aggregate or the rows it replaced.
-            Output::Final { .. } | Output::Rows => original.properties().as_ref().clone(),
+            // Unordered, partitioned as the aggregate or the rows it replaced; by the hash of
+            // columns only where the stage can compute it: a partitioning by columns a projection
+            // dropped (DataFusion's `UnKnownColumn`) promises nothing a parent can use.
+            Output::Final { .. } | Output::Rows => {
+                let properties = original.properties().as_ref().clone();
+                match &properties.partitioning {
+                    Partitioning::Hash(exprs, n) if !exprs.iter().all(|e| computable(e)) => {
+                        let n = *n;
+                        properties.with_partitioning(Partitioning::UnknownPartitioning(n))
+                    }
+                    _ => properties,
+                }
+            }
             Output::Partial => PlanProperties::new(
                 EquivalenceProperties::new(plan.schema.clone()),
                 Partitioning::UnknownPartitioning(original.properties().partitioning.partition_count()),
@@ -353,6 +365,13 @@ impl DisplayAs for DeviceStageExec {
             },
         }
     }
+}
+
+/// Whether `expr` reads only columns that exist (no `UnKnownColumn`).
+fn computable(expr: &Arc<dyn PhysicalExpr>) -> bool {
+    !expr
+        .exists(|e| Ok(e.downcast_ref::<UnKnownColumn>().is_some()))
+        .unwrap_or(true)
 }
 
 /// The rows of `batch` in each partition of `partitioning` (a hash partitioning), split as
