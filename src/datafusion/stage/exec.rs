@@ -144,7 +144,7 @@ impl DeviceStageExec {
             Output::Final { .. } | Output::Rows => {
                 let properties = original.properties().as_ref().clone();
                 match &properties.partitioning {
-                    Partitioning::Hash(exprs, n) if !exprs.iter().all(|e| computable(e)) => {
+                    Partitioning::Hash(exprs, n) if !exprs.iter().all(computable) => {
                         let n = *n;
                         properties.with_partitioning(Partitioning::UnknownPartitioning(n))
                     }
