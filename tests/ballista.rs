@@ -91,6 +91,14 @@ async fn run(ctx: &SessionContext, sql: &str) -> datafusion::error::Result<Vec<R
     ctx.sql(sql).await?.collect().await
 }
 
+/// `EXPLAIN sql` in `ctx`, as text.
+async fn explain(ctx: &SessionContext, sql: &str) -> String {
+    let explained = run(ctx, &format!("EXPLAIN {sql}")).await.expect("explain");
+    datafusion::arrow::util::pretty::pretty_format_batches(&explained)
+        .expect("format")
+        .to_string()
+}
+
 /// A plan with a device stage, a GPU scan under it and another as a join's build side goes
 /// through the physical codec and comes back the same (its `EXPLAIN`), and runs to the same rows;
 /// the logical plan over GPU tables goes through the logical codec the same way.
@@ -174,12 +182,7 @@ fn ballista_standalone_answers_tpch_as_datafusion() {
         create_tables(&ballista, "GPU").await;
         let local = SessionContext::new();
         create_tables(&local, "PARQUET").await;
-        let explained = run(&ballista, &format!("EXPLAIN {}", tpch::query("q1").unwrap()))
-            .await
-            .expect("explain");
-        let explained = datafusion::arrow::util::pretty::pretty_format_batches(&explained)
-            .expect("format")
-            .to_string();
+        let explained = explain(&ballista, tpch::query("q1").unwrap()).await;
         assert!(
             explained.contains("DeviceStageExec"),
             "q1 has no device stage\n{explained}"
@@ -545,12 +548,7 @@ fn executors_in_their_own_processes_split_the_partitions() {
         let local = SessionContext::new();
         create_tables(&local, "PARQUET").await;
 
-        let explained = run(&ballista, &format!("EXPLAIN {}", tpch::query("q1").unwrap()))
-            .await
-            .expect("explain");
-        let explained = datafusion::arrow::util::pretty::pretty_format_batches(&explained)
-            .expect("format")
-            .to_string();
+        let explained = explain(&ballista, tpch::query("q1").unwrap()).await;
         assert!(
             explained.contains("ShareExec") && explained.contains("output=partial"),
             "q1's device stage does not share its partitions\n{explained}"
