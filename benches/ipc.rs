@@ -10,6 +10,11 @@
 //!   side (as MPI and UCX latency benchmarks measure).
 //! - `ipc_latency/first_open_100_columns_polling`: the same with a new allocation every time, so
 //!   the consumer opens (and closes) a mapping each time.
+//! - `ipc_latency/copied_100_columns_polling`: the batch in the device's default (pool) memory,
+//!   which no other process can open: the sender copies it into a message of shared device memory
+//!   each time (the channel's default, `MemoryResource::shared_for`), which the consumer maps and
+//!   unmaps; `copied_100_columns_polling_cuda_ipc` beside it writes the messages into CUDA IPC
+//!   memory instead (`SenderOptions::message_resource`).
 //! - `stream_1GiB/device_ipc` beside `stream_1GiB/host_ipc`: a producer streams 1 GiB batches to a
 //!   consumer process that reads them on the device (a device-to-device copy of every buffer), through
 //!   CUDA IPC, and through the host: device to host, arrow-ipc over a Unix socket, host to device.
@@ -48,8 +53,8 @@ const DEVICE: &str = "ARROW_CUDA_IPC_BENCH_DEVICE";
 /// How long the polling consumers poll before they sleep.
 const POLL: Duration = Duration::from_millis(2);
 
-fn upload(batch: &RecordBatch, device: Device, stream: &Stream) -> DeviceRecordBatch {
-    let b = htod_async(batch, default_message_resource(device), stream).expect("upload");
+fn upload(batch: &RecordBatch, resource: MemoryResource, stream: &Stream) -> DeviceRecordBatch {
+    let b = htod_async(batch, resource, stream).expect("upload");
     b.ready().synchronize().expect("upload finished");
     b
 }
@@ -89,17 +94,32 @@ fn latency(c: &mut Criterion, device: Device, stream: &Stream) {
     let template = small_batch();
     let mut g = c.benchmark_group("ipc_latency");
     g.measurement_time(Duration::from_secs(3));
-    for (name, role, fresh) in [
-        ("cached_100_columns", "retain", false),
-        ("cached_100_columns_polling", "retain-poll", false),
-        ("first_open_100_columns_polling", "drop-poll", true),
+    let exportable = default_message_resource(device);
+    let pool = MemoryResource::default_for(device);
+    // (name, consumer, a new upload every time, the batch's memory, the messages' memory)
+    for (name, role, fresh, resource, messages) in [
+        ("cached_100_columns", "retain", false, exportable, None),
+        ("cached_100_columns_polling", "retain-poll", false, exportable, None),
+        ("first_open_100_columns_polling", "drop-poll", true, exportable, None),
+        ("copied_100_columns_polling", "drop-poll", false, pool, None),
+        (
+            "copied_100_columns_polling_cuda_ipc",
+            "drop-poll",
+            false,
+            pool,
+            Some(exportable),
+        ),
     ] {
         let path = socket(name);
-        let sender = Sender::bind(&path, template.schema(), SenderOptions::default()).expect("bind");
+        let options = SenderOptions {
+            message_resource: messages,
+            ..SenderOptions::default()
+        };
+        let sender = Sender::bind(&path, template.schema(), options).expect("bind");
         let mut child = consumer(role, &path, device);
         let mut stamps = child.stdout.take().expect("consumer stdout");
         sender.wait_for_receivers(1, Duration::from_secs(60)).expect("consumer");
-        let on_device = upload(&template, device, stream);
+        let on_device = upload(&template, resource, stream);
         // With a polling consumer this side waits on a busy core too, as a producer with the next
         // batch at hand would be: no thread wake-up is timed on either side.
         let busy = role.ends_with("-poll");
@@ -124,7 +144,7 @@ fn latency(c: &mut Criterion, device: Device, stream: &Stream) {
             b.iter_custom(|iters| {
                 (0..iters)
                     .map(|_| match fresh {
-                        true => one_way(&upload(&template, device, stream)),
+                        true => one_way(&upload(&template, resource, stream)),
                         false => one_way(&on_device),
                     })
                     .sum()
@@ -134,7 +154,7 @@ fn latency(c: &mut Criterion, device: Device, stream: &Stream) {
             // The whole call here: send, the consumer's receive time, the acknowledgement.
             common::print_steps(&format!("{name} (send to acknowledgement)"), &["send."], |t| {
                 let batch = match fresh {
-                    true => upload(&template, device, stream),
+                    true => upload(&template, resource, stream),
                     false => on_device.clone(),
                 };
                 t.record(|| one_way(&batch));
@@ -179,7 +199,7 @@ fn wait_readable(fd: BorrowedFd<'_>) {
 fn streaming(c: &mut Criterion, device: Device, stream: &Stream, bytes: usize) {
     let columns = 8;
     let template = int64_batch(columns, bytes / 8 / columns);
-    let on_device = upload(&template, device, stream);
+    let on_device = upload(&template, default_message_resource(device), stream);
     let mut g = c.benchmark_group(format!("stream_{}MiB", bytes >> 20));
     g.throughput(Throughput::Bytes(bytes as u64));
     g.sampling_mode(SamplingMode::Flat);

@@ -16,9 +16,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arrow_array::{ArrayRef, Float64Array, Int64Array, RecordBatch, StringArray};
-use arrow_cuda::ipc::{Sender, SenderOptions, default_message_resource, private_socket_path};
+use arrow_cuda::ipc::{Sender, SenderOptions, private_socket_path};
 use arrow_cuda::transfer::htod_async;
-use arrow_cuda::{Device, Stream};
+use arrow_cuda::{Device, MemoryResource, Stream};
 
 const BATCHES: i64 = 10;
 const ROWS: i64 = 1_000_000;
@@ -51,9 +51,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     sender.wait_for_receivers(1, Duration::from_secs(600))?;
     let stream = Stream::new(device)?;
     for n in 0..BATCHES {
-        // Memory another process can open (plain device memory, or shared memory on the CPU):
-        // the batch is lent as it is, not copied.
-        let on_device = htod_async(&batch(n), default_message_resource(device), &stream)?;
+        // Memory another process can map and keep (shared device memory, or shared memory on the
+        // CPU): the batch is lent as it is, not copied, and stays readable by a consumer that
+        // holds it if this process dies.
+        let on_device = htod_async(&batch(n), MemoryResource::shared_for(device), &stream)?;
         let id = sender.send(&on_device)?;
         println!(
             "sent batch {id} to {} consumer(s): {} rows, {} bytes on {device}",

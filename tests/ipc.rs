@@ -548,6 +548,12 @@ fn only_plain_device_memory_exports_through_cuda_ipc() {
         let e = IpcMemHandle::export(&pool).unwrap_err();
         assert!(matches!(e, Error::Unsupported(_)), "{e}");
     }
+    if let shared @ MemoryResource::SharedDevice(_) = MemoryResource::shared_for(device) {
+        // It travels by file descriptor.
+        let b = DeviceBuffer::alloc(shared, 4096, &stream).unwrap();
+        let e = IpcMemHandle::export(&b).unwrap_err();
+        assert!(matches!(e, Error::Unsupported(_)), "{e}");
+    }
     let plain = DeviceBuffer::alloc(MemoryResource::Device(o), 1 << 20, &stream).unwrap();
     let whole = IpcMemHandle::export(&plain).unwrap();
     assert_eq!(whole.size(), 1 << 20);
@@ -640,6 +646,49 @@ fn descriptors_describe_batches_without_a_copy() {
     assert!(!dropped.load(Ordering::SeqCst), "a view is still alive");
     drop(mapped);
     assert!(dropped.load(Ordering::SeqCst), "the owner drops with the last view");
+}
+
+/// Memory lent from [`MemoryResource::shared_for`] (shared device memory on a GPU that has it,
+/// shared host memory on the CPU) is kept by whoever maps it: a batch imported from its descriptor
+/// is a mapping of its own, reads intact after the creator's batch and memory were dropped, and
+/// can be described again without a copy.
+#[test]
+fn shared_memory_outlives_its_creator() {
+    each_device(|device, stream| {
+        let resource = MemoryResource::shared_for(device);
+        if resource == MemoryResource::Device(device.ordinal().unwrap_or(0)) {
+            eprintln!("skipped on {device}: the GPU has no shared device memory");
+            return;
+        }
+        let batch = corpus();
+        let created = upload(&batch, resource, stream);
+        let d = BatchDescriptor::describe(&created).unwrap();
+        match (&d.regions[..], device) {
+            ([ipc::RegionHandle::Host(_)], Device::Cpu) => {}
+            ([ipc::RegionHandle::SharedCuda { ordinal, .. }], Device::Cuda(o)) => assert_eq!(*ordinal, o),
+            (other, _) => panic!("{device}: regions {other:?}"),
+        }
+        let read = through_bytes(&d)
+            .import(&batch.schema(), created.ready().clone(), ())
+            .unwrap();
+        let (theirs, ours) = (&created.column(1).buffers()[0], &read.column(1).buffers()[0]);
+        assert_ne!(theirs.address(), ours.address(), "{device}: a mapping of its own");
+        drop((d, created));
+        check_batch(
+            &format!("{device}: after its creator was dropped"),
+            &dtoh(&read, stream).unwrap(),
+            &batch,
+        );
+        let again = through_bytes(&BatchDescriptor::describe(&read).unwrap())
+            .import(&batch.schema(), read.ready().clone(), ())
+            .unwrap();
+        drop(read);
+        check_batch(
+            &format!("{device}: described again"),
+            &dtoh(&again, stream).unwrap(),
+            &batch,
+        );
+    });
 }
 
 #[test]
@@ -1008,15 +1057,30 @@ fn stream_batch(i: usize) -> RecordBatch {
     corpus().slice(i, ROWS - 2 * i)
 }
 
-/// Batch `i` as a sender holds it: in exportable memory (sent without a copy), in the device's
-/// default memory (copied into a message), or a slice on the device (encoded through the host).
+/// Batch `i` as a sender holds it: in exportable memory (on a GPU CUDA IPC memory, sent without a
+/// copy), in the device's default memory (copied into a message), a slice on the device (encoded
+/// through the host), or in shared memory (on a GPU shared device memory where the GPU has it,
+/// sent without a copy).
 fn device_stream_batch(i: usize, device: Device, stream: &Stream) -> DeviceRecordBatch {
-    match i % 3 {
+    match i % 4 {
         0 => upload(&stream_batch(i), exportable(device), stream),
         1 => upload(&stream_batch(i), MemoryResource::default_for(device), stream),
-        _ => upload(&corpus(), exportable(device), stream)
+        2 => upload(&corpus(), exportable(device), stream)
             .slice(i, ROWS - 2 * i)
             .unwrap(),
+        _ => upload(&stream_batch(i), MemoryResource::shared_for(device), stream),
+    }
+}
+
+/// Whether batch `i` of [`device_stream_batch`], once received, still reads intact after its
+/// sender died: on the CPU every batch does (shared memory outlives its creator); on a GPU those
+/// the receiver got in shared device memory (the messages the others are copied into, and the
+/// batches lent from it), not those lent through CUDA IPC (batch 0 of every four), nor any where the
+/// GPU lacks shared device memory.
+fn outlives_its_sender(i: usize, device: Device) -> bool {
+    match device {
+        Device::Cpu => true,
+        _ => i % 4 != 0 && matches!(MemoryResource::shared_for(device), MemoryResource::SharedDevice(_)),
     }
 }
 
@@ -1205,7 +1269,7 @@ fn peer() {
             say("done");
         }
         "stream" => {
-            // Sends the batches of `device_stream_batch` (0, 1, 2, 0, ...) until it is killed, or
+            // Sends the batches of `device_stream_batch` (0, 1, 2, 3, 0, ...) until it is killed, or
             // nobody receives them any more.
             let options = SenderOptions {
                 send_timeout: fault_timeout(),
@@ -1215,10 +1279,10 @@ fn peer() {
             // The fault runs may kill it from here on, while it greets its receiver.
             say("bound");
             sender.wait_for_receivers(1, fault_timeout()).unwrap();
-            let batches: Vec<_> = (0..3).map(|i| device_stream_batch(i, device, &stream)).collect();
+            let batches: Vec<_> = (0..4).map(|i| device_stream_batch(i, device, &stream)).collect();
             let start = Instant::now();
             let mut i = 0;
-            while sender.send(&batches[i % 3]).unwrap() > 0 && start.elapsed() < Duration::from_secs(60) {
+            while sender.send(&batches[i % 4]).unwrap() > 0 && start.elapsed() < Duration::from_secs(60) {
                 i += 1;
             }
             say("nobody left");
@@ -1425,56 +1489,63 @@ fn a_killed_sender_makes_the_receiver_fail() {
         let got: Vec<_> = (0..2).map(|_| r.recv().unwrap().unwrap()).collect();
         peer.wait_for("sent");
         peer.child.kill().unwrap();
+        peer.child.wait().unwrap();
         let e = r.recv().unwrap_err();
         assert_eq!(e.io_kind(), Some(std::io::ErrorKind::UnexpectedEof), "{device}: {e}");
         assert!(r.recv().is_err(), "{device}: a broken receiver stays broken");
         // The killed sender could not remove its socket file.
         let _ = std::fs::remove_file(&path);
-        if device == Device::Cpu {
-            // Shared memory outlives its creator.
-            for (i, b) in got.iter().enumerate() {
-                check_batch("after the sender died", &dtoh(b, stream).unwrap(), &stream_batch(i));
-            }
+        // Shared memory outlives its creator; the rest is the fence's (the test below).
+        for (i, b) in got.iter().enumerate().filter(|(i, _)| outlives_its_sender(*i, device)) {
+            check_batch("after the sender died", &dtoh(b, stream).unwrap(), &stream_batch(i));
         }
     });
 }
 
 /// Issue #23, finding 5: batches still held after their sender died. While the sender's process
 /// lives they read intact, also once it has ended its stream and dropped its `Sender` (it keeps
-/// what it lent until acknowledged). After it is killed, CPU batches still read intact (shared
-/// memory outlives its sender); CUDA batches are fenced: every read path fails with
-/// `Error::SenderGone`, naming the sender's socket and process, and never reads the freed memory.
-/// On the CPU the same fence runs through the test hook that fences CPU batches as CUDA batches are.
+/// what it lent until acknowledged). After it is killed, batches in shared memory still read
+/// intact: on the CPU every batch, on a GPU those in shared device memory (the channel's messages
+/// and batches lent from it), which the receiver's mapping keeps. CUDA batches lent through CUDA
+/// IPC are fenced: every read path fails with `Error::SenderGone`, naming the sender's socket and
+/// process, and never reads the freed memory. On the CPU the same fence runs through the test hook
+/// that fences CPU batches as CUDA IPC batches are.
 #[test]
-fn batches_held_after_their_sender_died_are_fenced() {
+fn batches_held_after_their_sender_died_read_intact_or_are_fenced() {
     each_device(|device, stream| {
         let hooks: &[bool] = match device {
             Device::Cpu => &[false, true],
             _ => &[false],
         };
         for &hook in hooks {
-            let fenced = hook || device != Device::Cpu;
-            let what = format!("{device}, fenced: {fenced}");
             let path = socket_path(&format!("fence-{}-{hook}", device_name(device)));
-            let mut peer = Peer::spawn("send-and-end", &path, device, 3);
+            let mut peer = Peer::spawn("send-and-end", &path, device, 4);
             let mut r = Receiver::connect(&path, patient()).unwrap();
             if hook {
                 ipc::testing::fence_host_batches(&mut r);
             }
-            let held: Vec<_> = (0..3).map(|_| r.recv().unwrap().unwrap()).collect();
-            assert!(r.recv().unwrap().is_none(), "{what}: the end of the stream");
+            let held: Vec<_> = (0..4).map(|_| r.recv().unwrap().unwrap()).collect();
+            assert!(r.recv().unwrap().is_none(), "{device}: the end of the stream");
             peer.wait_for("ended");
             for (i, b) in held.iter().enumerate() {
                 b.check_readable().unwrap();
-                check_batch(&what, &dtoh(b, stream).unwrap(), &stream_batch(i));
+                check_batch(
+                    &format!("{device}, batch {i}"),
+                    &dtoh(b, stream).unwrap(),
+                    &stream_batch(i),
+                );
             }
             let pid = peer.child.id();
             peer.child.kill().unwrap();
             peer.child.wait().unwrap();
             // The killed sender could not remove its socket file.
             let _ = std::fs::remove_file(&path);
+            let mut intact = 0;
             for (i, b) in held.iter().enumerate() {
+                let fenced = hook || !outlives_its_sender(i, device);
+                let what = format!("{device}, batch {i}, fenced: {fenced}");
                 if !fenced {
+                    intact += 1;
                     b.check_readable().unwrap();
                     check_batch(&what, &dtoh(b, stream).unwrap(), &stream_batch(i));
                     continue;
@@ -1522,6 +1593,7 @@ fn batches_held_after_their_sender_died_are_fenced() {
                     assert!(buffer.host_slice().is_none(), "{what}: host_slice");
                 }
             }
+            eprintln!("{device}, test hook {hook}: {intact} of 4 batches read intact after their sender died");
             // Dropping what it cannot read is safe.
             drop((held, r));
         }
@@ -1692,8 +1764,9 @@ fn for_fault_runs(mut runs: impl FnMut(Device, &Stream)) {
 /// takes its greeting, the others in its stream. The receiver's connection fails with an I/O
 /// error or succeeds, and then its next receive fails at once (`UnexpectedEof`), never waits out
 /// its timeout, and stays failed. Batches it still holds: on the CPU they read intact, or, in every
-/// other run, are fenced by the test hook; on a GPU they are fenced. A fenced batch's download
-/// fails with `Error::SenderGone`. On a GPU the device's free memory returns to where it was.
+/// other run, are fenced by the test hook; on a GPU those in shared device memory read intact and
+/// those lent through CUDA IPC are fenced. A fenced batch's download fails with
+/// `Error::SenderGone`. On a GPU the device's free memory returns to where it was.
 #[test]
 fn senders_killed_at_random_points_never_hang_their_receivers() {
     let (runs, seed) = fault_runs();
@@ -1749,9 +1822,9 @@ fn senders_killed_at_random_points_never_hang_their_receivers() {
                 }
                 Err(e) => panic!("{what}: {e}"),
             };
-            // Half the runs on the CPU fence what they hold as runs on a GPU do.
-            let fenced = device != Device::Cpu || run % 2 == 1;
-            if fenced && device == Device::Cpu {
+            // Half the runs on the CPU fence what they hold as CUDA IPC memory is fenced.
+            let hook = device == Device::Cpu && run % 2 == 1;
+            if hook {
                 ipc::testing::fence_host_batches(&mut r);
             }
             let _ = signal.send(());
@@ -1767,7 +1840,7 @@ fn senders_killed_at_random_points_never_hang_their_receivers() {
                 match outcome {
                     Ok(Some(batch)) => {
                         if held.len() < 4 && rng.random_bool(0.3) {
-                            held.push((n % 3, batch));
+                            held.push((n % 4, batch));
                         }
                         n += 1;
                         let _ = signal.send(());
@@ -1791,6 +1864,7 @@ fn senders_killed_at_random_points_never_hang_their_receivers() {
             assert!(r.recv().is_err(), "{what}: a broken receiver stays broken");
             let _ = std::fs::remove_file(&path);
             for (i, b) in &held {
+                let fenced = hook || !outlives_its_sender(*i, device);
                 match dtoh(b, stream) {
                     // Shared memory outlives its creator.
                     Ok(got) if !fenced => check_batch(&what, &got, &stream_batch(*i)),

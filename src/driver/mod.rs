@@ -36,6 +36,7 @@
 //! | `pointer.rs` | address ranges, whether memory is pinned |
 //! | `event.rs` | events cudarc does not own, stream waits |
 //! | `ipc.rs` | CUDA IPC memory and event handles |
+//! | `vmm.rs` | shareable device memory (`cuMemCreate`, POSIX descriptors), where the driver has it (checked on its own) |
 //!
 //! # Adding a call
 //!
@@ -57,6 +58,7 @@ mod nvrtc;
 mod pointer;
 mod probe;
 mod symbols;
+mod vmm;
 
 pub(crate) use batch::{memcpy_batch_async, memcpy_batch_available};
 pub(crate) use cudarc::driver::sys::{CUdevice_attribute, CUevent, CUresult, CUstream};
@@ -78,3 +80,6 @@ pub(crate) use memory::{
 pub(crate) use nvrtc::nvrtc_available;
 pub(crate) use pointer::{is_pinned_host, mem_get_address_range};
 pub(crate) use probe::available;
+pub(crate) use vmm::{
+    ShareableMemory, shareable_alloc, shareable_available, shareable_export, shareable_free, shareable_import,
+};

@@ -144,6 +144,7 @@ mod tests {
         required()
             .chain(KERNELS.iter().copied())
             .chain(crate::driver::batch::SYMBOLS.iter().copied())
+            .chain(crate::driver::vmm::SYMBOLS.iter().copied())
             .collect()
     }
 

@@ -1,7 +1,8 @@
 //! Zero-copy batch descriptors, after Arrow's "Dissociated IPC" protocol
 //! (apache/arrow `docs/source/format/DissociatedIPC.rst`): the metadata travels on its own and every
 //! body buffer is addressed as `(region, offset, length)`, where a region is an exported base
-//! allocation, a CUDA IPC handle on a GPU or a memfd on the CPU.
+//! allocation: on a GPU a CUDA IPC handle or a file descriptor of shared device memory, on the CPU
+//! a memfd.
 //!
 //! [`BatchDescriptor::describe`] describes a batch whose memory is already exportable without
 //! copying a byte; [`BatchDescriptor::of_message`] describes a message written into one allocation
@@ -34,8 +35,9 @@ use crate::ipc::message::DeviceMessage;
 use crate::ipc::wire::{Reader, Writer};
 use crate::ipc::{decode, handle};
 use crate::memory::fence::Fence;
+use crate::memory::shared_device::SharedDeviceRegion;
 use crate::memory::shm::{SharedMapping, SharedMemHandle, SharedRegion};
-use crate::memory::{DeviceBuffer, MemoryResource};
+use crate::memory::{DeviceBuffer, MemoryResource, SharedDeviceHandle};
 use crate::trace::Laps;
 
 /// An exported base allocation.
@@ -52,6 +54,15 @@ pub enum RegionHandle {
         /// The handle (with the allocation's size).
         handle: IpcMemHandle,
     },
+    /// Shared device memory of a GPU, by file descriptor: a receiver that maps it keeps it.
+    SharedCuda {
+        /// The device's ordinal in this process, as for [`RegionHandle::Cuda`].
+        ordinal: usize,
+        /// The device's UUID, the same in every process.
+        uuid: DeviceUuid,
+        /// The descriptor (with the region's size).
+        handle: SharedDeviceHandle,
+    },
     /// Shared host memory, by file descriptor.
     Host(SharedMemHandle),
 }
@@ -61,6 +72,7 @@ impl RegionHandle {
     pub fn size(&self) -> usize {
         match self {
             RegionHandle::Cuda { handle, .. } => handle.size(),
+            RegionHandle::SharedCuda { handle, .. } => handle.size(),
             RegionHandle::Host(h) => h.size(),
         }
     }
@@ -109,8 +121,8 @@ pub struct BatchDescriptor {
 
 impl BatchDescriptor {
     /// Describes `batch` without copying it: every buffer must lie in memory another process can
-    /// open ([`MemoryResource::Device`] on a GPU, [`MemoryResource::SharedHost`] or a received region
-    /// on the CPU), and no array may have an offset or an unknown null count
+    /// open ([`MemoryResource::SharedDevice`] or [`MemoryResource::Device`] on a GPU,
+    /// [`MemoryResource::SharedHost`] on the CPU, or a region received in either), and no array may have an offset or an unknown null count
     /// ([`Error::Unsupported`] otherwise; write a message instead). The caller must keep the batch
     /// alive and unchanged until the receivers are done with it.
     ///
@@ -129,8 +141,20 @@ impl BatchDescriptor {
     pub fn of_message(message: &DeviceMessage) -> Result<BatchDescriptor> {
         let buffer = message.buffer();
         let device = buffer.device();
-        let (region, base) = match device {
-            Device::Cuda(o) => (
+        let (region, base) = match (device, buffer.resource()) {
+            (Device::Cuda(o), MemoryResource::SharedDevice(_)) => {
+                let (handle, offset) = SharedDeviceHandle::export(buffer)?;
+                let uuid = DeviceUuid::of(o)?;
+                (
+                    RegionHandle::SharedCuda {
+                        ordinal: o,
+                        uuid,
+                        handle,
+                    },
+                    offset,
+                )
+            }
+            (Device::Cuda(o), _) => (
                 RegionHandle::Cuda {
                     ordinal: o,
                     uuid: DeviceUuid::of(o)?,
@@ -138,11 +162,11 @@ impl BatchDescriptor {
                 },
                 buffer.offset(),
             ),
-            Device::Cpu => {
+            (Device::Cpu, _) => {
                 let (handle, offset) = SharedMemHandle::export(buffer)?;
                 (RegionHandle::Host(handle), offset)
             }
-            other => return Err(Error::Unsupported(format!("IPC of {other} memory"))),
+            (other, _) => return Err(Error::Unsupported(format!("IPC of {other} memory"))),
         };
         let mut locations = Vec::new();
         for part in message.parts() {
@@ -184,9 +208,10 @@ impl BatchDescriptor {
             .map(|(batch, _)| batch)
     }
 
-    /// [`BatchDescriptor::import`], with every region's reads checking `fence` first when given
-    /// (the channel's: that the sender still keeps the memory), also returning the mappings it
-    /// opened.
+    /// [`BatchDescriptor::import`], with the reads of every region that its sender must keep
+    /// (CUDA IPC and shared host memory) checking `fence` first when given (the channel's: that the
+    /// sender still keeps the memory), also returning the mappings it opened. Shared device memory
+    /// is kept by its mapping here and needs no fence.
     pub(crate) fn import_retaining(
         self,
         schema: &SchemaRef,
@@ -202,6 +227,9 @@ impl BatchDescriptor {
             .map(|r| match (r, device) {
                 (RegionHandle::Cuda { ordinal, handle, .. }, Device::Cuda(o)) if ordinal == o => {
                     Ok(Mapping::Cuda(handle::open(&handle, ordinal)?))
+                }
+                (RegionHandle::SharedCuda { ordinal, handle, .. }, Device::Cuda(o)) if ordinal == o => {
+                    Ok(Mapping::SharedCuda(handle.open(ordinal)?))
                 }
                 (RegionHandle::Host(h), Device::Cpu) => Ok(Mapping::Host(h.open()?)),
                 (r, d) => Err(Error::InvalidData(format!("a region {r:?} for a batch on {d}"))),
@@ -255,7 +283,7 @@ impl BatchDescriptor {
         Ok((batch, mappings))
     }
 
-    /// The bytes [`BatchDescriptor::encode`] appends (at most: a host region takes fewer).
+    /// The bytes [`BatchDescriptor::encode`] appends (at most: regions by descriptor take fewer).
     pub(crate) fn encoded_len(&self) -> usize {
         let region = 1 + UUID_LEN + IpcMemHandle::SERIALIZED_LEN;
         let metadata: usize = self
@@ -267,13 +295,15 @@ impl BatchDescriptor {
         FORMAT.len() + 4 + 8 + UUID_LEN + 4 + region * self.regions.len() + 4 + metadata + 4 + 20 * self.locations.len()
     }
 
-    /// Appends the descriptor to a frame payload; the host regions' descriptors go to `fds`.
+    /// Appends the descriptor to a frame payload; the descriptors of regions that travel as file
+    /// descriptors go to `fds`.
     ///
     /// The encoding, little-endian: the format tag `ACD` and version ([`FORMAT`]); the device as
     /// its C Device Data Interface type (`u32`) and the exporter's id (`i64`, for messages only),
     /// then the device's UUID (16 bytes, zero for the CPU); the regions (`u32` count; each a kind
     /// byte, then for CUDA memory (3) the device's UUID and the serialized IPC handle, for shared
-    /// host memory (2) its size, its descriptor attached); the dictionaries' and the batch's
+    /// host memory (2) its size, for shared device memory (4) the device's UUID and the region's
+    /// size, these two with their descriptor attached); the dictionaries' and the batch's
     /// metadata (`u32` length, bytes); the locations (`u32` count, 20 bytes each).
     pub(crate) fn encode<'a>(&'a self, w: &mut Writer, fds: &mut Vec<BorrowedFd<'a>>) {
         w.raw(&FORMAT);
@@ -287,6 +317,12 @@ impl BatchDescriptor {
                     w.u8(REGION_CUDA);
                     w.raw(&uuid.0);
                     w.raw(&handle.serialize());
+                }
+                RegionHandle::SharedCuda { uuid, handle, .. } => {
+                    w.u8(REGION_SHARED_CUDA);
+                    w.raw(&uuid.0);
+                    w.u64(handle.size() as u64);
+                    fds.push(handle.fd());
                 }
                 RegionHandle::Host(h) => {
                     w.u8(REGION_HOST);
@@ -311,8 +347,8 @@ impl BatchDescriptor {
         }
     }
 
-    /// Reads a descriptor from a frame payload, taking the host regions' descriptors from `fds` in
-    /// order, and finds the devices it names among this process's by UUID. Every count is checked
+    /// Reads a descriptor from a frame payload, taking the descriptors of regions that travel as
+    /// file descriptors from `fds` in order, and finds the devices it names among this process's by UUID. Every count is checked
     /// against the bytes left; malformed input is [`Error::InvalidData`], another version of the
     /// encoding [`Error::Unsupported`], and a device this process does not see
     /// [`Error::UnknownDevice`].
@@ -347,6 +383,12 @@ impl BatchDescriptor {
             return Err(invalid(format!("{n} regions in a frame of {} bytes", r.remaining())));
         }
         let mut regions = Vec::with_capacity(n);
+        let size =
+            |r: &mut Reader<'_>| usize::try_from(r.u64()?).map_err(|_| invalid("a region size out of range".into()));
+        let mut fd = |what: &str| {
+            fds.next()
+                .ok_or_else(|| invalid(format!("a {what} region without its descriptor")))
+        };
         for _ in 0..n {
             let region = match r.u8()? {
                 REGION_CUDA => {
@@ -358,12 +400,18 @@ impl BatchDescriptor {
                         handle,
                     }
                 }
+                REGION_SHARED_CUDA => {
+                    let uuid = DeviceUuid(r.array::<UUID_LEN>()?);
+                    let size = size(r)?;
+                    RegionHandle::SharedCuda {
+                        ordinal: local_ordinal(uuid, theirs)?,
+                        uuid,
+                        handle: SharedDeviceHandle::from_fd(fd("shared device")?, size),
+                    }
+                }
                 REGION_HOST => {
-                    let size = usize::try_from(r.u64()?).map_err(|_| invalid("a region size out of range".into()))?;
-                    let fd = fds
-                        .next()
-                        .ok_or_else(|| invalid("a host region without its descriptor".into()))?;
-                    RegionHandle::Host(SharedMemHandle::from_fd(fd, size))
+                    let size = size(r)?;
+                    RegionHandle::Host(SharedMemHandle::from_fd(fd("host")?, size))
                 }
                 k => return Err(invalid(format!("region kind {k}"))),
             };
@@ -405,8 +453,8 @@ impl BatchDescriptor {
         })
     }
 
-    /// The descriptor as bytes plus the descriptors of its host regions (a frame payload of its
-    /// own; the channel embeds the same encoding in its batch frames).
+    /// The descriptor as bytes plus the file descriptors of its regions that travel as such (a
+    /// frame payload of its own; the channel embeds the same encoding in its batch frames).
     pub fn to_bytes(&self) -> (Vec<u8>, Vec<BorrowedFd<'_>>) {
         let mut w = Writer::with_capacity(self.encoded_len());
         let mut fds = Vec::new();
@@ -422,7 +470,9 @@ impl BatchDescriptor {
         let d = Self::decode(&mut r, &mut fds)?;
         r.finish()?;
         if fds.next().is_some() {
-            return Err(Error::InvalidData("more descriptors than host regions".into()));
+            return Err(Error::InvalidData(
+                "more file descriptors than regions that take one".into(),
+            ));
         }
         Ok(d)
     }
@@ -436,6 +486,7 @@ const UUID_LEN: usize = 16;
 /// Region kinds on the wire (1 was a CUDA region by ordinal, before UUIDs).
 const REGION_HOST: u8 = 2;
 const REGION_CUDA: u8 = 3;
+const REGION_SHARED_CUDA: u8 = 4;
 
 /// The UUID of `device`'s GPU, `None` for the CPU.
 fn device_uuid(device: Device) -> Result<Option<DeviceUuid>> {
@@ -538,18 +589,22 @@ impl<'a> Route<'a> {
                 last = Some((src, region, offset));
                 continue;
             }
-            let (key, offset, shared) = match (device, src.resource()) {
+            let (key, offset, kind) = match (device, src.resource()) {
                 (Device::Cuda(o), MemoryResource::Device(r)) if r == o => {
-                    (src.address() - src.offset() as u64, src.offset(), None)
+                    (src.address() - src.offset() as u64, src.offset(), RegionKind::Cuda)
                 }
+                (Device::Cuda(_), _) => match SharedDeviceRegion::find(src) {
+                    Some((region, offset)) => (region.address(), offset, RegionKind::SharedCuda(region)),
+                    None => return Ok(Route::Copy(not_exportable(src))),
+                },
                 (Device::Cpu, _) => match SharedRegion::find(src) {
-                    Some((region, offset)) => (region.address(), offset, Some(region)),
+                    Some((region, offset)) => (region.address(), offset, RegionKind::Host(region)),
                     None => return Ok(Route::Copy(not_exportable(src))),
                 },
                 _ => return Ok(Route::Copy(not_exportable(src))),
             };
             let region = *index.entry(key).or_insert_with(|| {
-                regions.push(Region { buffer: src, shared });
+                regions.push(Region { buffer: src, kind });
                 regions.len() as u32 - 1
             });
             locations.push(BufferLocation {
@@ -568,10 +623,20 @@ impl<'a> Route<'a> {
     }
 }
 
-/// One region of a [`Located`] batch: a buffer in it, and the shared region for host memory.
+/// One region of a [`Located`] batch: a buffer in it, and what kind of memory it is.
 struct Region<'a> {
     buffer: &'a DeviceBuffer,
-    shared: Option<Arc<SharedRegion>>,
+    kind: RegionKind,
+}
+
+/// How a region reaches another process.
+enum RegionKind {
+    /// By CUDA IPC handle.
+    Cuda,
+    /// Shared device memory, by file descriptor.
+    SharedCuda(Arc<SharedDeviceRegion>),
+    /// Shared host memory, by file descriptor.
+    Host(Arc<SharedRegion>),
 }
 
 /// A batch whose every buffer was found in memory another process can open, and where each lies.
@@ -597,14 +662,21 @@ impl Located<'_> {
         }
         let regions = regions
             .into_iter()
-            .map(|r| match (device, r.shared) {
-                (Device::Cuda(o), _) => Ok(RegionHandle::Cuda {
-                    ordinal: o,
-                    uuid: DeviceUuid::of(o)?,
-                    handle: IpcMemHandle::export(r.buffer)?,
+            .map(|r| match r.kind {
+                RegionKind::Cuda => {
+                    let o = r.buffer.device().ordinal().expect("CUDA IPC memory is on a GPU");
+                    Ok(RegionHandle::Cuda {
+                        ordinal: o,
+                        uuid: DeviceUuid::of(o)?,
+                        handle: IpcMemHandle::export(r.buffer)?,
+                    })
+                }
+                RegionKind::SharedCuda(region) => Ok(RegionHandle::SharedCuda {
+                    ordinal: region.ordinal(),
+                    uuid: DeviceUuid::of(region.ordinal())?,
+                    handle: region.handle()?,
                 }),
-                (_, Some(region)) => Ok(RegionHandle::Host(region.handle()?)),
-                (_, None) => Err(Error::Unsupported(not_exportable(r.buffer))),
+                RegionKind::Host(region) => Ok(RegionHandle::Host(region.handle()?)),
             })
             .collect::<Result<Vec<_>>>()?;
         let batch = layouts.pop().expect("a batch's layout");
@@ -621,8 +693,8 @@ impl Located<'_> {
 
 fn not_exportable(b: &DeviceBuffer) -> String {
     format!(
-        "{b:?} ({:?}) cannot be opened by another process; allocate from MemoryResource::Device or \
-         MemoryResource::SharedHost, or write a message",
+        "{b:?} ({:?}) cannot be opened by another process; allocate from MemoryResource::SharedDevice, \
+         MemoryResource::Device or MemoryResource::SharedHost, or write a message",
         b.resource()
     )
 }
@@ -631,6 +703,7 @@ fn not_exportable(b: &DeviceBuffer) -> String {
 #[derive(Clone, Debug)]
 pub(crate) enum Mapping {
     Cuda(Arc<OpenedHandle>),
+    SharedCuda(Arc<SharedDeviceRegion>),
     Host(SharedMapping),
 }
 
@@ -639,6 +712,7 @@ impl Mapping {
     pub(crate) fn same_as(&self, other: &Mapping) -> bool {
         match (self, other) {
             (Mapping::Cuda(a), Mapping::Cuda(b)) => Arc::ptr_eq(a, b),
+            (Mapping::SharedCuda(a), Mapping::SharedCuda(b)) => Arc::ptr_eq(a, b),
             (Mapping::Host(a), Mapping::Host(b)) => a.same_as(b),
             _ => false,
         }
@@ -647,6 +721,8 @@ impl Mapping {
     fn buffer(&self, owner: impl Any + Send + Sync, fence: Option<Arc<dyn Fence>>) -> DeviceBuffer {
         match self {
             Mapping::Cuda(h) => h.buffer_owned_by(owner, fence),
+            // Kept by this process's mapping: readable after its creator is gone.
+            Mapping::SharedCuda(region) => region.buffer(owner),
             Mapping::Host(m) => m.buffer(owner, fence),
         }
     }

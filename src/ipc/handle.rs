@@ -65,6 +65,13 @@ impl IpcMemHandle {
                         .into(),
                 ));
             }
+            MemoryResource::SharedDevice(_) => {
+                return Err(Error::Unsupported(
+                    "shared device memory travels by file descriptor (SharedDeviceHandle::export), \
+                     not through CUDA IPC"
+                        .into(),
+                ));
+            }
             other => {
                 return Err(Error::Unsupported(format!(
                     "{other:?} memory cannot be exported through CUDA IPC; allocate from MemoryResource::Device"

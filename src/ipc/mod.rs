@@ -4,8 +4,9 @@
 //!   Arrow IPC message in one device allocation, laid out as Arrow C++'s
 //!   `arrow::cuda::SerializeRecordBatch` lays it out, and read back as views of it.
 //! - Handles ([`IpcMemHandle`], [`IpcEvent`]): CUDA IPC memory and event handles; opened mappings
-//!   are cached per process. Shared host memory ([`crate::memory::SharedMemHandle`]) stands in for
-//!   CUDA IPC on the CPU device.
+//!   are cached per process. Shared device memory ([`crate::memory::SharedDeviceHandle`]) is GPU
+//!   memory that travels as a file descriptor and that a receiver keeps; shared host memory
+//!   ([`crate::memory::SharedMemHandle`]) stands in for both on the CPU device.
 //! - Descriptors ([`BatchDescriptor`]): zero-copy descriptors of batches already in exportable
 //!   memory (Arrow's "Dissociated IPC"): metadata plus `(region, offset, length)` per buffer.
 //! - The channel ([`Sender`], [`Receiver`]): a sender and receivers in different processes over a
@@ -36,9 +37,11 @@
 //!
 //! A CUDA IPC memory handle is a capability: any process of the same user (and root) that learns
 //! its 64 bytes can map the whole allocation it names, read it and write it, for as long as the
-//! exporter keeps it; the driver does not ask how the handle was obtained. Shared host memory on
-//! the CPU device travels as a file descriptor, which is the same capability for reading (the
-//! memfd is sealed against writes by anyone but its creator). So whoever receives a batch's
+//! exporter keeps it; the driver does not ask how the handle was obtained. Shared device memory
+//! travels as a file descriptor, the same capability for whoever holds the descriptor (it can map
+//! the memory read-write). Shared host memory on the CPU device travels as a file descriptor,
+//! which is the same capability for reading (the memfd is sealed against writes by anyone but its
+//! creator). So whoever receives a batch's
 //! handles can read its memory, on a GPU write it too, and a process that poses as a sender can
 //! feed a receiver any data. Received batches are validated when copied to the host, and a batch
 //! whose memory was handed out is validated from then on in the sender too (its bytes may have
@@ -65,8 +68,15 @@
 //!
 //! - **CPU**: their memory is shared memory, which lives as long as any process maps it. They stay
 //!   valid until dropped, whatever happened to the sender.
-//! - **CUDA**: their memory is a CUDA IPC mapping of the sender's allocations, which its death
-//!   frees; CUDA leaves reads of it undefined. Such batches are *fenced*: every read of their
+//! - **CUDA, shared device memory**: the messages a [`Sender`] copies batches into (by default,
+//!   [`crate::memory::MemoryResource::shared_for`]) and batches lent from
+//!   [`crate::memory::MemoryResource::SharedDevice`]. The receiver maps the physical memory
+//!   itself (`cuMemImportFromShareableHandle`), and the driver keeps it while any process maps it:
+//!   they stay valid until dropped, whatever happened to the sender, as on the CPU.
+//! - **CUDA IPC memory**: batches lent from [`crate::memory::MemoryResource::Device`] (what Arrow
+//!   C++ exchanges), and messages on a GPU or driver without shared device memory. Their memory is
+//!   a CUDA IPC mapping of the sender's allocations, which its death frees; CUDA leaves reads of
+//!   it undefined. Such batches are *fenced*: every read of their
 //!   memory through this crate first checks that the sender's end of the connection is still open,
 //!   and once it has closed fails with [`Error::SenderGone`](crate::error::Error::SenderGone),
 //!   naming the sender (its socket path and process id). The check guards downloads
@@ -84,7 +94,8 @@
 //! ends the stream, is dropped, or drops this receiver for being slow while its process lives on:
 //! the sender keeps what it lent until it is acknowledged, and the batches stay readable.
 //!
-//! What the fence cannot do:
+//! What the fence cannot do (which is why the channel's messages are shared device memory where
+//! the GPU has it):
 //!
 //! - it guards the start of each read, not its course: a copy or kernel already issued when the
 //!   sender dies reads whatever the driver leaves there, and so may one issued in the moment

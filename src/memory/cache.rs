@@ -1,7 +1,8 @@
-//! A per-process cache of opened mappings: one mapping per key, shared through `Arc`, held weakly,
-//! so a mapping lives exactly as long as something uses it.
+//! Per-process tables of mappings, held weakly so that a mapping lives exactly as long as something
+//! uses it: a cache of opened mappings (one per key, shared through `Arc`), and a registry of
+//! regions by address (which region holds a buffer).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
@@ -61,6 +62,51 @@ impl<K: Eq + Hash + Clone, V> MappingCache<K, V> {
     /// The number of live mappings.
     pub(crate) fn live(&self) -> usize {
         self.lock().values().filter(|w| w.strong_count() > 0).count()
+    }
+}
+
+/// A mapped region of memory: where it starts and how many bytes it holds.
+pub(crate) trait Region {
+    fn address(&self) -> u64;
+    fn size(&self) -> usize;
+}
+
+/// Live regions by start address, so the region behind any buffer that views one is found.
+pub(crate) struct Registry<V> {
+    map: Mutex<BTreeMap<u64, Weak<V>>>,
+}
+
+impl<V: Region> Registry<V> {
+    pub(crate) const fn new() -> Self {
+        Registry {
+            map: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<u64, Weak<V>>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers a live region.
+    pub(crate) fn insert(&self, region: &Arc<V>) {
+        self.lock().insert(region.address(), Arc::downgrade(region));
+    }
+
+    /// Forgets the region at `address` once it is gone. Called from the region's `Drop`.
+    pub(crate) fn remove(&self, address: u64) {
+        let mut map = self.lock();
+        if map.get(&address).is_some_and(|w| w.strong_count() == 0) {
+            map.remove(&address);
+        }
+    }
+
+    /// The live region holding all of `address..address + len`, and the offset of `address` in it.
+    pub(crate) fn find(&self, address: u64, len: usize) -> Option<(Arc<V>, usize)> {
+        let map = self.lock();
+        let (&start, weak) = map.range(..=address).next_back()?;
+        let region = weak.upgrade()?;
+        let end = start + region.size() as u64;
+        (address + len as u64 <= end).then(|| (region, (address - start) as usize))
     }
 }
 

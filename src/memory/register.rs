@@ -197,9 +197,10 @@ impl DeviceBuffer {
     pub fn device_pointer(&self) -> Result<u64> {
         self.check_readable()?;
         match self.resource() {
-            MemoryResource::DevicePool(_) | MemoryResource::Device(_) | MemoryResource::Managed(_) => {
-                Ok(self.address())
-            }
+            MemoryResource::DevicePool(_)
+            | MemoryResource::Device(_)
+            | MemoryResource::SharedDevice(_)
+            | MemoryResource::Managed(_) => Ok(self.address()),
             MemoryResource::Foreign(Device::Cuda(_) | Device::CudaManaged(_)) => Ok(self.address()),
             MemoryResource::PinnedHost(o)
             | MemoryResource::WriteCombinedHost(o)

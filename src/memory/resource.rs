@@ -26,8 +26,15 @@ pub enum MemoryResource {
     /// `cuIpcGetMemHandle` rejects it, so it cannot cross processes. Falls back to
     /// [`MemoryResource::Device`] on GPUs without memory pools.
     DevicePool(usize),
-    /// Plain device memory (`cuMemAlloc`) that CUDA IPC can export.
+    /// Plain device memory (`cuMemAlloc`) that CUDA IPC can export: what Arrow C++'s CUDA IPC
+    /// reads. A process that opened it must not read it once its creator freed it or died.
     Device(usize),
+    /// Device memory that other processes map and keep (CUDA virtual memory management,
+    /// `cuMemCreate`, exported as a POSIX file descriptor): a process that mapped it reads it for
+    /// as long as it keeps the mapping, whatever becomes of its creator. Sizes are rounded up to the
+    /// device's granularity (2 MiB on current GPUs). [`Error::Unsupported`] where the driver or
+    /// GPU lacks it; [`MemoryResource::shared_for`] picks it where it is supported.
+    SharedDevice(usize),
     /// Page-locked host memory (`cuMemHostAlloc`, portable and mapped into the device's address
     /// space): the fast target of device-to-host copies, readable by the CPU at full speed.
     PinnedHost(usize),
@@ -54,11 +61,26 @@ impl MemoryResource {
         }
     }
 
+    /// The memory of `device` that other processes can map and keep: [`MemoryResource::SharedHost`]
+    /// for the CPU, [`MemoryResource::SharedDevice`] for a GPU that supports it,
+    /// [`MemoryResource::Device`] for one that does not (CUDA IPC), and the default resource for
+    /// the other devices (not exportable).
+    pub fn shared_for(device: Device) -> MemoryResource {
+        match device {
+            Device::Cpu => MemoryResource::SharedHost,
+            Device::Cuda(o) if crate::memory::shared_device::supported(o) => MemoryResource::SharedDevice(o),
+            Device::Cuda(o) => MemoryResource::Device(o),
+            other => MemoryResource::default_for(other),
+        }
+    }
+
     /// The device that this resource's memory belongs to.
     pub fn device(self) -> Device {
         match self {
             MemoryResource::Host | MemoryResource::SharedHost => Device::Cpu,
-            MemoryResource::DevicePool(o) | MemoryResource::Device(o) => Device::Cuda(o),
+            MemoryResource::DevicePool(o) | MemoryResource::Device(o) | MemoryResource::SharedDevice(o) => {
+                Device::Cuda(o)
+            }
             MemoryResource::PinnedHost(o) | MemoryResource::WriteCombinedHost(o) => Device::CudaHost(o),
             MemoryResource::Managed(o) => Device::CudaManaged(o),
             MemoryResource::Foreign(d) => d,
@@ -67,9 +89,12 @@ impl MemoryResource {
 
     /// Whether memory of this resource can be handed to another process without a copy:
     /// [`MemoryResource::Device`] through a CUDA IPC handle (`cuIpcGetMemHandle` rejects pool memory),
-    /// [`MemoryResource::SharedHost`] through its file descriptor.
+    /// [`MemoryResource::SharedDevice`] and [`MemoryResource::SharedHost`] through a file descriptor.
     pub fn ipc_exportable(self) -> bool {
-        matches!(self, MemoryResource::Device(_) | MemoryResource::SharedHost)
+        matches!(
+            self,
+            MemoryResource::Device(_) | MemoryResource::SharedDevice(_) | MemoryResource::SharedHost
+        )
     }
 
     /// Allocates `size` bytes. Pool memory is allocated in the order of `stream` (the device's shared
@@ -108,6 +133,11 @@ impl MemoryResource {
             (MemoryResource::SharedHost, _) => {
                 // The region (fd and mapping) is owned by the allocation and unmapped when it drops.
                 let region = crate::memory::shm::SharedRegion::create(size)?;
+                (region.address(), Release::Owner(Box::new(region)))
+            }
+            (MemoryResource::SharedDevice(o), Some(_)) => {
+                // The region (its mapping and handle) is owned by the allocation, freed when it drops.
+                let region = crate::memory::shared_device::SharedDeviceRegion::create(o, size)?;
                 (region.address(), Release::Owner(Box::new(region)))
             }
             (MemoryResource::DevicePool(o), Some(ctx)) if ctx.has_async_alloc() => {

@@ -15,14 +15,13 @@
 //! region (and its descriptor) behind any [`DeviceBuffer`] that views it, including buffers
 //! received from another process, which can therefore be forwarded without a copy.
 
-use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::sync::{Arc, LazyLock, Mutex, Weak};
+use std::sync::{Arc, LazyLock};
 
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::DeviceBuffer;
-use crate::memory::cache::MappingCache;
+use crate::memory::cache::{MappingCache, Region, Registry};
 use crate::memory::fence::Fence;
 
 /// One shared region mapped into this process.
@@ -47,7 +46,7 @@ impl std::fmt::Debug for SharedRegion {
 }
 
 /// Live regions by start address (created and opened ones).
-static REGISTRY: Mutex<BTreeMap<u64, Weak<SharedRegion>>> = Mutex::new(BTreeMap::new());
+static REGISTRY: Registry<SharedRegion> = Registry::new();
 
 /// Regions opened from a peer's descriptor, by file identity: the same memfd received twice is
 /// mapped once.
@@ -58,8 +57,17 @@ fn os_error(what: &str) -> Error {
 }
 
 fn register(region: &Arc<SharedRegion>) {
-    let mut map = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
-    map.insert(region.address, Arc::downgrade(region));
+    REGISTRY.insert(region);
+}
+
+impl Region for SharedRegion {
+    fn address(&self) -> u64 {
+        self.address
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
 }
 
 impl SharedRegion {
@@ -81,23 +89,13 @@ impl SharedRegion {
 
     /// The registered region holding `buffer`'s bytes, and the buffer's offset in it.
     pub(crate) fn find(buffer: &DeviceBuffer) -> Option<(Arc<SharedRegion>, usize)> {
-        let (address, len) = (buffer.address(), buffer.len() as u64);
-        let map = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
-        let (&start, weak) = map.range(..=address).next_back()?;
-        let region = weak.upgrade()?;
-        let end = start + region.size as u64;
-        (address + len <= end).then(|| (region, (address - start) as usize))
+        REGISTRY.find(buffer.address(), buffer.len())
     }
 }
 
 impl Drop for SharedRegion {
     fn drop(&mut self) {
-        {
-            let mut map = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
-            if map.get(&self.address).is_some_and(|w| w.strong_count() == 0) {
-                map.remove(&self.address);
-            }
-        }
+        REGISTRY.remove(self.address);
         let (address, size) = (self.address, self.size);
         let unmap = move || {
             // SAFETY: the mapping was made by `mmap` with this address and size and is unmapped once;

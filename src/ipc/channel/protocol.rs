@@ -21,8 +21,9 @@ use crate::ipc::handle::HANDLE_BYTES;
 use crate::ipc::wire::{self, Reader, Writer};
 
 const MAGIC: &[u8; 8] = b"ACUDAIPC";
-/// 4: devices by UUID in batch descriptors (issue #23, finding 8).
-const VERSION: u32 = 4;
+/// 4: devices by UUID in batch descriptors (issue #23, finding 8). 5: regions of shared device
+/// memory, by file descriptor (the default for messages on a GPU).
+const VERSION: u32 = 5;
 
 const HELLO: u8 = 1;
 const BATCH: u8 = 2;

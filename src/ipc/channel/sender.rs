@@ -21,7 +21,7 @@ use crate::ipc::channel::peers::{InFlight, SenderEvent, SenderStatus, Shared, St
 use crate::ipc::channel::protocol::Frame;
 use crate::ipc::descriptor::{BatchDescriptor, Route};
 use crate::ipc::event::{IpcEvent, IpcEventHandle};
-use crate::ipc::message::{default_message_resource, encode_schema, write_message_to};
+use crate::ipc::message::{encode_schema, write_message_to};
 use crate::memory::MemoryResource;
 use crate::trace::Laps;
 
@@ -44,8 +44,9 @@ pub struct SenderOptions {
     /// this process validate every array from then on (see [`BatchDescriptor::describe`]); a
     /// copied one stays as trusted as it was.
     pub zero_copy: bool,
-    /// Where messages are written; by default memory another process can open
-    /// ([`default_message_resource`]).
+    /// Where messages are written; by default memory another process can map and keep
+    /// ([`MemoryResource::shared_for`]: shared device memory on a GPU that has it, so receivers
+    /// keep reading what they hold after this process is gone).
     pub message_resource: Option<MemoryResource>,
     /// The largest frame accepted from a receiver.
     pub max_frame_bytes: usize,
@@ -256,7 +257,7 @@ impl Sender {
                 let resource = self
                     .options
                     .message_resource
-                    .unwrap_or_else(|| default_message_resource(device));
+                    .unwrap_or_else(|| MemoryResource::shared_for(device));
                 let message = write_message_to(batch, resource, &stream)?;
                 let ready = message.ready().clone();
                 (BatchDescriptor::of_message(&message)?, Box::new(message), ready)
