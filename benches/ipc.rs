@@ -10,11 +10,15 @@
 //!   side (as MPI and UCX latency benchmarks measure).
 //! - `ipc_latency/first_open_100_columns_polling`: the same with a new allocation every time, so
 //!   the consumer opens (and closes) a mapping each time.
+//! - `ipc_latency/shared_100_columns_polling`: `cached_100_columns_polling` with the batch in shared
+//!   device memory (`MemoryResource::SharedDevice`, which the consumer keeps if the producer dies)
+//!   instead of CUDA IPC memory; the consumer keeps its mapping by the region's id.
 //! - `ipc_latency/copied_100_columns_polling`: the batch in the device's default (pool) memory,
 //!   which no other process can open: the sender copies it into a message of shared device memory
-//!   each time (the channel's default, `MemoryResource::shared_for`), which the consumer maps and
-//!   unmaps; `copied_100_columns_polling_cuda_ipc` beside it writes the messages into CUDA IPC
-//!   memory instead (`SenderOptions::message_resource`).
+//!   each time (the channel's default, `MemoryResource::shared_for`; the producer reuses the
+//!   regions of acknowledged messages, and the consumer keeps its mappings by their ids);
+//!   `copied_100_columns_polling_cuda_ipc` beside it writes the messages into new CUDA IPC memory
+//!   each time instead (`SenderOptions::message_resource`), which the consumer opens and closes.
 //! - `stream_1GiB/device_ipc` beside `stream_1GiB/host_ipc`: a producer streams 1 GiB batches to a
 //!   consumer process that reads them on the device (a device-to-device copy of every buffer), through
 //!   CUDA IPC, and through the host: device to host, arrow-ipc over a Unix socket, host to device.
@@ -100,6 +104,13 @@ fn latency(c: &mut Criterion, device: Device, stream: &Stream) {
     for (name, role, fresh, resource, messages) in [
         ("cached_100_columns", "retain", false, exportable, None),
         ("cached_100_columns_polling", "retain-poll", false, exportable, None),
+        (
+            "shared_100_columns_polling",
+            "drop-poll",
+            false,
+            MemoryResource::shared_for(device),
+            None,
+        ),
         ("first_open_100_columns_polling", "drop-poll", true, exportable, None),
         ("copied_100_columns_polling", "drop-poll", false, pool, None),
         (

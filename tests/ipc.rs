@@ -2012,6 +2012,54 @@ fn connected(path: &std::path::Path) -> Receiver {
     .unwrap()
 }
 
+/// On a GPU with shared device memory, the messages a sender copies batches into reuse the regions
+/// of acknowledged ones, and the receiver maps each region once: every batch arrives at the same
+/// address, intact. A batch that a receiver still holds keeps its region from being reused.
+#[test]
+fn messages_in_shared_device_memory_reuse_their_regions() {
+    let _devices = using_devices();
+    let Some(device) = common::cuda() else { return };
+    if !matches!(MemoryResource::shared_for(device), MemoryResource::SharedDevice(_)) {
+        eprintln!("skipped on {device}: the GPU has no shared device memory");
+        return;
+    }
+    let stream = Stream::new(device).unwrap();
+    let path = socket_path("shared-reuse");
+    let sender = Sender::bind(&path, corpus().schema(), SenderOptions::default()).unwrap();
+    let mut r = connected(&path);
+    sender.wait_for_receivers(1, Duration::from_secs(30)).unwrap();
+    // In pool memory, which no other process can open: copied into a message each time.
+    let batches: Vec<_> = (0..4)
+        .map(|i| upload(&stream_batch(i), MemoryResource::default_for(device), &stream))
+        .collect();
+    // Where the region behind a received batch starts in this process.
+    let address = |b: &DeviceRecordBatch| {
+        let buffer = &b.column(1).buffers()[0];
+        buffer.address() - buffer.offset() as u64
+    };
+    let mut addresses = Vec::new();
+    for (i, batch) in batches.iter().enumerate() {
+        assert_ne!(sender.send(batch).unwrap(), 0);
+        let got = r.recv().unwrap().unwrap();
+        check_batch(&format!("message {i}"), &dtoh(&got, &stream).unwrap(), &stream_batch(i));
+        addresses.push(address(&got));
+        drop(got);
+        sender.wait_idle(Duration::from_secs(30)).unwrap();
+    }
+    assert!(
+        addresses.windows(2).all(|w| w[0] == w[1]),
+        "one region, mapped once: {addresses:?}"
+    );
+    // Held, the first is not reused for the second.
+    sender.send(&batches[0]).unwrap();
+    let held = r.recv().unwrap().unwrap();
+    sender.send(&batches[1]).unwrap();
+    let next = r.recv().unwrap().unwrap();
+    assert_ne!(address(&held), address(&next), "a held region is not reused");
+    check_batch("held", &dtoh(&held, &stream).unwrap(), &stream_batch(0));
+    check_batch("next", &dtoh(&next, &stream).unwrap(), &stream_batch(1));
+}
+
 /// A receiver's acknowledgements give its credit back: with one byte of credit, each batch waits
 /// for the last to be released (its last view dropped), and the memory is the sender's again.
 #[test]
@@ -2350,11 +2398,11 @@ fn hello(magic: &[u8; 8], version: u32, schema: &Schema) -> Vec<u8> {
     raw_frame(&p)
 }
 
+/// The channel protocol's version (`src/ipc/channel/protocol.rs`).
+const PROTOCOL: u32 = 5;
+
 /// A fake sender: accepts one receiver, writes `greeting`, then runs `script` on the socket in a
 /// thread of its own while the receiver is returned.
-/// The channel protocol's version (`src/ipc/channel/protocol.rs`).
-const PROTOCOL: u32 = 4;
-
 fn with_fake_sender(
     name: &str,
     greeting: Vec<u8>,

@@ -82,4 +82,5 @@ pub(crate) use pointer::{is_pinned_host, mem_get_address_range};
 pub(crate) use probe::available;
 pub(crate) use vmm::{
     ShareableMemory, shareable_alloc, shareable_available, shareable_export, shareable_free, shareable_import,
+    shareable_size,
 };

@@ -201,18 +201,26 @@ unsafe fn map_handle(handle: CUmemGenericAllocationHandle, size: usize, ordinal:
     Ok(ptr)
 }
 
-/// Allocates at least `size` bytes of shareable memory on device `ordinal`, mapped here.
+/// `size` rounded up to the granularity of shareable allocations on device `ordinal`: the size
+/// [`shareable_alloc`] maps for it.
 ///
 /// # Safety
-/// [`shareable_available`] returned true for `ordinal`, whose context is bound. The memory is
-/// given back once, with [`shareable_free`].
-pub(crate) unsafe fn shareable_alloc(size: usize, ordinal: usize) -> crate::error::Result<ShareableMemory> {
+/// [`shareable_available`] returned true for `ordinal`.
+pub(crate) unsafe fn shareable_size(size: usize, ordinal: usize) -> crate::error::Result<usize> {
     // SAFETY: the caller's contract.
     let grain = unsafe { granularity(ordinal) }?.max(1);
-    let size = size.div_ceil(grain).checked_mul(grain).ok_or_else(|| {
+    size.max(1).div_ceil(grain).checked_mul(grain).ok_or_else(|| {
         crate::error::Error::InvalidArgument(format!("{size} bytes of shareable memory overflow the address space"))
-    })?;
-    // SAFETY: `size` is a multiple of the granularity.
+    })
+}
+
+/// Allocates `size` bytes of shareable memory on device `ordinal`, mapped here.
+///
+/// # Safety
+/// [`shareable_available`] returned true for `ordinal`, whose context is bound; `size` is a
+/// [`shareable_size`]. The memory is given back once, with [`shareable_free`].
+pub(crate) unsafe fn shareable_alloc(size: usize, ordinal: usize) -> crate::error::Result<ShareableMemory> {
+    // SAFETY: `size` is a multiple of the granularity (caller).
     let handle = unsafe { create(size, ordinal) }?;
     // SAFETY: a context of `ordinal` is bound (caller); the handle holds `size` bytes.
     match unsafe { map_handle(handle, size, ordinal) } {

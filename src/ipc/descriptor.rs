@@ -35,7 +35,7 @@ use crate::ipc::message::DeviceMessage;
 use crate::ipc::wire::{Reader, Writer};
 use crate::ipc::{decode, handle};
 use crate::memory::fence::Fence;
-use crate::memory::shared_device::SharedDeviceRegion;
+use crate::memory::shared_device::{OpenedRegions, SharedDeviceRegion};
 use crate::memory::shm::{SharedMapping, SharedMemHandle, SharedRegion};
 use crate::memory::{DeviceBuffer, MemoryResource, SharedDeviceHandle};
 use crate::trace::Laps;
@@ -122,8 +122,9 @@ pub struct BatchDescriptor {
 impl BatchDescriptor {
     /// Describes `batch` without copying it: every buffer must lie in memory another process can
     /// open ([`MemoryResource::SharedDevice`] or [`MemoryResource::Device`] on a GPU,
-    /// [`MemoryResource::SharedHost`] on the CPU, or a region received in either), and no array may have an offset or an unknown null count
-    /// ([`Error::Unsupported`] otherwise; write a message instead). The caller must keep the batch
+    /// [`MemoryResource::SharedHost`] on the CPU, or a region received in either), and no array
+    /// may have an offset or an unknown null count ([`Error::Unsupported`] otherwise; write a
+    /// message instead). The caller must keep the batch
     /// alive and unchanged until the receivers are done with it.
     ///
     /// Whoever opens the regions can write them on a GPU (CUDA IPC maps memory read-write; shared
@@ -204,20 +205,22 @@ impl BatchDescriptor {
     /// batch is done with. The batch's ready event is `ready`: the caller orders it after the
     /// producer's writes. Malformed descriptors are [`Error::InvalidData`].
     pub fn import(self, schema: &SchemaRef, ready: Event, owner: impl Any + Send + Sync) -> Result<DeviceRecordBatch> {
-        self.import_retaining(schema, ready, owner, None)
+        self.import_retaining(schema, ready, owner, None, None)
             .map(|(batch, _)| batch)
     }
 
     /// [`BatchDescriptor::import`], with the reads of every region that its sender must keep
     /// (CUDA IPC and shared host memory) checking `fence` first when given (the channel's: that the
     /// sender still keeps the memory), also returning the mappings it opened. Shared device memory
-    /// is kept by its mapping here and needs no fence.
+    /// is kept by its mapping here and needs no fence; with `opened` (the regions mapped from the
+    /// same sender before), a region mapped before is not mapped again.
     pub(crate) fn import_retaining(
         self,
         schema: &SchemaRef,
         ready: Event,
         owner: impl Any + Send + Sync,
         fence: Option<Arc<dyn Fence>>,
+        mut opened: Option<&mut OpenedRegions>,
     ) -> Result<(DeviceRecordBatch, Vec<Mapping>)> {
         let device = self.device;
         let mut laps = Laps::start();
@@ -229,7 +232,10 @@ impl BatchDescriptor {
                     Ok(Mapping::Cuda(handle::open(&handle, ordinal)?))
                 }
                 (RegionHandle::SharedCuda { ordinal, handle, .. }, Device::Cuda(o)) if ordinal == o => {
-                    Ok(Mapping::SharedCuda(handle.open(ordinal)?))
+                    Ok(Mapping::SharedCuda(match opened.as_deref_mut() {
+                        Some(opened) => opened.open(handle, ordinal)?,
+                        None => handle.open(ordinal)?,
+                    }))
                 }
                 (RegionHandle::Host(h), Device::Cpu) => Ok(Mapping::Host(h.open()?)),
                 (r, d) => Err(Error::InvalidData(format!("a region {r:?} for a batch on {d}"))),
@@ -302,8 +308,9 @@ impl BatchDescriptor {
     /// its C Device Data Interface type (`u32`) and the exporter's id (`i64`, for messages only),
     /// then the device's UUID (16 bytes, zero for the CPU); the regions (`u32` count; each a kind
     /// byte, then for CUDA memory (3) the device's UUID and the serialized IPC handle, for shared
-    /// host memory (2) its size, for shared device memory (4) the device's UUID and the region's
-    /// size, these two with their descriptor attached); the dictionaries' and the batch's
+    /// host memory (2) its size, for shared device memory (4) the device's UUID, the region's id
+    /// (its creator's) and its size, these two with their descriptor attached); the dictionaries'
+    /// and the batch's
     /// metadata (`u32` length, bytes); the locations (`u32` count, 20 bytes each).
     pub(crate) fn encode<'a>(&'a self, w: &mut Writer, fds: &mut Vec<BorrowedFd<'a>>) {
         w.raw(&FORMAT);
@@ -321,6 +328,7 @@ impl BatchDescriptor {
                 RegionHandle::SharedCuda { uuid, handle, .. } => {
                     w.u8(REGION_SHARED_CUDA);
                     w.raw(&uuid.0);
+                    w.u64(handle.id());
                     w.u64(handle.size() as u64);
                     fds.push(handle.fd());
                 }
@@ -402,11 +410,12 @@ impl BatchDescriptor {
                 }
                 REGION_SHARED_CUDA => {
                     let uuid = DeviceUuid(r.array::<UUID_LEN>()?);
+                    let id = r.u64()?;
                     let size = size(r)?;
                     RegionHandle::SharedCuda {
                         ordinal: local_ordinal(uuid, theirs)?,
                         uuid,
-                        handle: SharedDeviceHandle::from_fd(fd("shared device")?, size),
+                        handle: SharedDeviceHandle::from_fd(fd("shared device")?, id, size),
                     }
                 }
                 REGION_HOST => {
@@ -648,6 +657,15 @@ pub(crate) struct Located<'a> {
 }
 
 impl Located<'_> {
+    /// The regions of shared device memory among the batch's.
+    pub(crate) fn shared_regions(&self) -> Vec<Arc<SharedDeviceRegion>> {
+        let shared = self.regions.iter().filter_map(|r| match &r.kind {
+            RegionKind::SharedCuda(region) => Some(region.clone()),
+            _ => None,
+        });
+        shared.collect()
+    }
+
     /// Exports the regions and builds the descriptor.
     pub(crate) fn export(self) -> Result<BatchDescriptor> {
         let Located {

@@ -1,20 +1,33 @@
 //! Shared device memory: GPU memory that other processes map and keep.
 //!
 //! [`MemoryResource::SharedDevice`](crate::memory::MemoryResource::SharedDevice) allocations are
-//! made with CUDA's virtual memory management (`cuMemCreate`) and exported as POSIX file
+//! regions made with CUDA's virtual memory management (`cuMemCreate`) and exported as POSIX file
 //! descriptors ([`SharedDeviceHandle`]), which cross a Unix socket with `SCM_RIGHTS` as the CPU
 //! device's memfds do. The driver counts the processes that map the physical memory: a peer that
 //! mapped a region keeps reading it after its creator freed it or died, which memory exported
 //! through a CUDA IPC handle (`cuIpcOpenMemHandle`) does not promise. Sizes are rounded up to the
 //! device's granularity (2 MiB on current GPUs).
 //!
-//! Every live region, created or opened, is registered by address, so the IPC layer finds the
-//! region behind any [`DeviceBuffer`] that views it, including buffers received from another
-//! process, which can therefore be passed on without a copy. A received descriptor is mapped anew
-//! each time (the descriptor says nothing that identifies its memory safely across peers).
+//! Making and mapping a region costs hundreds of microseconds, so both ends keep them:
+//!
+//! - while something keeps the pool open ([`KeepIdle`]: the IPC channel's senders do), a region
+//!   this process made goes back to an idle pool when its last buffer drops (after the device
+//!   finished with it) and serves the next allocation of its device and size, unless a handle of
+//!   it went to another process that may still read it: only the IPC channel, which knows when
+//!   every receiver let go of a batch, returns handles. The pool holds at most [`IDLE_BYTES`],
+//!   and is freed when the last [`KeepIdle`] drops;
+//! - every region has an id, unique in the process that made it, which travels with its
+//!   descriptor: a receiver keeps the regions it mapped ([`OpenedRegions`], one per sender) and
+//!   maps a region again only when an id is new to it.
+//!
+//! Every live region, made or mapped, is registered by address, so the IPC layer finds the region
+//! behind any [`DeviceBuffer`] that views it, including buffers received from another process,
+//! which can therefore be passed on without a copy (with the descriptor they came with).
 
+use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaContext;
 
@@ -24,23 +37,58 @@ use crate::error::{Error, Result};
 use crate::memory::DeviceBuffer;
 use crate::memory::cache::{Region, Registry};
 
+/// The most bytes of idle regions this process keeps for reuse.
+pub(crate) const IDLE_BYTES: usize = 256 << 20;
+
+/// The most bytes of a sender's regions a receiver keeps mapped beyond those its batches use.
+pub(crate) const OPENED_BYTES: usize = 256 << 20;
+
 /// One region of shared device memory mapped into this process.
 #[derive(Debug)]
 pub(crate) struct SharedDeviceRegion {
-    memory: ShareableMemory,
+    memory: Option<ShareableMemory>,
     ctx: Arc<CudaContext>,
+    /// The id its descriptors carry: this process's for a region it made, the creator's for one
+    /// it mapped.
+    id: u64,
+    /// Its descriptor, once exported (each export costs tens of microseconds; handles are
+    /// duplicates), or the one it was mapped from (a mapped region cannot be exported again).
+    fd: Mutex<Option<OwnedFd>>,
+    /// Mapped from another process's descriptor (never reused here).
+    from_peer: bool,
+    /// Handles made for other processes and not yet [returned](SharedDeviceRegion::returned): a
+    /// region with any is never reused, since a peer may still read it.
+    outstanding: AtomicUsize,
 }
 
-/// Live regions by start address (created and opened ones).
+/// Live regions by start address (made and mapped ones).
 static REGISTRY: Registry<SharedDeviceRegion> = Registry::new();
+
+/// A region this process made that nothing uses, kept for reuse.
+#[derive(Debug)]
+struct Idle {
+    ordinal: usize,
+    id: u64,
+    memory: ShareableMemory,
+    fd: Option<OwnedFd>,
+}
+
+/// Idle regions, oldest first.
+static IDLE: Mutex<VecDeque<Idle>> = Mutex::new(VecDeque::new());
+
+/// The id of the next region this process makes.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The live [`KeepIdle`]s.
+static KEEPERS: Mutex<usize> = Mutex::new(0);
 
 impl Region for SharedDeviceRegion {
     fn address(&self) -> u64 {
-        self.memory.ptr
+        self.memory().ptr
     }
 
     fn size(&self) -> usize {
-        self.memory.size
+        self.memory().size
     }
 }
 
@@ -58,17 +106,76 @@ pub(crate) fn supported(ordinal: usize) -> bool {
     })
 }
 
+/// While one lives, regions this process made are kept for reuse when dropped (see the module's
+/// documentation); when the last one drops, the idle regions are freed (receivers that still map
+/// one keep its memory until they unmap it).
+#[derive(Debug)]
+pub(crate) struct KeepIdle(());
+
+impl KeepIdle {
+    pub(crate) fn new() -> KeepIdle {
+        *KEEPERS.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        KeepIdle(())
+    }
+}
+
+impl Drop for KeepIdle {
+    fn drop(&mut self) {
+        let mut keepers = KEEPERS.lock().unwrap_or_else(|p| p.into_inner());
+        *keepers -= 1;
+        if *keepers == 0 {
+            let idle: Vec<_> = IDLE.lock().unwrap_or_else(|p| p.into_inner()).drain(..).collect();
+            for region in idle {
+                free(region.ordinal, &region.memory);
+            }
+        }
+    }
+}
+
+/// Unmaps `memory` and releases this process's handle of it.
+fn free(ordinal: usize, memory: &ShareableMemory) {
+    // Errors cannot be reported from a drop; the driver keeps them for the context's next call.
+    if let Ok(ctx) = device::context(ordinal)
+        && ctx.bind_to_thread().is_ok()
+    {
+        // SAFETY: mapped in this context, given back once (the caller took it from its owner);
+        // nothing uses it any more.
+        let _ = unsafe { driver::shareable_free(memory) };
+    }
+}
+
 impl SharedDeviceRegion {
-    /// Allocates a region of at least `size` bytes on device `ordinal`.
+    /// A region of at least `size` bytes on device `ordinal`: an idle one of that size, or a new one.
     pub(crate) fn create(ordinal: usize, size: usize) -> Result<Arc<SharedDeviceRegion>> {
-        Self::mapped(ordinal, || {
-            // SAFETY: checked `supported`; the context is bound (`mapped`).
-            unsafe { driver::shareable_alloc(size, ordinal) }.map_err(Error::alloc(Device::Cuda(ordinal), size))
-        })
+        let ctx = Self::bound(ordinal)?;
+        // SAFETY: `bound` checked that the device supports it.
+        let size = unsafe { driver::shareable_size(size, ordinal) }?;
+        let reused = {
+            let mut idle = IDLE.lock().unwrap_or_else(|p| p.into_inner());
+            let found = idle.iter().position(|r| r.ordinal == ordinal && r.memory.size == size);
+            found.and_then(|i| idle.remove(i))
+        };
+        let (id, memory, fd) = match reused {
+            Some(r) => (r.id, r.memory, r.fd),
+            None => {
+                // SAFETY: supported, the context is bound, and the size is a shareable size.
+                let memory = unsafe { driver::shareable_alloc(size, ordinal) }
+                    .map_err(Error::alloc(Device::Cuda(ordinal), size))?;
+                (NEXT_ID.fetch_add(1, Ordering::Relaxed), memory, None)
+            }
+        };
+        Ok(Self::register(SharedDeviceRegion {
+            memory: Some(memory),
+            ctx,
+            id,
+            fd: Mutex::new(fd),
+            from_peer: false,
+            outstanding: AtomicUsize::new(0),
+        }))
     }
 
-    /// Binds device `ordinal`'s context, makes the memory with `make` and registers the region.
-    fn mapped(ordinal: usize, make: impl FnOnce() -> Result<ShareableMemory>) -> Result<Arc<SharedDeviceRegion>> {
+    /// Device `ordinal`'s context, bound to this thread, where it supports shared device memory.
+    fn bound(ordinal: usize) -> Result<Arc<CudaContext>> {
         if !supported(ordinal) {
             return Err(Error::Unsupported(format!(
                 "shared device memory on cuda:{ordinal}: the driver or GPU lacks virtual memory \
@@ -77,20 +184,27 @@ impl SharedDeviceRegion {
         }
         let ctx = device::context(ordinal)?;
         ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
-        let memory = make()?;
-        let region = Arc::new(SharedDeviceRegion { memory, ctx });
+        Ok(ctx)
+    }
+
+    fn register(region: SharedDeviceRegion) -> Arc<SharedDeviceRegion> {
+        let region = Arc::new(region);
         REGISTRY.insert(&region);
-        Ok(region)
+        region
+    }
+
+    fn memory(&self) -> &ShareableMemory {
+        self.memory.as_ref().expect("a live region has its memory")
     }
 
     /// The address of the first byte in this process.
     pub(crate) fn address(&self) -> u64 {
-        self.memory.ptr
+        self.memory().ptr
     }
 
     /// The region's size in bytes (a multiple of the device's granularity).
     pub(crate) fn size(&self) -> usize {
-        self.memory.size
+        self.memory().size
     }
 
     /// The device's ordinal in this process.
@@ -98,11 +212,33 @@ impl SharedDeviceRegion {
         self.ctx.ordinal()
     }
 
-    /// A handle for another process: a new descriptor of the memory, and the region's size.
+    /// A handle for another process: a new descriptor of the memory (a duplicate of the one it came
+    /// with, for a region mapped from a peer), its id and its size.
     pub(crate) fn handle(&self) -> Result<SharedDeviceHandle> {
-        // SAFETY: the region is live (borrowed) until it drops.
-        let fd = unsafe { driver::shareable_export(&self.memory) }?;
-        Ok(SharedDeviceHandle { fd, size: self.size() })
+        let fd = {
+            let mut own = self.fd.lock().unwrap_or_else(|p| p.into_inner());
+            if own.is_none() {
+                // SAFETY: the region is live (borrowed) until it drops.
+                *own = Some(unsafe { driver::shareable_export(self.memory()) }?);
+            }
+            let own = own.as_ref().expect("exported above");
+            own.try_clone().map_err(|e| Error::io("duplicating a descriptor", e))?
+        };
+        self.outstanding.fetch_add(1, Ordering::AcqRel);
+        Ok(SharedDeviceHandle {
+            fd,
+            id: self.id,
+            size: self.size(),
+        })
+    }
+
+    /// Every process that got one of the region's handles let go of what it mapped through it
+    /// (the IPC channel says so when every receiver acknowledged a batch): one handle fewer stands
+    /// in the way of reusing the region.
+    pub(crate) fn returned(&self) {
+        let _ = self
+            .outstanding
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
     }
 
     /// The registered region holding `buffer`'s bytes, and the buffer's offset in it.
@@ -110,8 +246,8 @@ impl SharedDeviceRegion {
         REGISTRY.find(buffer.address(), buffer.len())
     }
 
-    /// The whole region as a buffer of device `ordinal` that keeps `owner` alive until its last
-    /// view drops. The owner must keep this region alive (hold it).
+    /// The whole region as a buffer of its device that keeps `owner` alive until its last view
+    /// drops. The owner must keep this region alive (hold it).
     pub(crate) fn buffer(&self, owner: impl std::any::Any + Send + Sync) -> DeviceBuffer {
         // SAFETY: the region is mapped for `size` bytes while the owner (which holds it) lives.
         unsafe { DeviceBuffer::from_raw_parts(self.address(), self.size(), Device::Cuda(self.ordinal()), owner) }
@@ -120,21 +256,38 @@ impl SharedDeviceRegion {
 
 impl Drop for SharedDeviceRegion {
     fn drop(&mut self) {
-        REGISTRY.remove(self.memory.ptr);
-        // Errors cannot be reported from here; the driver keeps them for the context's next call.
-        if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: the region's memory, mapped in this context and given back once; every view
-            // of it is gone (they own this region).
-            let _ = unsafe { driver::shareable_free(&self.memory) };
+        let Some(memory) = self.memory.take() else { return };
+        REGISTRY.remove(memory.ptr);
+        let ordinal = self.ctx.ordinal();
+        let keepers = KEEPERS.lock().unwrap_or_else(|p| p.into_inner());
+        if *keepers > 0 && !self.from_peer && *self.outstanding.get_mut() == 0 {
+            // Reused only once the device is done with it: work of any stream may still read or
+            // write it (freeing it would wait for that too).
+            let done = self.ctx.bind_to_thread().is_ok() && self.ctx.synchronize().is_ok();
+            let mut idle = IDLE.lock().unwrap_or_else(|p| p.into_inner());
+            let held: usize = idle.iter().map(|r| r.memory.size).sum();
+            if done && held + memory.size <= IDLE_BYTES {
+                let fd = self.fd.get_mut().unwrap_or_else(|p| p.into_inner()).take();
+                idle.push_back(Idle {
+                    ordinal,
+                    id: self.id,
+                    memory,
+                    fd,
+                });
+                return;
+            }
         }
+        drop(keepers);
+        free(ordinal, &memory);
     }
 }
 
 /// What another process needs to map a region of shared device memory: a descriptor of its
-/// memory and its size.
+/// memory, the id its creator gave it and its size.
 #[derive(Debug)]
 pub struct SharedDeviceHandle {
     fd: OwnedFd,
+    id: u64,
     size: usize,
 }
 
@@ -156,14 +309,19 @@ impl SharedDeviceHandle {
         Ok((handle, offset))
     }
 
-    /// A handle from a received descriptor and the size the peer announced.
-    pub fn from_fd(fd: OwnedFd, size: usize) -> SharedDeviceHandle {
-        SharedDeviceHandle { fd, size }
+    /// A handle from a received descriptor and the id and size the peer announced.
+    pub fn from_fd(fd: OwnedFd, id: u64, size: usize) -> SharedDeviceHandle {
+        SharedDeviceHandle { fd, id, size }
     }
 
     /// The descriptor.
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
+    }
+
+    /// The id the region's creator gave it (unique in that process).
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// The size of the region in bytes.
@@ -179,9 +337,46 @@ impl SharedDeviceHandle {
         if self.size == 0 {
             return Err(Error::InvalidData("a shared device region of zero bytes".into()));
         }
-        SharedDeviceRegion::mapped(ordinal, || {
-            // SAFETY: checked `supported`; the context is bound (`mapped`).
-            unsafe { driver::shareable_import(self.fd.as_fd(), self.size, ordinal) }
-        })
+        let ctx = SharedDeviceRegion::bound(ordinal)?;
+        // SAFETY: supported, and the context is bound (`bound`).
+        let memory = unsafe { driver::shareable_import(self.fd.as_fd(), self.size, ordinal) }?;
+        Ok(SharedDeviceRegion::register(SharedDeviceRegion {
+            memory: Some(memory),
+            ctx,
+            id: self.id,
+            fd: Mutex::new(Some(self.fd)),
+            from_peer: true,
+            outstanding: AtomicUsize::new(0),
+        }))
+    }
+}
+
+/// The regions a receiver mapped from one sender, by the sender's ids, so that a region the sender
+/// uses again is not mapped again. The most recently used are kept while they hold at most
+/// [`OPENED_BYTES`]; the batches built over a region keep it mapped whatever this cache drops.
+#[derive(Debug, Default)]
+pub(crate) struct OpenedRegions {
+    regions: VecDeque<Arc<SharedDeviceRegion>>,
+}
+
+impl OpenedRegions {
+    /// The region `handle` names, mapped on device `ordinal`: the one mapped before under its id
+    /// (of its size and device), or a new mapping.
+    pub(crate) fn open(&mut self, handle: SharedDeviceHandle, ordinal: usize) -> Result<Arc<SharedDeviceRegion>> {
+        let known = self
+            .regions
+            .iter()
+            .position(|r| r.id == handle.id && r.size() == handle.size && r.ordinal() == ordinal);
+        let region = match known.and_then(|i| self.regions.remove(i)) {
+            Some(region) => region,
+            None => handle.open(ordinal)?,
+        };
+        self.regions.push_front(region.clone());
+        let mut held = 0;
+        self.regions.retain(|r| {
+            held += r.size();
+            held <= OPENED_BYTES || Arc::ptr_eq(r, &region)
+        });
+        Ok(region)
     }
 }

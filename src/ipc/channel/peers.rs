@@ -24,6 +24,7 @@ use crate::ipc::channel::protocol::{Frame, Link};
 use crate::ipc::channel::ring::RingWriter;
 use crate::ipc::event::{IpcEvent, IpcEventHandle};
 use crate::ipc::wire::FrameReader;
+use crate::memory::shared_device::SharedDeviceRegion;
 
 /// Something that happened to a sender's receivers.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -108,6 +109,12 @@ pub(super) struct InFlight {
     /// Keeps the memory alive (and unreused) until every receiver is done.
     pub(super) _lease: Box<dyn Any + Send>,
     pub(super) event: Option<(IpcEvent, IpcEventHandle)>,
+    /// The regions of shared device memory whose handles went out with it: returned (reusable)
+    /// once every receiver acknowledged it.
+    pub(super) shared: Vec<Arc<SharedDeviceRegion>>,
+    /// A receiver's connection ended while it held the batch: it may still map the memory, which
+    /// is therefore never reused.
+    pub(super) reclaimed: bool,
 }
 
 /// What a sender knows of its receivers and the batches they hold, under one lock.
@@ -188,6 +195,9 @@ impl State {
     fn complete(&mut self, id: u64) {
         if let Some(mut done) = self.in_flight.remove(&id) {
             self.in_flight_bytes -= done.bytes;
+            if !done.reclaimed {
+                done.shared.iter().for_each(|r| r.returned());
+            }
             if let Some(e) = done.event.take() {
                 self.recycle(e);
             }
@@ -375,6 +385,9 @@ impl Shared {
                 .map(|(id, _)| *id)
                 .collect();
             for id in &held {
+                if let Some(f) = st.in_flight.get_mut(id) {
+                    f.reclaimed = true;
+                }
                 // `peer` is gone from `peers`: only the batches are released.
                 st.release(peer, *id);
             }

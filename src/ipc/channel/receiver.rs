@@ -23,6 +23,7 @@ use crate::ipc::handle::HANDLE_BYTES;
 use crate::ipc::message::decode_schema;
 use crate::ipc::wire::{self, FrameReader, RecvError};
 use crate::memory::fence::Fence;
+use crate::memory::shared_device::OpenedRegions;
 use crate::trace::Laps;
 
 /// How a [`Receiver`] behaves.
@@ -44,7 +45,9 @@ pub struct ReceiverOptions {
     /// keep their memory for as long as this receiver lives: a retained mapping stays open after
     /// its batches were acknowledged, and CUDA leaves it undefined what happens when the exporter
     /// frees memory that another process still has open. Without it a mapping lives exactly as
-    /// long as a batch uses it, and is closed before that batch is acknowledged.
+    /// long as a batch uses it, and is closed before that batch is acknowledged. (Regions of shared
+    /// device memory, which outlive their sender, are kept either way: the most recently used,
+    /// up to 256 MiB beyond those that batches use, stay mapped until the receiver drops.)
     pub retain_mappings: bool,
     /// How long sending an acknowledgement may block.
     pub ack_timeout: Duration,
@@ -147,6 +150,8 @@ pub struct Receiver {
     streams: HashMap<usize, Stream>,
     events: HashMap<[u8; HANDLE_BYTES], IpcEvent>,
     retained: Vec<Mapping>,
+    /// The regions of shared device memory mapped from the sender, by its ids.
+    opened: OpenedRegions,
 }
 
 impl std::fmt::Debug for Receiver {
@@ -243,6 +248,7 @@ impl Receiver {
             streams: HashMap::new(),
             events: HashMap::new(),
             retained: Vec::new(),
+            opened: OpenedRegions::default(),
         })
     }
 
@@ -398,10 +404,12 @@ impl Receiver {
         };
         laps.lap("recv.event");
         // Its steps: recv.open, recv.parse, recv.build.
-        let (batch, mappings) = descriptor.import_retaining(&self.schema, ready, owner, fence)?;
+        let opened = Some(&mut self.opened);
+        let (batch, mappings) = descriptor.import_retaining(&self.schema, ready, owner, fence, opened)?;
         let mut laps = Laps::start();
         if self.options.retain_mappings {
-            for m in mappings {
+            // Shared device regions are kept by `opened` already.
+            for m in mappings.into_iter().filter(|m| !matches!(m, Mapping::SharedCuda(_))) {
                 if !self.retained.iter().any(|r| r.same_as(&m)) {
                     self.retained.push(m);
                 }

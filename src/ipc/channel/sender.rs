@@ -23,6 +23,7 @@ use crate::ipc::descriptor::{BatchDescriptor, Route};
 use crate::ipc::event::{IpcEvent, IpcEventHandle};
 use crate::ipc::message::{encode_schema, write_message_to};
 use crate::memory::MemoryResource;
+use crate::memory::shared_device::{KeepIdle, SharedDeviceRegion};
 use crate::trace::Laps;
 
 /// How a [`Sender`] behaves.
@@ -95,6 +96,8 @@ pub struct Sender {
     next_id: AtomicU64,
     streams: Mutex<HashMap<usize, Stream>>,
     accept: Option<JoinHandle<()>>,
+    /// Keeps the shared device regions of acknowledged messages for the next ones.
+    _keep_idle: KeepIdle,
 }
 
 /// Released interprocess events kept resting before one is recorded again.
@@ -148,6 +151,7 @@ impl Sender {
             next_id: AtomicU64::new(1),
             streams: Mutex::new(HashMap::new()),
             accept: Some(accept),
+            _keep_idle: KeepIdle::new(),
         })
     }
 
@@ -240,9 +244,12 @@ impl Sender {
             return Err(Error::InvalidArgument("the stream has ended".into()));
         }
         let device = batch.device();
-        let described = match self.route(batch)? {
-            Route::Lend(located) => Some(located.export()?),
-            Route::Copy(_) => None,
+        let (described, mut shared) = match self.route(batch)? {
+            Route::Lend(located) => {
+                let shared = located.shared_regions();
+                (Some(located.export()?), shared)
+            }
+            Route::Copy(_) => (None, Vec::new()),
         };
         laps.lap("send.describe");
         let estimate = described
@@ -259,6 +266,7 @@ impl Sender {
                     .message_resource
                     .unwrap_or_else(|| MemoryResource::shared_for(device));
                 let message = write_message_to(batch, resource, &stream)?;
+                shared.extend(SharedDeviceRegion::find(message.buffer()).map(|(region, _)| region));
                 let ready = message.ready().clone();
                 (BatchDescriptor::of_message(&message)?, Box::new(message), ready)
             }
@@ -266,7 +274,7 @@ impl Sender {
         laps.lap("send.message");
         let event = self.order_after(descriptor.device, &ready, &stream)?;
         laps.lap("send.event");
-        let id = self.lend(descriptor, lease, event);
+        let id = self.lend(descriptor, lease, event, shared);
         laps.lap("send.lend");
         id
     }
@@ -312,6 +320,7 @@ impl Sender {
         descriptor: BatchDescriptor,
         lease: Box<dyn Any + Send>,
         event: Option<(IpcEvent, IpcEventHandle)>,
+        shared: Vec<Arc<SharedDeviceRegion>>,
     ) -> Result<u64> {
         let bytes = descriptor.body_bytes();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -344,6 +353,8 @@ impl Sender {
                     bytes,
                     _lease: lease,
                     event,
+                    shared,
+                    reclaimed: false,
                 },
             );
             st.in_flight_bytes += bytes;
