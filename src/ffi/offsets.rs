@@ -268,7 +268,7 @@ mod tests {
         };
         let stream = Stream::new(device).unwrap();
         let kernel = gather_kernel(device).unwrap().expect("NVRTC compiles the gather");
-        let mut reads = vec![];
+        let (mut reads, mut arrays_on_device) = (vec![], vec![]);
         for rows in [0, 1, 200] {
             for array in arrays(rows) {
                 let on_device = htod_array(array.as_ref(), device, &stream).unwrap();
@@ -278,11 +278,13 @@ mod tests {
                 for (offset, len) in cuts.chain([(rows / 3, rows / 2)]) {
                     last_offsets(&on_device.slice(offset, len).unwrap(), &mut reads);
                 }
+                // The reads point into it: it lives to the end.
+                arrays_on_device.push(on_device);
             }
         }
         assert!(reads.len() > BLOCK as usize, "{} reads fit in one block", reads.len());
         assert!(reads.iter().any(|r| r.1 == 4) && reads.iter().any(|r| r.1 == 8));
-        // SAFETY: each read is an element of an offsets buffer of an array that lives to the end.
+        // SAFETY: each read is an element of an offsets buffer of `arrays_on_device`.
         let (gathered, copied, dispatched) = unsafe {
             (
                 gather(&kernel, &reads, device, &stream).unwrap(),
