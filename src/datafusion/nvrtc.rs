@@ -8,7 +8,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::CompileOptions;
 
 use crate::device::{Device, Stream};
 use crate::error::{Error, Result};
@@ -29,8 +28,6 @@ type ModuleCache = Mutex<HashMap<(usize, String), Arc<CudaModule>>>;
 
 fn module(ctx: &Arc<CudaContext>, source: &str) -> Result<Arc<CudaModule>> {
     static CACHE: OnceLock<ModuleCache> = OnceLock::new();
-    static ARCHS: OnceLock<Mutex<HashMap<(i32, i32), &'static str>>> = OnceLock::new();
-    available()?;
     let key = (ctx.ordinal(), source.to_string());
     let mut cache = CACHE
         .get_or_init(Default::default)
@@ -39,29 +36,7 @@ fn module(ctx: &Arc<CudaContext>, source: &str) -> Result<Arc<CudaModule>> {
     if let Some(m) = cache.get(&key) {
         return Ok(m.clone());
     }
-    let cc = ctx
-        .compute_capability()
-        .map_err(Error::driver("cuDeviceGetAttribute"))?;
-    let arch = *ARCHS
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .entry(cc)
-        .or_insert_with(|| Box::leak(format!("compute_{}{}", cc.0, cc.1).into_boxed_str()));
-    // Device stages hold decimals in `__int128`, which NVRTC accepts only when asked.
-    let options = CompileOptions {
-        arch: Some(arch),
-        name: Some("arrow_cuda_datafusion.cu".into()),
-        options: if source.contains("__int128") {
-            vec!["--device-int128".into()]
-        } else {
-            vec![]
-        },
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, options)
-        .map_err(|e| Error::Unsupported(format!("NVRTC could not compile a scan kernel: {e}")))?;
-    let m = ctx.load_module(ptx).map_err(Error::driver("cuModuleLoadData"))?;
+    let m = crate::driver::load_module(ctx, source)?;
     cache.insert(key, m.clone());
     Ok(m)
 }

@@ -28,7 +28,7 @@
 //! | file | holds |
 //! |---|---|
 //! | `probe.rs` | [`available`]: the driver library, every checked symbol, `cuInit`, at least one GPU |
-//! | `nvrtc.rs` | [`nvrtc_available`] (with DataFusion): NVRTC and the module/launch entry points |
+//! | `nvrtc.rs` | [`nvrtc_available`]: NVRTC and the module/launch entry points; [`load_module`]: compiling and loading a kernel's CUDA C |
 //! | `symbols.rs` | the checked lists, cudarc's safe calls, the source-scanning tests |
 //! | `device.rs` | initialisation, device count and handles, UUIDs, driver version, default memory pools |
 //! | `memory.rs` | allocation and free of every kind, pinning, memset, 1D and 2D copies |
@@ -53,7 +53,6 @@ mod device;
 mod event;
 mod ipc;
 mod memory;
-#[cfg(feature = "datafusion")]
 mod nvrtc;
 mod pointer;
 mod probe;
@@ -76,6 +75,7 @@ pub(crate) use memory::{
     mem_host_get_device_pointer, mem_host_register, mem_host_unregister, memcpy_2d_async, memcpy_async,
     memset_d8_async,
 };
+pub(crate) use nvrtc::load_module;
 #[cfg(feature = "datafusion")]
 pub(crate) use nvrtc::nvrtc_available;
 pub(crate) use pointer::{is_pinned_host, mem_get_address_range};

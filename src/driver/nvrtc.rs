@@ -3,7 +3,11 @@
 //! Without the NVRTC library, or with a driver or library that lacks an entry point cudarc calls to
 //! compile, load or launch, kernels are [`Error::Unsupported`]; the rest of the crate still works.
 
-use std::sync::OnceLock;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{CudaContext, CudaModule};
+use cudarc::nvrtc::CompileOptions;
 
 use super::symbols::{KERNELS, NVRTC};
 use crate::error::{Error, Result};
@@ -42,4 +46,35 @@ pub(crate) fn nvrtc_available() -> Result<()> {
         .get_or_init(|| probe().map_err(|e| e.to_string()))
         .clone()
         .map_err(Error::Unsupported)
+}
+
+/// Compiles the CUDA C `source` for `ctx`'s device with NVRTC and loads it: [`Error::Unsupported`]
+/// where NVRTC is unusable ([`nvrtc_available`]) or rejects the source. Compiling takes tens of
+/// milliseconds: callers keep what they load.
+pub(crate) fn load_module(ctx: &Arc<CudaContext>, source: &str) -> Result<Arc<CudaModule>> {
+    static ARCHS: OnceLock<Mutex<HashMap<(i32, i32), &'static str>>> = OnceLock::new();
+    nvrtc_available()?;
+    let cc = ctx
+        .compute_capability()
+        .map_err(Error::driver("cuDeviceGetAttribute"))?;
+    let arch = *ARCHS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .entry(cc)
+        .or_insert_with(|| Box::leak(format!("compute_{}{}", cc.0, cc.1).into_boxed_str()));
+    // Device stages hold decimals in `__int128`, which NVRTC accepts only when asked.
+    let options = CompileOptions {
+        arch: Some(arch),
+        name: Some("arrow_cuda.cu".into()),
+        options: if source.contains("__int128") {
+            vec!["--device-int128".into()]
+        } else {
+            vec![]
+        },
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, options)
+        .map_err(|e| Error::Unsupported(format!("NVRTC could not compile a kernel: {e}")))?;
+    ctx.load_module(ptx).map_err(Error::driver("cuModuleLoadData"))
 }

@@ -58,7 +58,6 @@ pub(super) fn required() -> impl Iterator<Item = &'static str> {
 /// `CudaModule::load_function`, `CudaModule`'s Drop and `LaunchArgs::launch` (after binding the
 /// context and, for timed launches, recording events). Checked, with [`NVRTC`], only by the probe of
 /// kernels: a driver without them still serves everything else.
-#[cfg_attr(not(feature = "datafusion"), allow(dead_code))]
 pub(super) const KERNELS: &[&str] = &[
     "cuModuleLoadData",
     "cuModuleGetFunction",
@@ -67,7 +66,6 @@ pub(super) const KERNELS: &[&str] = &[
 ];
 
 /// NVRTC entry points cudarc calls to compile a program (`cudarc::nvrtc::compile_ptx_with_opts`).
-#[cfg_attr(not(feature = "datafusion"), allow(dead_code))]
 pub(super) const NVRTC: &[&str] = &[
     "nvrtcCreateProgram",
     "nvrtcCompileProgram",

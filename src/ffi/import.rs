@@ -3,8 +3,8 @@
 //! The producer's struct is moved into an owner that every imported buffer shares; its release
 //! callback runs exactly once, when the last buffer drops. The structure (counts, lengths, offsets,
 //! pointers) is checked before anything is built; the sizes of string and binary data come from the
-//! last offset of each array, read after the producer's event, all of them in one batched copy and
-//! with one synchronisation. Every imported buffer shares one owner, with no allocation of its own.
+//! last offset of each array, read after the producer's event, all of them at once (one gather
+//! kernel on a GPU, see [`offsets`](super::offsets)) and with one synchronisation. Every imported buffer shares one owner, with no allocation of its own.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -16,9 +16,9 @@ use crate::array::{DeviceArrayData, DeviceRecordBatch, check_type, has_validity}
 use crate::device::{Device, Event, Stream};
 use crate::driver::{self, CUevent};
 use crate::error::{Error, Result};
+use crate::ffi::offsets::read_offsets;
 use crate::ffi::schema::import_schema_ref;
-use crate::memory::pinned::PinnedPool;
-use crate::memory::{Allocation, DeviceBuffer, MemoryResource, copy, stream_for};
+use crate::memory::{Allocation, DeviceBuffer, stream_for};
 use crate::trace::Laps;
 
 /// Nesting deeper than this is refused rather than risking the stack.
@@ -463,53 +463,6 @@ impl Walker {
     }
 }
 
-/// Reads the noted offsets: directly for host memory, else into pinned memory with one batched copy
-/// (one copy each where the driver has no batched copies) and one synchronisation of `stream`.
-fn read_offsets(reads: &[(u64, usize)], device: Device, stream: &Stream) -> Result<Vec<i64>> {
-    let decode = |b: &[u8], w: usize| {
-        if w == 4 {
-            i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64
-        } else {
-            i64::from_le_bytes(b[..8].try_into().unwrap_or_default())
-        }
-    };
-    if reads.is_empty() {
-        return Ok(vec![]);
-    }
-    if device.is_host_accessible() {
-        // SAFETY: each address is an element of an offsets buffer that is valid per the caller.
-        return Ok(reads
-            .iter()
-            .map(|&(p, w)| decode(unsafe { std::slice::from_raw_parts(p as *const u8, w) }, w))
-            .collect());
-    }
-    let ordinal = device.ordinal().unwrap_or(0);
-    let mut out = PinnedPool::shared(MemoryResource::PinnedHost(ordinal))?.take(reads.len() * 8)?;
-    if driver::memcpy_batch_available() {
-        let dsts: Vec<u64> = (0..reads.len()).map(|i| out.address() + (i * 8) as u64).collect();
-        let srcs: Vec<u64> = reads.iter().map(|&(p, _)| p).collect();
-        let sizes: Vec<usize> = reads.iter().map(|&(_, w)| w).collect();
-        let raw = stream.bind()?;
-        // SAFETY: the batch call exists (checked); the slices have one non-zero length; each
-        // source is an offsets element on the device (valid per the caller) and each destination
-        // a slot of `out`, read only after the synchronisation below; `raw` is a created stream.
-        unsafe { driver::memcpy_batch_async(&dsts, &srcs, &sizes, raw)? };
-    } else {
-        for (i, &(p, w)) in reads.iter().enumerate() {
-            // SAFETY: the source is an offsets element on the device (valid per the caller) and
-            // the destination a slot of `out`, which is read only after the synchronisation below.
-            unsafe { copy(out.address() + (i * 8) as u64, out.device(), p, device, w, stream)? };
-        }
-    }
-    stream.synchronize()?;
-    let bytes = out.host_slice_mut().ok_or_else(|| invalid("pinned block is shared"))?;
-    Ok(reads
-        .iter()
-        .enumerate()
-        .map(|(i, &(_, w))| decode(&bytes[i * 8..], w))
-        .collect())
-}
-
 fn build(node: Node, device: Device, owner: &Arc<Imported>, offsets: &[i64]) -> Result<DeviceArrayData> {
     let buffer = |b: Buf| -> Result<DeviceBuffer> {
         let size = match b.size {
@@ -575,7 +528,8 @@ pub unsafe fn import_array(
     // SAFETY: valid per the caller.
     let node = unsafe { walker.node(&array.array, data_type, 0)? };
     laps.lap("import.walk");
-    let offsets = read_offsets(&walker.reads, device, &stream)?;
+    // SAFETY: the reads are elements of offsets buffers, valid per the caller.
+    let offsets = unsafe { read_offsets(&walker.reads, device, &stream)? };
     laps.lap("import.offsets");
     let owner = Arc::new(Imported(array));
     let data = build(node, device, &owner, &offsets)?;

@@ -8,6 +8,7 @@
 mod export;
 mod guard;
 mod import;
+mod offsets;
 mod schema;
 mod schema_export;
 mod stream;

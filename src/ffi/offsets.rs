@@ -1,0 +1,325 @@
+//! Reading the last offsets an import needs (the sizes of string and binary data) from the
+//! producer's memory, all at once: directly for host memory; on a GPU with one launch of a gather
+//! kernel that writes them into mapped pinned memory, or, where NVRTC is missing or cannot compile
+//! the kernel, with one batched copy; then one synchronisation.
+//!
+//! The kernel is compiled once per device, on the first import of a string array there (tens of
+//! milliseconds); after that the launch costs what one small copy does, where the batched copy
+//! paid a few hundred nanoseconds per offset.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+
+use super::import::invalid;
+use crate::device::{self, Device, Stream};
+use crate::driver;
+use crate::error::{Error, Result};
+use crate::memory::pinned::PinnedPool;
+use crate::memory::{DeviceBuffer, MemoryResource, copy};
+
+/// The gather kernel.
+const KERNEL: &str = include_str!("kernels/last_offsets.cu");
+
+/// Threads per block of the gather.
+const BLOCK: u32 = 256;
+
+/// Marks an 8-byte offset in the addresses the kernel reads (user addresses stay below 2^57 on
+/// every platform CUDA runs on).
+const WIDE: u64 = 1 << 63;
+
+/// Reads the offsets at `(address, width)` in `device`'s memory (4 or 8 bytes, little-endian,
+/// signed): directly for host-accessible memory, else in the order of `stream` (after what it waits
+/// on) with one synchronisation.
+///
+/// # Safety
+/// Each address is an offset of its width in `device`'s memory, valid until the stream's work ends.
+pub(super) unsafe fn read_offsets(reads: &[(u64, usize)], device: Device, stream: &Stream) -> Result<Vec<i64>> {
+    if reads.is_empty() {
+        return Ok(vec![]);
+    }
+    if device.is_host_accessible() {
+        // SAFETY: each address is an offset of `w` bytes in host-accessible memory (caller).
+        return Ok(reads
+            .iter()
+            .map(|&(p, w)| decode(unsafe { std::slice::from_raw_parts(p as *const u8, w) }))
+            .collect());
+    }
+    let kernel = match stream.device() == device {
+        true => gather_kernel(device)?,
+        false => None,
+    };
+    match kernel {
+        // SAFETY: as for this function.
+        Some(f) => unsafe { gather(&f, reads, device, stream) },
+        // SAFETY: as above.
+        None => unsafe { copy_offsets(reads, device, stream) },
+    }
+}
+
+/// A little-endian signed offset of 4 or 8 bytes.
+fn decode(b: &[u8]) -> i64 {
+    match b.len() {
+        4 => i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64,
+        _ => i64::from_le_bytes(b[..8].try_into().unwrap_or_default()),
+    }
+}
+
+/// A block of mapped pinned memory of `len` bytes for `device`.
+fn pinned(device: Device, len: usize) -> Result<DeviceBuffer> {
+    PinnedPool::shared(MemoryResource::PinnedHost(device.ordinal().unwrap_or(0)))?.take(len)
+}
+
+/// The gather kernel of a CUDA device, compiled and loaded on first use; `None`, remembered, where
+/// NVRTC is missing or fails.
+fn gather_kernel(device: Device) -> Result<Option<CudaFunction>> {
+    static KERNELS: OnceLock<Mutex<HashMap<usize, Option<CudaFunction>>>> = OnceLock::new();
+    let ordinal = device.ordinal().unwrap_or(0);
+    let mut kernels = KERNELS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some(f) = kernels.get(&ordinal) {
+        return Ok(f.clone());
+    }
+    let f = driver::load_module(&device::context(ordinal)?, KERNEL)
+        .and_then(|m| {
+            m.load_function("last_offsets")
+                .map_err(Error::driver("cuModuleGetFunction"))
+        })
+        .ok();
+    kernels.insert(ordinal, f.clone());
+    Ok(f)
+}
+
+/// One launch of the gather on `stream` (a stream of `device`): the addresses go in, and the values
+/// come back, through one block of mapped pinned memory.
+///
+/// # Safety
+/// As for [`read_offsets`].
+unsafe fn gather(f: &CudaFunction, reads: &[(u64, usize)], device: Device, stream: &Stream) -> Result<Vec<i64>> {
+    let n = reads.len();
+    let cuda = stream
+        .cuda()
+        .ok_or_else(|| Error::Unsupported("the offsets gather needs a CUDA stream".into()))?;
+    let grid = u32::try_from(n.div_ceil(BLOCK as usize))
+        .map_err(|_| Error::InvalidArgument(format!("{n} offsets to read")))?;
+    let mut block = pinned(device, n * 16)?;
+    let bytes = block
+        .host_slice_mut()
+        .ok_or_else(|| invalid("pinned block is shared"))?;
+    for (slot, &(p, w)) in bytes.chunks_exact_mut(8).zip(reads) {
+        slot.copy_from_slice(&if w == 8 { p | WIDE } else { p }.to_le_bytes());
+    }
+    let addresses = block.device_pointer()?;
+    let (values, count) = (addresses + 8 * n as u64, n as u64);
+    let mut launch = cuda.launch_builder(f);
+    launch.arg(&addresses).arg(&values).arg(&count);
+    let cfg = LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `last_offsets` takes these three 8-byte parameters; its threads read the `n`
+    // addresses and write the `n` values of `block` (mapped, alive until the synchronisation
+    // below), and read each offset, valid per the caller, a byte at a time.
+    unsafe { launch.launch(cfg) }.map_err(Error::driver("cuLaunchKernel"))?;
+    stream.synchronize()?;
+    let bytes = block
+        .host_slice_mut()
+        .ok_or_else(|| invalid("pinned block is shared"))?;
+    Ok(bytes[8 * n..].chunks_exact(8).map(decode).collect())
+}
+
+/// The offsets read into pinned memory with one batched copy (one copy each where the driver has
+/// no batched copies).
+///
+/// # Safety
+/// As for [`read_offsets`].
+unsafe fn copy_offsets(reads: &[(u64, usize)], device: Device, stream: &Stream) -> Result<Vec<i64>> {
+    let mut out = pinned(device, reads.len() * 8)?;
+    if driver::memcpy_batch_available() {
+        let dsts: Vec<u64> = (0..reads.len()).map(|i| out.address() + (i * 8) as u64).collect();
+        let srcs: Vec<u64> = reads.iter().map(|&(p, _)| p).collect();
+        let sizes: Vec<usize> = reads.iter().map(|&(_, w)| w).collect();
+        let raw = stream.bind()?;
+        // SAFETY: the batch call exists (checked); the slices have one non-zero length; each
+        // source is an offsets element on the device (valid per the caller) and each destination
+        // a slot of `out`, read only after the synchronisation below; `raw` is a created stream.
+        unsafe { driver::memcpy_batch_async(&dsts, &srcs, &sizes, raw)? };
+    } else {
+        for (i, &(p, w)) in reads.iter().enumerate() {
+            // SAFETY: the source is an offsets element on the device (valid per the caller) and
+            // the destination a slot of `out`, which is read only after the synchronisation below.
+            unsafe { copy(out.address() + (i * 8) as u64, out.device(), p, device, w, stream)? };
+        }
+    }
+    stream.synchronize()?;
+    let bytes = out.host_slice_mut().ok_or_else(|| invalid("pinned block is shared"))?;
+    Ok(reads
+        .iter()
+        .enumerate()
+        .map(|(i, &(_, w))| decode(&bytes[i * 8..i * 8 + w]))
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use arrow_array::builder::{GenericListBuilder, LargeBinaryBuilder, MapBuilder, StringBuilder};
+    use arrow_array::types::Int32Type;
+    use arrow_array::*;
+    use arrow_schema::{DataType, Field};
+
+    use super::*;
+    use crate::array::DeviceArrayData;
+    use crate::transfer::htod_array;
+
+    fn cuda() -> Option<Device> {
+        match crate::device::cuda_device_count() {
+            Ok(n) if n > 0 => Some(Device::Cuda(0)),
+            _ if std::path::Path::new("/dev/nvidia0").exists() => panic!("this machine has a GPU but CUDA is unusable"),
+            _ => {
+                eprintln!("skipped: no CUDA device");
+                None
+            }
+        }
+    }
+
+    /// The last offset of every string, binary, list and map array of `data`'s tree whose offsets
+    /// buffer holds one.
+    fn last_offsets(data: &DeviceArrayData, reads: &mut Vec<(u64, usize)>) {
+        let width = match data.data_type {
+            DataType::Utf8 | DataType::Binary | DataType::List(_) | DataType::Map(..) => 4,
+            DataType::LargeUtf8 | DataType::LargeBinary | DataType::LargeList(_) => 8,
+            _ => 0,
+        };
+        if let Some(offsets) = data.buffers.first().filter(|_| width > 0) {
+            let at = (data.offset + data.len) * width;
+            if at + width <= offsets.len() {
+                reads.push((offsets.address() + at as u64, width));
+            }
+        }
+        for c in &data.children {
+            last_offsets(c, reads);
+        }
+    }
+
+    fn text(i: usize) -> Option<String> {
+        (i % 7 != 3).then(|| "é".repeat(i % 11))
+    }
+
+    /// Strings, binaries, lists, large lists, maps and their nestings.
+    fn arrays(rows: usize) -> Vec<ArrayRef> {
+        let strings = StringArray::from_iter((0..rows).map(text));
+        let mut large_list = GenericListBuilder::<i64, _>::new(StringBuilder::new());
+        let mut map = MapBuilder::new(None, StringBuilder::new(), LargeBinaryBuilder::new());
+        for i in 0..rows {
+            for j in 0..i % 4 {
+                large_list.values().append_option(text(i + j));
+                map.keys().append_value(format!("k{j}"));
+                map.values().append_option(text(i * j).map(String::into_bytes));
+            }
+            large_list.append(i % 5 != 1);
+            map.append(i % 6 != 2).unwrap();
+        }
+        let list = ListArray::from_iter_primitive::<Int32Type, _, _>(
+            (0..rows).map(|i| (i % 3 != 0).then(|| (0..i as i32 % 9).map(Some).collect::<Vec<_>>())),
+        );
+        let list_of_strings: ArrayRef = Arc::new(ListArray::new(
+            Arc::new(Field::new_list_field(DataType::Utf8, true)),
+            arrow_buffer::OffsetBuffer::from_lengths((0..rows).map(|i| i % 2)),
+            Arc::new(StringArray::from_iter((0..rows).map(|i| text(i + 1))).slice(0, rows / 2)),
+            None,
+        ));
+        vec![
+            Arc::new(strings.clone()),
+            Arc::new(LargeStringArray::from_iter((0..rows).map(text))),
+            Arc::new(BinaryArray::from_iter(
+                (0..rows).map(|i| text(i).map(String::into_bytes)),
+            )),
+            Arc::new(LargeBinaryArray::from_iter(
+                (0..rows).map(|i| text(i).map(String::into_bytes)),
+            )),
+            Arc::new(list),
+            Arc::new(large_list.finish()),
+            Arc::new(map.finish()),
+            Arc::new(StructArray::from(vec![
+                (
+                    Arc::new(Field::new("s", DataType::Utf8, true)),
+                    Arc::new(strings) as ArrayRef,
+                ),
+                (
+                    Arc::new(Field::new("l", list_of_strings.data_type().clone(), true)),
+                    list_of_strings,
+                ),
+            ])),
+        ]
+    }
+
+    /// The gather reads what the batched copy reads: the last offsets of every array of every
+    /// variable-width type, whole, sliced on the device (offsets at every position) and empty.
+    #[test]
+    fn the_gather_reads_what_the_batched_copy_reads() {
+        let Some(device) = cuda() else {
+            return;
+        };
+        let stream = Stream::new(device).unwrap();
+        let kernel = gather_kernel(device).unwrap().expect("NVRTC compiles the gather");
+        let (mut reads, mut arrays_on_device) = (vec![], vec![]);
+        for rows in [0, 1, 200] {
+            for array in arrays(rows) {
+                let on_device = htod_array(array.as_ref(), device, &stream).unwrap();
+                last_offsets(&on_device, &mut reads);
+                // Windows of up to 13 rows at every 7th row and at the end (empty), and a wide one.
+                let cuts = (0..=rows).step_by(7).chain([rows]).map(|o| (o, (rows - o).min(13)));
+                for (offset, len) in cuts.chain([(rows / 3, rows / 2)]) {
+                    last_offsets(&on_device.slice(offset, len).unwrap(), &mut reads);
+                }
+                // The reads point into it: it lives to the end.
+                arrays_on_device.push(on_device);
+            }
+        }
+        assert!(reads.len() > BLOCK as usize, "{} reads fit in one block", reads.len());
+        assert!(reads.iter().any(|r| r.1 == 4) && reads.iter().any(|r| r.1 == 8));
+        // SAFETY: each read is an element of an offsets buffer of `arrays_on_device`.
+        let (gathered, copied, dispatched) = unsafe {
+            (
+                gather(&kernel, &reads, device, &stream).unwrap(),
+                copy_offsets(&reads, device, &stream).unwrap(),
+                read_offsets(&reads, device, &stream).unwrap(),
+            )
+        };
+        assert_eq!(gathered, copied);
+        assert_eq!(dispatched, copied);
+        // SAFETY: nothing to read.
+        assert!(unsafe { read_offsets(&[], device, &stream) }.unwrap().is_empty());
+    }
+
+    /// Offsets of both widths at every byte position, negative ones included, read as their bytes
+    /// on the host say.
+    #[test]
+    fn the_gather_reads_unaligned_and_negative_offsets() {
+        let Some(device) = cuda() else {
+            return;
+        };
+        let stream = Stream::new(device).unwrap();
+        let kernel = gather_kernel(device).unwrap().expect("NVRTC compiles the gather");
+        let bytes: Vec<u8> = (0..400u32).map(|i| (i * 97 % 256) as u8).collect();
+        let on_device = htod_array(&UInt8Array::from(bytes.clone()), device, &stream).unwrap();
+        let base = on_device.buffers[0].address();
+        let (mut reads, mut expected) = (vec![], vec![]);
+        for at in 0..bytes.len() - 8 {
+            for width in [4, 8] {
+                reads.push((base + at as u64, width));
+                expected.push(decode(&bytes[at..at + width]));
+            }
+        }
+        assert!(expected.iter().any(|v| *v < 0));
+        // SAFETY: every read lies in `on_device`'s values, which live to the end.
+        let gathered = unsafe { gather(&kernel, &reads, device, &stream) }.unwrap();
+        assert_eq!(gathered, expected);
+    }
+}
