@@ -1080,7 +1080,7 @@ fn device_stream_batch(i: usize, device: Device, stream: &Stream) -> DeviceRecor
 fn outlives_its_sender(i: usize, device: Device) -> bool {
     match device {
         Device::Cpu => true,
-        _ => i % 4 != 0 && matches!(MemoryResource::shared_for(device), MemoryResource::SharedDevice(_)),
+        _ => !i.is_multiple_of(4) && matches!(MemoryResource::shared_for(device), MemoryResource::SharedDevice(_)),
     }
 }
 
