@@ -481,6 +481,20 @@ impl Event {
     }
 }
 
+/// For the crate's unit tests of CUDA code: device 0, or `None` (printing `skipped: no CUDA
+/// device`) on a machine without a GPU; a machine with a GPU whose CUDA is unusable fails the test.
+#[cfg(test)]
+pub(crate) fn cuda_for_tests() -> Option<Device> {
+    match cuda_device_count() {
+        Ok(n) if n > 0 => Some(Device::Cuda(0)),
+        _ if std::path::Path::new("/dev/nvidia0").exists() => panic!("this machine has a GPU but CUDA is unusable"),
+        _ => {
+            eprintln!("skipped: no CUDA device");
+            None
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -177,16 +177,7 @@ mod tests {
     use crate::array::DeviceArrayData;
     use crate::transfer::htod_array;
 
-    fn cuda() -> Option<Device> {
-        match crate::device::cuda_device_count() {
-            Ok(n) if n > 0 => Some(Device::Cuda(0)),
-            _ if std::path::Path::new("/dev/nvidia0").exists() => panic!("this machine has a GPU but CUDA is unusable"),
-            _ => {
-                eprintln!("skipped: no CUDA device");
-                None
-            }
-        }
-    }
+    use crate::device::cuda_for_tests as cuda;
 
     /// The last offset of every string, binary, list and map array of `data`'s tree whose offsets
     /// buffer holds one.

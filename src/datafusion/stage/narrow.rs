@@ -344,7 +344,6 @@ mod tests {
 
     use super::*;
     use crate::datafusion::cuda_as_cpp;
-    use crate::device::Device;
 
     /// A column of `n` values of `dt`, a tenth of them null (none with `nulls` false), drawn from
     /// `range` values around zero (ties when it is small) or from the whole type.
@@ -379,16 +378,7 @@ mod tests {
         }
     }
 
-    fn cuda() -> Option<Device> {
-        match crate::device::cuda_device_count() {
-            Ok(n) if n > 0 => Some(Device::Cuda(0)),
-            _ if std::path::Path::new("/dev/nvidia0").exists() => panic!("this machine has a GPU but CUDA is unusable"),
-            _ => {
-                eprintln!("skipped: no CUDA device");
-                None
-            }
-        }
-    }
+    use crate::device::cuda_for_tests as cuda;
 
     /// The radix selection on the device finds what arrow-rs's sort finds: every key type, both
     /// orders, nulls first and last (more nulls than the limit too), ties, whole-range values, a
