@@ -1053,9 +1053,11 @@ proptest! {
         let grouped = format!("select {t} as x, {t} is null as xn, count(*), sum(a) from r where {p} or a > 0 group by 1, 2");
         for (device, gpu, mem) in random_sessions() {
             for sql in [&projected, &grouped] {
-                // (A LIKE pattern with an escape stays with DataFusion, and the query with it.)
+                // (A LIKE pattern with an escape stays with DataFusion, and the query with it; a
+                // predicate that can never hold leaves DataFusion no table to read.)
                 let plan = explain(gpu, sql);
-                prop_assert!(plan.contains("DeviceStageExec") || sql.contains('\\'), "{} on {}: no stage\n{}", sql, device, plan);
+                let stageable = !sql.contains('\\') && !plan.contains("EmptyExec");
+                prop_assert!(plan.contains("DeviceStageExec") || !stageable, "{} on {}: no stage\n{}", sql, device, plan);
                 match (run(gpu, sql), run(mem, sql)) {
                     (Ok(g), Ok(m)) => prop_assert_eq!(rows(&g, false), rows(&m, false), "{} on {}", sql, device),
                     (g, m) => prop_assert!(false, "{} on {}: stage {:?}, DataFusion {:?}", sql, device, g.map(|_| "rows"), m.map(|_| "rows")),

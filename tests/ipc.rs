@@ -58,9 +58,15 @@ fn corpus() -> RecordBatch {
     every_type_batch()
 }
 
-/// Memory another process can open.
+/// Memory another process can open: what messages are written into (on a GPU CUDA IPC memory,
+/// which Arrow C++ reads).
 fn exportable(device: Device) -> MemoryResource {
     ipc::default_message_resource(device)
+}
+
+/// Memory the channel lends without a copy (on a GPU shared device memory, where it has it).
+fn lendable(device: Device) -> MemoryResource {
+    MemoryResource::shared_for(device)
 }
 
 /// `batch` on `device`, in memory of `resource`, once the copy has finished.
@@ -997,8 +1003,8 @@ fn batches_lent_to_other_processes_are_no_longer_trusted() {
         assert!(!trusted(&slice), "{device}: a view of lent memory");
 
         let path = socket_path(&format!("trust-{}", device_name(device)));
-        let copied = upload(&batch, exportable(device), stream);
-        let lent = upload(&batch, exportable(device), stream);
+        let copied = upload(&batch, lendable(device), stream);
+        let lent = upload(&batch, lendable(device), stream);
         let copying = SenderOptions {
             zero_copy: false,
             ..SenderOptions::default()
@@ -1057,31 +1063,28 @@ fn stream_batch(i: usize) -> RecordBatch {
     corpus().slice(i, ROWS - 2 * i)
 }
 
-/// Batch `i` as a sender holds it: in exportable memory (on a GPU CUDA IPC memory, sent without a
-/// copy), in the device's default memory (copied into a message), a slice on the device (encoded
-/// through the host), or in shared memory (on a GPU shared device memory where the GPU has it,
-/// sent without a copy).
+/// Batch `i` as a sender holds it: in memory the channel lends (on a GPU shared device memory
+/// where it has it, sent without a copy), in the device's default memory (copied into a message),
+/// a slice on the device (encoded through the host), or in CUDA IPC memory on a GPU (copied into
+/// shared device memory where the GPU has it, else lent).
 fn device_stream_batch(i: usize, device: Device, stream: &Stream) -> DeviceRecordBatch {
     match i % 4 {
-        0 => upload(&stream_batch(i), exportable(device), stream),
+        0 => upload(&stream_batch(i), lendable(device), stream),
         1 => upload(&stream_batch(i), MemoryResource::default_for(device), stream),
-        2 => upload(&corpus(), exportable(device), stream)
+        2 => upload(&corpus(), lendable(device), stream)
             .slice(i, ROWS - 2 * i)
             .unwrap(),
-        _ => upload(&stream_batch(i), MemoryResource::shared_for(device), stream),
+        _ => upload(&stream_batch(i), exportable(device), stream),
     }
 }
 
-/// Whether batch `i` of [`device_stream_batch`], once received, still reads intact after its
-/// sender died: on the CPU every batch does (shared memory outlives its creator); on a GPU those
-/// the receiver got in shared device memory (the messages the others are copied into, and the
-/// batches lent from it), not those lent through CUDA IPC (batch 0 of every four), nor any where the
-/// GPU lacks shared device memory.
-fn outlives_its_sender(i: usize, device: Device) -> bool {
-    match device {
-        Device::Cpu => true,
-        _ => !i.is_multiple_of(4) && matches!(MemoryResource::shared_for(device), MemoryResource::SharedDevice(_)),
-    }
+/// Whether the batches of [`device_stream_batch`], once received, still read intact after their
+/// sender died: on the CPU every batch does (shared memory outlives its creator); on a GPU every
+/// batch does where it has shared device memory (the channel lends or copies into nothing else),
+/// none where it lacks it (then they are lent through CUDA IPC, or copied into CUDA IPC memory,
+/// and fenced).
+fn outlive_their_sender(device: Device) -> bool {
+    device == Device::Cpu || matches!(MemoryResource::shared_for(device), MemoryResource::SharedDevice(_))
 }
 
 /// A socket path of this process, unique to each call (tests run in parallel).
@@ -1220,20 +1223,22 @@ fn peer() {
             let b = r.recv().unwrap().unwrap();
             let (ba, bb) = (&a.column(1).buffers()[0], &b.column(1).buffers()[0]);
             assert_eq!(ba.address(), bb.address(), "the same allocation is mapped once");
-            let open = match device {
-                Device::Cpu => ipc::testing::open_shared_mappings(),
+            let open = || match (device, lendable(device)) {
+                (Device::Cpu, _) => ipc::testing::open_shared_mappings(),
+                (_, MemoryResource::SharedDevice(_)) => ipc::testing::open_shared_device_regions(),
                 _ => ipc::testing::open_cuda_mappings(),
             };
-            // One mapping: the sender exports an allocation's handle once and sends the same bytes
-            // every time (the driver may hand out new bytes for each export).
-            assert_eq!(open, 1, "{open} mappings");
+            // One mapping: the region is known by its memfd's identity on the CPU, by the id the
+            // sender gave it for shared device memory, and by its handle for CUDA IPC memory (the
+            // sender exports an allocation's handle once: the driver may hand out new bytes for
+            // each export).
+            assert_eq!(open(), 1, "mappings");
             check_batch("shared", &dtoh(&a, &stream).unwrap(), &stream_batch(0));
             drop((a, b));
-            let open = match device {
-                Device::Cpu => ipc::testing::open_shared_mappings(),
-                _ => ipc::testing::open_cuda_mappings(),
-            };
-            assert_eq!(open, 0, "closed with the last view");
+            // Closed with the last view, but for shared device memory, which the receiver keeps
+            // mapped for the sender's next use of it until it drops.
+            let kept = usize::from(matches!(lendable(device), MemoryResource::SharedDevice(_)));
+            assert_eq!(open(), kept, "after the last view");
             say("done");
         }
         "drain" => {
@@ -1359,7 +1364,7 @@ fn batches_still_being_written_are_ordered_by_an_ipc_event() {
     sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
     // An upload first, so that the one below finds its staging in the pinned pool: allocating
     // pinned memory can wait for the device, which would let the copies below finish.
-    drop(upload(&stream_batch(0), exportable(device), &stream));
+    drop(upload(&stream_batch(0), lendable(device), &stream));
     // Copies of 8 GiB ahead of the upload on its stream keep it unfinished for milliseconds.
     let busy = 1 << 30;
     let from = DeviceBuffer::alloc(MemoryResource::default_for(device), busy, &stream).unwrap();
@@ -1372,7 +1377,7 @@ fn batches_still_being_written_are_ordered_by_an_ipc_event() {
                 // SAFETY: both buffers outlive the copies (the stream is synchronised below).
                 unsafe { to.copy_from_async(0, &from, &stream) }.unwrap();
             }
-            let batch = htod_async(&stream_batch(0), exportable(device), &stream).unwrap();
+            let batch = htod_async(&stream_batch(0), lendable(device), &stream).unwrap();
             (!batch.ready().is_complete().unwrap()).then_some(batch)
         })
         .expect("an upload still queued behind the copies");
@@ -1389,7 +1394,7 @@ fn one_allocation_is_opened_once_per_process() {
         let sender = Sender::bind(&path, corpus().schema(), SenderOptions::default()).unwrap();
         let peer = Peer::spawn("same-region", &path, device, 2);
         sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
-        let batch = upload(&stream_batch(0), exportable(device), stream);
+        let batch = upload(&stream_batch(0), lendable(device), stream);
         sender.send(&batch).unwrap();
         sender.send(&batch).unwrap();
         sender.finish().unwrap();
@@ -1426,7 +1431,7 @@ fn a_killed_receiver_is_reclaimed_within_a_second() {
         let mut peer = Peer::spawn("hold", &path, device, 3);
         sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
         // Unsliced, so that they travel without a copy: the sender lends this very memory.
-        let batches: Vec<_> = (0..3).map(|_| upload(&corpus(), exportable(device), stream)).collect();
+        let batches: Vec<_> = (0..3).map(|_| upload(&corpus(), lendable(device), stream)).collect();
         let whole: Vec<DeviceBuffer> = batches
             .iter()
             .map(|b| b.column(1).buffers()[0].parent().unwrap())
@@ -1496,8 +1501,10 @@ fn a_killed_sender_makes_the_receiver_fail() {
         // The killed sender could not remove its socket file.
         let _ = std::fs::remove_file(&path);
         // Shared memory outlives its creator; the rest is the fence's (the test below).
-        for (i, b) in got.iter().enumerate().filter(|(i, _)| outlives_its_sender(*i, device)) {
-            check_batch("after the sender died", &dtoh(b, stream).unwrap(), &stream_batch(i));
+        if outlive_their_sender(device) {
+            for (i, b) in got.iter().enumerate() {
+                check_batch("after the sender died", &dtoh(b, stream).unwrap(), &stream_batch(i));
+            }
         }
     });
 }
@@ -1505,11 +1512,12 @@ fn a_killed_sender_makes_the_receiver_fail() {
 /// Issue #23, finding 5: batches still held after their sender died. While the sender's process
 /// lives they read intact, also once it has ended its stream and dropped its `Sender` (it keeps
 /// what it lent until acknowledged). After it is killed, batches in shared memory still read
-/// intact: on the CPU every batch, on a GPU those in shared device memory (the channel's messages
-/// and batches lent from it), which the receiver's mapping keeps. CUDA batches lent through CUDA
-/// IPC are fenced: every read path fails with `Error::SenderGone`, naming the sender's socket and
-/// process, and never reads the freed memory. On the CPU the same fence runs through the test hook
-/// that fences CPU batches as CUDA IPC batches are.
+/// intact: on the CPU every batch, on a GPU with shared device memory every batch too (the channel
+/// lends that memory or copies into it), which the receiver's mapping keeps. Batches in CUDA IPC
+/// memory (on a GPU without shared device memory) are fenced: every read path fails with
+/// `Error::SenderGone`, naming the sender's socket and process, and never reads the freed memory.
+/// On the CPU the same fence runs through the test hook that fences CPU batches as CUDA IPC
+/// batches are.
 #[test]
 fn batches_held_after_their_sender_died_read_intact_or_are_fenced() {
     each_device(|device, stream| {
@@ -1542,7 +1550,7 @@ fn batches_held_after_their_sender_died_read_intact_or_are_fenced() {
             let _ = std::fs::remove_file(&path);
             let mut intact = 0;
             for (i, b) in held.iter().enumerate() {
-                let fenced = hook || !outlives_its_sender(i, device);
+                let fenced = hook || !outlive_their_sender(device);
                 let what = format!("{device}, batch {i}, fenced: {fenced}");
                 if !fenced {
                     intact += 1;
@@ -1764,8 +1772,8 @@ fn for_fault_runs(mut runs: impl FnMut(Device, &Stream)) {
 /// takes its greeting, the others in its stream. The receiver's connection fails with an I/O
 /// error or succeeds, and then its next receive fails at once (`UnexpectedEof`), never waits out
 /// its timeout, and stays failed. Batches it still holds: on the CPU they read intact, or, in every
-/// other run, are fenced by the test hook; on a GPU those in shared device memory read intact and
-/// those lent through CUDA IPC are fenced. A fenced batch's download fails with
+/// other run, are fenced by the test hook; on a GPU they read intact where it has shared device
+/// memory and are fenced where it lacks it. A fenced batch's download fails with
 /// `Error::SenderGone`. On a GPU the device's free memory returns to where it was.
 #[test]
 fn senders_killed_at_random_points_never_hang_their_receivers() {
@@ -1864,7 +1872,7 @@ fn senders_killed_at_random_points_never_hang_their_receivers() {
             assert!(r.recv().is_err(), "{what}: a broken receiver stays broken");
             let _ = std::fs::remove_file(&path);
             for (i, b) in &held {
-                let fenced = hook || !outlives_its_sender(*i, device);
+                let fenced = hook || !outlive_their_sender(device);
                 match dtoh(b, stream) {
                     // Shared memory outlives its creator.
                     Ok(got) if !fenced => check_batch(&what, &got, &stream_batch(*i)),

@@ -8,7 +8,7 @@ use std::time::Instant;
 use arrow_array::{ArrayRef, RecordBatch, StringArray, UInt64Array};
 use arrow_cuda::Device;
 use arrow_cuda::datafusion::{
-    GPU_FILE_TYPE, GpuTable, LoadOptions, files_statement, with_device_stages, with_gpu_tables,
+    GPU_FILE_TYPE, GpuTable, GpuTableFactory, LoadOptions, files_statement, with_device_stages,
 };
 use arrow_cuda_workloads::tpch;
 use arrow_schema::SchemaRef;
@@ -439,11 +439,42 @@ fn named(arg: &str) -> (String, &str) {
 
 /// A session whose physical plans run the partial aggregates over GPU tables in device stages
 /// ([`with_device_stages`]): the device computes them and copies only their small results back;
-/// `CREATE EXTERNAL TABLE ... STORED AS GPU` stages files on `device` ([`with_gpu_tables`]).
+/// `CREATE EXTERNAL TABLE ... STORED AS GPU` stages files on `device` as
+/// [`with_gpu_tables`](arrow_cuda::datafusion::with_gpu_tables) does, with a progress bar and the
+/// staged line as for `--parquet` tables ([`StagedTables`]).
 pub(crate) fn device_session(config: SessionConfig, device: Device) -> SessionContext {
     let builder = SessionStateBuilder::new().with_default_features().with_config(config);
-    let builder = with_gpu_tables(builder, LoadOptions::new().with_device(device));
+    let builder = builder.with_table_factory(GPU_FILE_TYPE.to_string(), Arc::new(StagedTables { device }));
     SessionContext::new_with_state(with_device_stages(builder).build())
+}
+
+/// `CREATE EXTERNAL TABLE ... STORED AS GPU` in the tool's device session: [`GpuTableFactory`]
+/// staging on `device` with a progress bar named after the table, then the line that says what
+/// staging took.
+#[derive(Debug)]
+struct StagedTables {
+    device: Device,
+}
+
+#[async_trait::async_trait]
+impl TableProviderFactory for StagedTables {
+    async fn create(
+        &self,
+        state: &dyn datafusion::catalog::Session,
+        cmd: &CreateExternalTable,
+    ) -> datafusion::error::Result<Arc<dyn TableProvider>> {
+        let name = cmd.name.to_string();
+        let (bar, options) = progress_bar(&name, self.device)
+            .map_err(|e| datafusion::error::DataFusionError::Execution(e.to_string()))?;
+        let t = Instant::now();
+        let table = GpuTableFactory::new(options).create(state, cmd).await;
+        bar.finish_and_clear();
+        let table = table?;
+        if let Some(gpu) = table.as_ref().downcast_ref::<GpuTable>() {
+            staged(&name, gpu, self.device, t.elapsed().as_secs_f64());
+        }
+        Ok(table)
+    }
 }
 
 /// Stages the batches of table `name` on `device` as a [`GpuTable`], with a progress bar (on stderr,

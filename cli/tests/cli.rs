@@ -232,6 +232,8 @@ fn query_stages_files_from_the_command_line_and_from_sql() {
         out.contains("does not exist") && out.contains("1 of 3 queries failed"),
         "{out}"
     );
+    // A table made in SQL is staged as `--parquet` tables are: with its bar and its line.
+    assert!(out.contains("staged people: 3 rows"), "{out}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -285,6 +287,7 @@ select count(*) as n from people; select max(k) as m
         "{stderr}"
     );
     // Times until `\timing` turns them off; the error of the failing statement; the count.
+    assert!(stderr.contains("staged people: 3 rows"), "{stderr}");
     assert!(stderr.contains("3 rows in "), "{stderr}");
     assert!(!stderr.contains("1 row in "), "{stderr}");
     assert!(stderr.contains("error: ") && stderr.contains("nowhere"), "{stderr}");

@@ -657,6 +657,11 @@ pub(crate) struct Located<'a> {
 }
 
 impl Located<'_> {
+    /// Whether any of the batch's regions would be lent through a CUDA IPC handle.
+    pub(crate) fn lends_cuda_ipc(&self) -> bool {
+        self.regions.iter().any(|r| matches!(r.kind, RegionKind::Cuda))
+    }
+
     /// The regions of shared device memory among the batch's.
     pub(crate) fn shared_regions(&self) -> Vec<Arc<SharedDeviceRegion>> {
         let shared = self.regions.iter().filter_map(|r| match &r.kind {

@@ -19,6 +19,11 @@ pub fn open_cuda_mappings() -> usize {
     OpenedHandle::open_count()
 }
 
+/// The number of peers' regions of shared device memory mapped in this process now.
+pub fn open_shared_device_regions() -> usize {
+    crate::memory::shared_device::SharedDeviceRegion::mapped_from_peers()
+}
+
 /// The number of peers' shared host regions mapped in this process now.
 pub fn open_shared_mappings() -> usize {
     SharedMapping::open_count()

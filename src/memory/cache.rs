@@ -100,6 +100,12 @@ impl<V: Region> Registry<V> {
         }
     }
 
+    /// The number of live regions for which `pred` holds.
+    pub(crate) fn count(&self, pred: impl Fn(&V) -> bool) -> usize {
+        let map = self.lock();
+        map.values().filter_map(Weak::upgrade).filter(|r| pred(r)).count()
+    }
+
     /// The live region holding all of `address..address + len`, and the offset of `address` in it.
     pub(crate) fn find(&self, address: u64, len: usize) -> Option<(Arc<V>, usize)> {
         let map = self.lock();

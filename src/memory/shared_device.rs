@@ -241,6 +241,12 @@ impl SharedDeviceRegion {
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
     }
 
+    /// The number of regions mapped from other processes' descriptors in this process now (a hook
+    /// for the crate's tests).
+    pub(crate) fn mapped_from_peers() -> usize {
+        REGISTRY.count(|r| r.from_peer)
+    }
+
     /// The registered region holding `buffer`'s bytes, and the buffer's offset in it.
     pub(crate) fn find(buffer: &DeviceBuffer) -> Option<(Arc<SharedDeviceRegion>, usize)> {
         REGISTRY.find(buffer.address(), buffer.len())

@@ -40,7 +40,10 @@ pub struct SenderOptions {
     /// so a receiver that stops acknowledging delays the stream once, by at most this much.
     pub send_timeout: Duration,
     /// Send batches whose memory is exportable as they are, without a copy. When false, or when a
-    /// batch is not exportable, it is copied into one message first. A batch lent as it is can be
+    /// batch is not exportable, it is copied into one message first. On a GPU with shared device
+    /// memory, only that memory is lent as it is ([`MemoryResource::SharedDevice`]): a batch in
+    /// CUDA IPC memory ([`MemoryResource::Device`]) is copied, so that receivers keep reading what
+    /// they hold after this process is gone. A batch lent as it is can be
     /// written by its receivers on a GPU (CUDA IPC mappings are read-write), so its downloads in
     /// this process validate every array from then on (see [`BatchDescriptor::describe`]); a
     /// copied one stays as trusted as it was.
@@ -280,12 +283,25 @@ impl Sender {
     }
 
     /// How `batch` travels: lent as it is when [`SenderOptions::zero_copy`] is on and its memory
-    /// allows, else copied into a message. Decided before anything is exported or copied.
+    /// allows, else copied into a message. Memory that would be lent through CUDA IPC handles,
+    /// whose reads become undefined once this process frees it or dies, is copied into shared
+    /// device memory instead where the GPU has it. Decided before anything is exported or copied.
     fn route<'a>(&self, batch: &'a DeviceRecordBatch) -> Result<Route<'a>> {
-        match self.options.zero_copy {
-            true => Route::of(batch),
-            false => Ok(Route::Copy("zero-copy sending is off".into())),
+        if !self.options.zero_copy {
+            return Ok(Route::Copy("zero-copy sending is off".into()));
         }
+        Ok(match Route::of(batch)? {
+            Route::Lend(located)
+                if located.lends_cuda_ipc()
+                    && matches!(
+                        MemoryResource::shared_for(batch.device()),
+                        MemoryResource::SharedDevice(_)
+                    ) =>
+            {
+                Route::Copy("CUDA IPC memory is copied into shared device memory, which receivers keep".into())
+            }
+            other => other,
+        })
     }
 
     /// Orders the receivers' use of a batch on `device` after `ready`. Receivers may touch the
