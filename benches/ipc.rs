@@ -1,24 +1,21 @@
 //! Device record batches between processes.
 //!
-//! - `ipc_latency/cached_100_columns`: one-way latency, from a sender's `send` of the 100-column
+//! - `ipc_latency/lent_100_columns`: one-way latency, from a sender's `send` of the 100-column
 //!   batch with nulls and strings (`small_batch`: 1,000 rows, about 300 buffers, 1.3 MB) to the
-//!   consumer process's `recv` returning it (one clock, `CLOCK_MONOTONIC`, read in
-//!   both processes); the consumer keeps its mappings, so this is the protocol's cost.
-//! - `ipc_latency/cached_100_columns_polling`: the same with a consumer that polls its socket for
+//!   consumer process's `recv` returning it (one clock, `CLOCK_MONOTONIC`, read in both
+//!   processes). The batch is in the memory the channel lends as it is
+//!   (`MemoryResource::shared_for`: shared device memory on a GPU that has it), and the consumer
+//!   keeps its mapping, so this is the protocol's cost.
+//! - `ipc_latency/lent_100_columns_polling`: the same with a consumer that polls its socket for
 //!   up to 2 ms before it sleeps (`ReceiverOptions::poll`) and a producer that waits for the
 //!   receive time and the acknowledgement on a busy core, so no thread wake-up is timed on either
 //!   side (as MPI and UCX latency benchmarks measure).
-//! - `ipc_latency/first_open_100_columns_polling`: the same with a new allocation every time, so
-//!   the consumer opens (and closes) a mapping each time.
-//! - `ipc_latency/shared_100_columns_polling`: `cached_100_columns_polling` with the batch in shared
-//!   device memory (`MemoryResource::SharedDevice`, which the consumer keeps if the producer dies)
-//!   instead of CUDA IPC memory; the consumer keeps its mapping by the region's id.
 //! - `ipc_latency/copied_100_columns_polling`: the batch in the device's default (pool) memory,
 //!   which no other process can open: the sender copies it into a message of shared device memory
-//!   each time (the channel's default, `MemoryResource::shared_for`; the producer reuses the
-//!   regions of acknowledged messages, and the consumer keeps its mappings by their ids);
-//!   `copied_100_columns_polling_cuda_ipc` beside it writes the messages into new CUDA IPC memory
-//!   each time instead (`SenderOptions::message_resource`), which the consumer opens and closes.
+//!   each time (the channel's default; the producer reuses the regions of acknowledged messages,
+//!   and the consumer keeps its mappings by their ids); `copied_100_columns_polling_cuda_ipc`
+//!   beside it writes the messages into new CUDA IPC memory each time instead
+//!   (`SenderOptions::message_resource`), which the consumer opens and closes.
 //! - `stream_1GiB/device_ipc` beside `stream_1GiB/host_ipc`: a producer streams 1 GiB batches to a
 //!   consumer process that reads them on the device (a device-to-device copy of every buffer), through
 //!   CUDA IPC, and through the host: device to host, arrow-ipc over a Unix socket, host to device.
@@ -98,28 +95,14 @@ fn latency(c: &mut Criterion, device: Device, stream: &Stream) {
     let template = small_batch();
     let mut g = c.benchmark_group("ipc_latency");
     g.measurement_time(Duration::from_secs(3));
-    let exportable = default_message_resource(device);
-    let pool = MemoryResource::default_for(device);
-    // (name, consumer, a new upload every time, the batch's memory, the messages' memory)
-    for (name, role, fresh, resource, messages) in [
-        ("cached_100_columns", "retain", false, exportable, None),
-        ("cached_100_columns_polling", "retain-poll", false, exportable, None),
-        (
-            "shared_100_columns_polling",
-            "drop-poll",
-            false,
-            MemoryResource::shared_for(device),
-            None,
-        ),
-        ("first_open_100_columns_polling", "drop-poll", true, exportable, None),
-        ("copied_100_columns_polling", "drop-poll", false, pool, None),
-        (
-            "copied_100_columns_polling_cuda_ipc",
-            "drop-poll",
-            false,
-            pool,
-            Some(exportable),
-        ),
+    let (lent, pool) = (MemoryResource::shared_for(device), MemoryResource::default_for(device));
+    let cuda_ipc = Some(default_message_resource(device));
+    // (name, consumer, the batch's memory, the messages' memory)
+    for (name, role, resource, messages) in [
+        ("lent_100_columns", "retain", lent, None),
+        ("lent_100_columns_polling", "retain-poll", lent, None),
+        ("copied_100_columns_polling", "drop-poll", pool, None),
+        ("copied_100_columns_polling_cuda_ipc", "drop-poll", pool, cuda_ipc),
     ] {
         let path = socket(name);
         let options = SenderOptions {
@@ -152,23 +135,12 @@ fn latency(c: &mut Criterion, device: Device, stream: &Stream) {
         let mut ran = false;
         g.bench_function(name, |b| {
             ran = true;
-            b.iter_custom(|iters| {
-                (0..iters)
-                    .map(|_| match fresh {
-                        true => one_way(&upload(&template, resource, stream)),
-                        false => one_way(&on_device),
-                    })
-                    .sum()
-            })
+            b.iter_custom(|iters| (0..iters).map(|_| one_way(&on_device)).sum())
         });
         if ran {
             // The whole call here: send, the consumer's receive time, the acknowledgement.
             common::print_steps(&format!("{name} (send to acknowledgement)"), &["send."], |t| {
-                let batch = match fresh {
-                    true => upload(&template, resource, stream),
-                    false => on_device.clone(),
-                };
-                t.record(|| one_way(&batch));
+                t.record(|| one_way(&on_device));
             });
         }
         sender.finish().expect("finish");
