@@ -68,15 +68,17 @@
 //!
 //! - **CPU**: their memory is shared memory, which lives as long as any process maps it. They stay
 //!   valid until dropped, whatever happened to the sender.
-//! - **CUDA, shared device memory**: the messages a [`Sender`] copies batches into (by default,
-//!   [`crate::memory::MemoryResource::shared_for`]) and batches lent from
-//!   [`crate::memory::MemoryResource::SharedDevice`]. The receiver maps the physical memory
-//!   itself (`cuMemImportFromShareableHandle`), and the driver keeps it while any process maps it:
-//!   they stay valid until dropped, whatever happened to the sender, as on the CPU.
-//! - **CUDA IPC memory**: batches lent from [`crate::memory::MemoryResource::Device`] (what Arrow
-//!   C++ exchanges), and messages on a GPU or driver without shared device memory. Their memory is
-//!   a CUDA IPC mapping of the sender's allocations, which its death frees; CUDA leaves reads of
-//!   it undefined. Such batches are *fenced*: every read of their
+//! - **CUDA, shared device memory**: on a GPU that has it, everything a [`Sender`] sends: batches
+//!   lent from [`crate::memory::MemoryResource::SharedDevice`], and the messages it copies every
+//!   other batch into (by default, [`crate::memory::MemoryResource::shared_for`]; batches in CUDA
+//!   IPC memory are copied too rather than lent). The receiver maps the physical memory itself
+//!   (`cuMemImportFromShareableHandle`), and the driver keeps it while any process maps it: they
+//!   stay valid until dropped, whatever happened to the sender, as on the CPU.
+//! - **CUDA IPC memory**: on a GPU or driver without shared device memory, batches lent from
+//!   [`crate::memory::MemoryResource::Device`] and messages (and whatever a sender told to write
+//!   its messages there, [`SenderOptions::message_resource`], sends). Their memory is a CUDA IPC
+//!   mapping of the sender's allocations, which its death frees; CUDA leaves reads of it
+//!   undefined. Such batches are *fenced*: every read of their
 //!   memory through this crate first checks that the sender's end of the connection is still open,
 //!   and once it has closed fails with [`Error::SenderGone`](crate::error::Error::SenderGone),
 //!   naming the sender (its socket path and process id). The check guards downloads
