@@ -124,8 +124,8 @@ impl BatchDescriptor {
     /// open ([`MemoryResource::SharedDevice`] or [`MemoryResource::Device`] on a GPU,
     /// [`MemoryResource::SharedHost`] on the CPU, or a region received in either), and no array
     /// may have an offset or an unknown null count ([`Error::Unsupported`] otherwise; write a
-    /// message instead). The caller must keep the batch
-    /// alive and unchanged until the receivers are done with it.
+    /// message instead). The caller must keep the batch alive and unchanged until the receivers
+    /// are done with it.
     ///
     /// Whoever opens the regions can write them on a GPU (CUDA IPC maps memory read-write; shared
     /// host memory is sealed against a receiver's writes), so from this call on the batch's memory
@@ -310,8 +310,7 @@ impl BatchDescriptor {
     /// byte, then for CUDA memory (3) the device's UUID and the serialized IPC handle, for shared
     /// host memory (2) its size, for shared device memory (4) the device's UUID, the region's id
     /// (its creator's) and its size, these two with their descriptor attached); the dictionaries'
-    /// and the batch's
-    /// metadata (`u32` length, bytes); the locations (`u32` count, 20 bytes each).
+    /// and the batch's metadata (`u32` length, bytes); the locations (`u32` count, 20 bytes each).
     pub(crate) fn encode<'a>(&'a self, w: &mut Writer, fds: &mut Vec<BorrowedFd<'a>>) {
         w.raw(&FORMAT);
         w.u32(self.device.device_type().0 as u32);
@@ -356,8 +355,8 @@ impl BatchDescriptor {
     }
 
     /// Reads a descriptor from a frame payload, taking the descriptors of regions that travel as
-    /// file descriptors from `fds` in order, and finds the devices it names among this process's by UUID. Every count is checked
-    /// against the bytes left; malformed input is [`Error::InvalidData`], another version of the
+    /// file descriptors from `fds` in order, and finds the devices it names among this process's
+    /// by UUID. Every count is checked against the bytes left; malformed input is [`Error::InvalidData`], another version of the
     /// encoding [`Error::Unsupported`], and a device this process does not see
     /// [`Error::UnknownDevice`].
     pub(crate) fn decode(r: &mut Reader<'_>, fds: &mut std::vec::IntoIter<OwnedFd>) -> Result<BatchDescriptor> {

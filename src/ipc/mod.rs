@@ -41,11 +41,11 @@
 //! travels as a file descriptor, the same capability for whoever holds the descriptor (it can map
 //! the memory read-write). Shared host memory on the CPU device travels as a file descriptor,
 //! which is the same capability for reading (the memfd is sealed against writes by anyone but its
-//! creator). So whoever receives a batch's
-//! handles can read its memory, on a GPU write it too, and a process that poses as a sender can
-//! feed a receiver any data. Received batches are validated when copied to the host, and a batch
-//! whose memory was handed out is validated from then on in the sender too (its bytes may have
-//! changed). The channel trusts exactly the users it is told to:
+//! creator). So whoever receives a batch's handles can read its memory, on a GPU write it too,
+//! and a process that poses as a sender can feed a receiver any data. Received batches are
+//! validated when copied to the host, and a batch whose memory was handed out is validated from
+//! then on in the sender too (its bytes may have changed). The channel trusts exactly the users it
+//! is told to:
 //!
 //! - each end asks the kernel who the other is (`SO_PEERCRED`) and, unless
 //!   [`SenderOptions::allowed_uids`] / [`ReceiverOptions::allowed_uids`] name other users, accepts

@@ -43,10 +43,10 @@ pub struct SenderOptions {
     /// batch is not exportable, it is copied into one message first. On a GPU with shared device
     /// memory, only that memory is lent as it is ([`MemoryResource::SharedDevice`]): a batch in
     /// CUDA IPC memory ([`MemoryResource::Device`]) is copied, so that receivers keep reading what
-    /// they hold after this process is gone. A batch lent as it is can be
-    /// written by its receivers on a GPU (CUDA IPC mappings are read-write), so its downloads in
-    /// this process validate every array from then on (see [`BatchDescriptor::describe`]); a
-    /// copied one stays as trusted as it was.
+    /// they hold after this process is gone. A batch lent as it is can be written by its
+    /// receivers on a GPU (they map its memory read-write), so its downloads in this process
+    /// validate every array from then on (see [`BatchDescriptor::describe`]); a copied one stays
+    /// as trusted as it was.
     pub zero_copy: bool,
     /// Where messages are written; by default memory another process can map and keep
     /// ([`MemoryResource::shared_for`]: shared device memory on a GPU that has it, so receivers
