@@ -1,7 +1,7 @@
 //! Staging TPC-H `lineitem` on the GPU: from `RecordBatch`es in host memory (gathered into device
 //! batches, and as they are), and from Parquet files beside DataFusion reading the same files into
 //! a `MemTable`, in GB/s of Arrow data (the bytes staging copies). After each load, the time of
-//! its steps (`StagingTimes`: decode, prepare, handoff, idle, upload, alloc, pack, copy, wait), summed
+//! its steps (`StagingTimes`: setup, decode, prepare, handoff, idle, upload, alloc, pack, copy, wait, release, finish), summed
 //! over the threads that ran each, beside the load's wall time.
 //!
 //! The scale factor comes from `ARROW_CUDA_BENCH_SF` (default 10); the Parquet files (one per

@@ -16,6 +16,7 @@ use super::error::DfResult;
 use super::options::{DEFAULT_BATCH_ROWS, LoadOptions, MAX_GATHERED_BYTES};
 use super::staging::{Stager, stage_parallel};
 use super::table::GpuTable;
+use crate::transfer::times::StagingStep;
 
 /// Consecutive row groups of one file, decoded as one device batch.
 struct Run {
@@ -39,6 +40,7 @@ pub(crate) fn stage(
     options: &LoadOptions,
     share: Option<&[usize]>,
 ) -> DfResult<GpuTable> {
+    let setup = std::time::Instant::now();
     let reader_options = ArrowReaderOptions::new().with_schema(schema.clone());
     let metadata = files
         .iter()
@@ -76,6 +78,9 @@ pub(crate) fn stage(
         .collect();
     let staged_rows = units.iter().map(|(_, run)| run.rows as u64).sum();
     let mut stager = Stager::new(schema.clone(), partitions, options, Some(staged_rows), None)?;
+    if let Some(times) = &options.staging_times {
+        times.add(StagingStep::Setup, setup.elapsed());
+    }
     stage_parallel(&mut stager, units, |run: Run| {
         let path = &files[run.file];
         let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(open(path)?, metadata[run.file].clone())

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use ::datafusion::common::DataFusionError;
 use arrow_array::cast::AsArray;
@@ -19,8 +20,8 @@ use super::table::{GpuTable, TableData};
 use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Stream};
 use crate::error::Error;
-use crate::transfer::htod_async_timed;
 use crate::transfer::times::{StagingStep, StagingTimes, timed};
+use crate::transfer::{Packed, htod_async_timed};
 
 /// Batches into `n` partitions round-robin, or as they are.
 pub(crate) fn redistribute(partitions: Vec<Vec<RecordBatch>>, n: Option<usize>) -> Vec<Vec<RecordBatch>> {
@@ -111,19 +112,102 @@ pub(crate) fn compact(batch: &RecordBatch) -> DfResult<RecordBatch> {
     Ok(RecordBatch::try_new_with_options(batch.schema(), columns, &options)?)
 }
 
-/// A device batch's worth of host data, ready to copy: one batch, its statistics and its bytes.
+/// A device batch's worth of host data, ready to copy: one batch (or its bytes packed for its
+/// GPU already), its statistics and its bytes.
 pub(crate) struct Prepared {
-    batch: RecordBatch,
+    data: HostData,
+    rows: usize,
     stats: StatsBuilder,
     bytes: u64,
     /// The input batches it was made of.
     inputs: u64,
 }
 
+/// A prepared batch as it waits for its copy.
+enum HostData {
+    Batch(RecordBatch),
+    Packed(Packed),
+}
+
 impl Prepared {
     /// The bytes staging copies of it (see [`host_bytes`]).
     pub(crate) fn bytes(&self) -> u64 {
         self.bytes
+    }
+
+    /// Packs the batch into pinned staging for CUDA device `ordinal` on this thread, when
+    /// `budget` has room for it (see [`PackingBudget`]), and frees the host batch; otherwise
+    /// leaves it for the copying thread to pack.
+    fn pack(self, ordinal: usize, budget: &Arc<PackingBudget>, times: Option<&StagingTimes>) -> DfResult<Prepared> {
+        let Prepared {
+            data,
+            rows,
+            stats,
+            bytes,
+            inputs,
+        } = self;
+        let data = match (data, PackingBudget::reserve(budget, bytes)) {
+            (HostData::Batch(batch), Some(reserved)) => {
+                let packed = Packed::new(&batch, ordinal, Box::new(reserved), times)?;
+                timed(times, StagingStep::Release, || drop(batch));
+                HostData::Packed(packed)
+            }
+            (data, _) => data,
+        };
+        Ok(Prepared {
+            data,
+            rows,
+            stats,
+            bytes,
+            inputs,
+        })
+    }
+}
+
+/// The pinned staging that threads preparing batches may fill at once: 1 GiB, in batches of at
+/// most 32 MiB. A larger batch, or one that finds no room, is packed by the copying thread (in
+/// chunks, through a few blocks of staging it reuses): pinning memory costs about as much as
+/// copying it, so a block must serve many batches to pay off.
+pub(crate) struct PackingBudget {
+    left: AtomicU64,
+}
+
+impl PackingBudget {
+    const BYTES: u64 = 1 << 30;
+    const LARGEST: u64 = 32 << 20;
+
+    fn new() -> Arc<PackingBudget> {
+        Arc::new(PackingBudget {
+            left: AtomicU64::new(Self::BYTES),
+        })
+    }
+
+    /// Takes `bytes` of the budget, if it has them and they are at most [`Self::LARGEST`], until
+    /// the reservation drops.
+    fn reserve(budget: &Arc<PackingBudget>, bytes: u64) -> Option<Reservation> {
+        if bytes > Self::LARGEST {
+            return None;
+        }
+        budget
+            .left
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| left.checked_sub(bytes))
+            .ok()
+            .map(|_| Reservation {
+                budget: budget.clone(),
+                bytes,
+            })
+    }
+}
+
+/// Bytes of a [`PackingBudget`] in use: kept with the staging until its copy has finished.
+struct Reservation {
+    budget: Arc<PackingBudget>,
+    bytes: u64,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.budget.left.fetch_add(self.bytes, Ordering::AcqRel);
     }
 }
 
@@ -149,28 +233,45 @@ pub(crate) fn prepare(schema: &SchemaRef, batches: Vec<RecordBatch>) -> DfResult
     stats.update(&batch);
     Ok(Prepared {
         bytes: host_bytes(&batch),
-        batch,
+        rows: batch.num_rows(),
+        data: HostData::Batch(batch),
         stats,
         inputs,
     })
 }
 
-/// Splits the batches of a partition into runs of consecutive batches, each a device batch: a run
-/// takes whole batches while they fit in `rows` rows and [`MAX_GATHERED_BYTES`] (a larger batch
-/// stays whole).
-pub(crate) fn gather(batches: Vec<RecordBatch>, rows: usize) -> Vec<Vec<RecordBatch>> {
+/// Each batch with its [`host_bytes`], computed on every core (a view column's bytes take a pass
+/// over its views).
+pub(crate) fn sized(partitions: Vec<Vec<RecordBatch>>) -> Vec<Vec<(RecordBatch, u64)>> {
+    use rayon::prelude::*;
+    partitions
+        .into_par_iter()
+        .map(|p| {
+            p.into_par_iter()
+                .map(|b| {
+                    let bytes = host_bytes(&b);
+                    (b, bytes)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Splits the batches of a partition (each with its [`host_bytes`]) into runs of consecutive
+/// batches, each a device batch: a run takes whole batches while they fit in `rows` rows and
+/// [`MAX_GATHERED_BYTES`] (a larger batch stays whole).
+pub(crate) fn gather(batches: Vec<(RecordBatch, u64)>, rows: usize) -> Vec<Vec<(RecordBatch, u64)>> {
     let mut runs = Vec::new();
     let mut run = Vec::new();
     let (mut run_rows, mut run_bytes) = (0, 0);
-    for b in batches.into_iter().filter(|b| b.num_rows() > 0) {
-        let bytes = host_bytes(&b);
+    for (b, bytes) in batches.into_iter().filter(|(b, _)| b.num_rows() > 0) {
         if run_rows > 0 && (run_rows + b.num_rows() > rows || run_bytes + bytes > MAX_GATHERED_BYTES) {
             runs.push(std::mem::take(&mut run));
             (run_rows, run_bytes) = (0, 0);
         }
         run_rows += b.num_rows();
         run_bytes += bytes;
-        run.push(b);
+        run.push((b, bytes));
         if run_rows >= rows {
             runs.push(std::mem::take(&mut run));
             (run_rows, run_bytes) = (0, 0);
@@ -180,6 +281,11 @@ pub(crate) fn gather(batches: Vec<RecordBatch>, rows: usize) -> Vec<Vec<RecordBa
         runs.push(run);
     }
     runs
+}
+
+/// The batches of a run of [`gather`], without their sizes.
+pub(crate) fn batches(run: Vec<(RecordBatch, u64)>) -> Vec<RecordBatch> {
+    run.into_iter().map(|(b, _)| b).collect()
 }
 
 /// Stages `units` through `stager` on every core: worker threads make each unit's host batches
@@ -202,11 +308,21 @@ pub(crate) fn stage_parallel<U: Send>(
     let schema = stager.schema.clone();
     let times = stager.times.clone();
     let times = times.as_deref();
+    let devices = stager.devices.clone();
+    let budget = PackingBudget::new();
     let (tx, rx) = std::sync::mpsc::sync_channel::<DfResult<(usize, usize, Prepared)>>(2);
+    // Host batches are freed on a thread of their own: giving back hundreds of megabytes to the
+    // system (`munmap`) takes longer than copying them, and the copying thread must not wait on it.
+    let (release, released) = std::sync::mpsc::channel::<RecordBatch>();
     std::thread::scope(|scope| {
+        scope.spawn(move || {
+            for batch in released {
+                timed(times, StagingStep::Release, || drop(batch));
+            }
+        });
         for _ in 0..workers {
             let tx = tx.clone();
-            let (queue, make, schema) = (&queue, &make, &schema);
+            let (queue, make, schema, devices, budget) = (&queue, &make, &schema, &devices, &budget);
             scope.spawn(move || {
                 loop {
                     // The lock is held only to take the next unit.
@@ -218,7 +334,11 @@ pub(crate) fn stage_parallel<U: Send>(
                         return;
                     };
                     let prepared = timed(times, StagingStep::Decode, || make(unit))
-                        .and_then(|b| timed(times, StagingStep::Prepare, || prepare(schema, b)));
+                        .and_then(|b| timed(times, StagingStep::Prepare, || prepare(schema, b)))
+                        .and_then(|p| match device_for(devices, partition) {
+                            Device::Cuda(ordinal) => p.pack(ordinal, budget, times),
+                            _ => Ok(p),
+                        });
                     let failed = prepared.is_err();
                     let sent = timed(times, StagingStep::Handoff, || {
                         tx.send(prepared.map(|p| (order, partition, p)))
@@ -231,13 +351,25 @@ pub(crate) fn stage_parallel<U: Send>(
             });
         }
         drop(tx);
+        // Owned here, so that returning (on an error too) closes the queue and stops the workers
+        // before the scope waits for them.
+        let rx = rx;
         while let Ok(prepared) = timed(times, StagingStep::Idle, || rx.recv()) {
             let (order, partition, prepared) = prepared?;
             stager.decoded(prepared.bytes());
-            stager.put(order, partition, prepared)?;
+            // The releasing thread stops once `release` is dropped, when this returns.
+            if let Some(batch) = stager.put(order, partition, prepared)? {
+                let _ = release.send(batch);
+            }
         }
+        drop(release);
         Ok(())
     })
+}
+
+/// The device of `partition` of a table staged on `devices`: partitions go round-robin.
+fn device_for(devices: &[Device], partition: usize) -> Device {
+    devices[partition % devices.len()]
 }
 
 /// What a device can take of a table.
@@ -339,7 +471,7 @@ impl Stager {
     }
 
     pub(crate) fn device_of(&self, partition: usize) -> Device {
-        self.devices[partition % self.devices.len()]
+        device_for(&self.devices, partition)
     }
 
     /// Fails with [`Stager::no_room`] unless `device` has room for `bytes` more.
@@ -401,10 +533,12 @@ impl Stager {
     }
 
     /// Copies `prepared` to the device of `partition`, as the batch at place `order` of its
-    /// order. Returns once the host batch has been read; the copy may still be under way.
-    pub(crate) fn put(&mut self, order: usize, partition: usize, prepared: Prepared) -> DfResult<()> {
+    /// order. Returns once the host data has been read (the copy may still be under way), with the
+    /// host batch when it was not packed already, for the caller to free.
+    pub(crate) fn put(&mut self, order: usize, partition: usize, prepared: Prepared) -> DfResult<Option<RecordBatch>> {
         let Prepared {
-            batch,
+            data,
+            rows,
             stats,
             bytes,
             inputs,
@@ -413,7 +547,15 @@ impl Stager {
         self.check_room(device, bytes)?;
         let stream = &self.streams[&device];
         let resource = crate::memory::MemoryResource::default_for(device);
-        let staged = htod_async_timed(&batch, resource, stream, self.times.as_deref()).map_err(|e| match e {
+        let times = self.times.as_deref();
+        let (staged, batch) = match data {
+            HostData::Batch(batch) => (htod_async_timed(&batch, resource, stream, times), Some(batch)),
+            HostData::Packed(packed) => (
+                timed(times, StagingStep::Upload, || packed.send(resource, stream, times)),
+                None,
+            ),
+        };
+        let staged = staged.map_err(|e| match e {
             Error::OutOfMemory { .. } => self.no_room(device, bytes, Some(e)),
             e => e.into(),
         })?;
@@ -429,17 +571,23 @@ impl Stager {
         }
         self.partition_stats[partition].absorb(stats);
         self.partitions[partition].push((order, staged));
-        self.done.rows += batch.num_rows() as u64;
+        self.done.rows += rows as u64;
         self.done.bytes += bytes;
         self.done.batches += inputs;
         if let Some(p) = &self.progress {
             p(self.done);
         }
-        Ok(())
+        Ok(batch)
     }
 
     /// The table, once every copy has finished.
     pub(crate) fn finish(self) -> DfResult<GpuTable> {
+        let times = self.times.clone();
+        timed(times.as_deref(), StagingStep::Finish, || self.build())
+    }
+
+    /// [`Stager::finish`]'s work.
+    fn build(self) -> DfResult<GpuTable> {
         let partition_devices = (0..self.partitions.len()).map(|i| self.device_of(i)).collect();
         let mut partitions = Vec::with_capacity(self.partitions.len());
         for mut p in self.partitions {
@@ -466,5 +614,31 @@ impl Stager {
                 source: None,
             }),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reservations take bytes of the budget while they live; one that does not fit gets none.
+    #[test]
+    fn the_packing_budget_lends_only_what_it_has_until_it_is_given_back() {
+        let budget = PackingBudget::new();
+        let largest = PackingBudget::LARGEST;
+        let n = (PackingBudget::BYTES / largest) as usize;
+        let mut all: Vec<_> = (0..n)
+            .map(|_| PackingBudget::reserve(&budget, largest).expect("fits"))
+            .collect();
+        assert!(PackingBudget::reserve(&budget, 1).is_none());
+        all.pop();
+        assert!(
+            PackingBudget::reserve(&budget, largest + 1).is_none(),
+            "larger than a batch may be"
+        );
+        all.push(PackingBudget::reserve(&budget, largest).expect("given back"));
+        assert!(PackingBudget::reserve(&budget, 1).is_none());
+        drop(all);
+        assert_eq!(budget.left.load(Ordering::Acquire), PackingBudget::BYTES);
     }
 }

@@ -23,7 +23,7 @@ use super::options::LoadOptions;
 use super::options::{DEFAULT_BATCH_ROWS, MAX_GATHERED_BYTES};
 use super::predicate::{Predicate, supports_filter};
 use super::source::GpuScan;
-use super::staging::{Stager, gather, host_bytes, prepare, redistribute, stage_parallel};
+use super::staging::{Stager, batches, gather, host_bytes, prepare, redistribute, sized, stage_parallel};
 use crate::array::DeviceRecordBatch;
 use crate::device::Device;
 use crate::transfer::times::{StagingStep, timed};
@@ -76,14 +76,30 @@ impl GpuTable {
     /// reference (buffers shared between batches, as DataFusion's Parquet reader makes them) are
     /// compacted first, so the table takes device memory in proportion to its values.
     pub fn try_new(schema: SchemaRef, partitions: Vec<Vec<RecordBatch>>, options: &LoadOptions) -> DfResult<Self> {
-        let partitions = redistribute(partitions, options.partitions);
-        let total_rows = partitions.iter().flatten().map(|b| b.num_rows() as u64).sum();
-        let total_bytes = partitions.iter().flatten().map(host_bytes).sum();
-        let mut stager = Stager::new(schema, partitions.len(), options, Some(total_rows), Some(total_bytes))?;
+        let times = options.staging_times.clone();
+        let (mut stager, units) = timed(times.as_deref(), StagingStep::Setup, || {
+            Self::units(schema, partitions, options)
+        })?;
+        stage_parallel(&mut stager, units, Ok)?;
+        stager.finish()
+    }
+
+    /// The stager of [`GpuTable::try_new`] and its units: the runs of host batches that make each
+    /// device batch, with their partitions, once every device was found to have room for them.
+    #[allow(clippy::type_complexity)]
+    fn units(
+        schema: SchemaRef,
+        partitions: Vec<Vec<RecordBatch>>,
+        options: &LoadOptions,
+    ) -> DfResult<(Stager, Vec<(usize, Vec<RecordBatch>)>)> {
+        let partitions = sized(redistribute(partitions, options.partitions));
+        let total_rows = partitions.iter().flatten().map(|(b, _)| b.num_rows() as u64).sum();
+        let total_bytes = partitions.iter().flatten().map(|(_, bytes)| bytes).sum();
+        let stager = Stager::new(schema, partitions.len(), options, Some(total_rows), Some(total_bytes))?;
         // Check each device's share before copying anything.
         let mut need: HashMap<Device, u64> = HashMap::new();
         for (i, p) in partitions.iter().enumerate() {
-            *need.entry(stager.device_of(i)).or_default() += p.iter().map(host_bytes).sum::<u64>();
+            *need.entry(stager.device_of(i)).or_default() += p.iter().map(|(_, bytes)| bytes).sum::<u64>();
         }
         for (device, bytes) in need {
             stager.check_room(device, bytes)?;
@@ -92,10 +108,9 @@ impl GpuTable {
         let units = partitions
             .into_iter()
             .enumerate()
-            .flat_map(|(i, p)| gather(p, rows).into_iter().map(move |run| (i, run)))
+            .flat_map(|(i, p)| gather(p, rows).into_iter().map(move |run| (i, batches(run))))
             .collect();
-        stage_parallel(&mut stager, units, Ok)?;
-        stager.finish()
+        Ok((stager, units))
     }
 
     /// Stages host batches as one partition per batch.
@@ -146,14 +161,18 @@ impl GpuTable {
         let rows = options.batch_rows.unwrap_or(DEFAULT_BATCH_ROWS);
         let mut stager = Stager::new(schema.clone(), n_out, options, None, None)?;
         // Each partition's batches not staged yet, and the place of the next device batch.
-        let mut pending: Vec<Vec<RecordBatch>> = vec![Vec::new(); n_out];
+        // Each partition's batches not staged yet (with their sizes), and their bytes.
+        let mut pending: Vec<Vec<(RecordBatch, u64)>> = vec![Vec::new(); n_out];
+        let mut pending_bytes = vec![0u64; n_out];
         let mut order = 0;
         let times = options.staging_times.clone();
-        let mut put = |stager: &mut Stager, partition: usize, run: Vec<RecordBatch>| {
-            let prepared = timed(times.as_deref(), StagingStep::Prepare, || prepare(&schema, run))?;
+        let mut put = |stager: &mut Stager, partition: usize, run: Vec<(RecordBatch, u64)>| {
+            let prepared = timed(times.as_deref(), StagingStep::Prepare, || {
+                prepare(&schema, batches(run))
+            })?;
             stager.decoded(prepared.bytes());
             order += 1;
-            stager.put(order, partition, prepared)
+            stager.put(order, partition, prepared).map(drop)
         };
         let mut next = 0usize;
         for (i, mut s) in streams.into_iter().enumerate() {
@@ -176,15 +195,18 @@ impl GpuTable {
                         (next - 1) % n
                     }
                 };
-                pending[target].push(batch);
-                let p = &pending[target];
-                let held = p.iter().map(RecordBatch::num_rows).sum::<usize>();
-                if held < rows && p.iter().map(host_bytes).sum::<u64>() < MAX_GATHERED_BYTES {
+                let bytes = host_bytes(&batch);
+                pending[target].push((batch, bytes));
+                pending_bytes[target] += bytes;
+                let held = pending[target].iter().map(|(b, _)| b.num_rows()).sum::<usize>();
+                if held < rows && pending_bytes[target] < MAX_GATHERED_BYTES {
                     continue;
                 }
                 // Full runs are staged; the last, if it has room left, waits for more batches.
                 let mut runs = gather(std::mem::take(&mut pending[target]), rows);
-                if let Some(last) = runs.pop_if(|r| r.iter().map(RecordBatch::num_rows).sum::<usize>() < rows) {
+                pending_bytes[target] = 0;
+                if let Some(last) = runs.pop_if(|r| r.iter().map(|(b, _)| b.num_rows()).sum::<usize>() < rows) {
+                    pending_bytes[target] = last.iter().map(|(_, bytes)| bytes).sum();
                     pending[target] = last;
                 }
                 for run in runs {

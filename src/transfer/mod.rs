@@ -17,7 +17,7 @@
 //! of an upload goes), `pack` (producing its bytes in staging, on several threads), `download` (the
 //! device-to-host entry points and [`PendingBatch`]), `gather` (the spans of a download and their
 //! DMAs), `layout` (an array's buffer ranges in one allocation, and the arrays built from them on
-//! either side), `deferred` (memory kept until the copies that use it are done), `times` (where
+//! either side), `packed` (a batch packed on one thread and sent by another, for staging), `deferred` (memory kept until the copies that use it are done), `times` (where
 //! staging's time goes, when asked).
 
 mod deferred;
@@ -25,10 +25,12 @@ mod download;
 mod gather;
 mod layout;
 mod pack;
+mod packed;
 mod plan;
 pub(crate) mod times;
 mod upload;
 
 pub use download::{PendingBatch, dtoh, dtoh_array, dtoh_async};
+pub(crate) use packed::Packed;
 pub(crate) use upload::htod_async_timed;
 pub use upload::{htod, htod_array, htod_async};

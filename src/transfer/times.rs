@@ -11,6 +11,9 @@ use crate::trace::Laps;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum StagingStep {
+    /// Before the first batch is made: sizing the load, checking each device's room, cutting the
+    /// load into device batches, reading Parquet metadata.
+    Setup,
     /// Making host batches: decoding Parquet row groups (nothing for batches already in memory).
     Decode,
     /// Preparing a device batch's worth of host batches: concatenating, compacting view columns,
@@ -31,11 +34,16 @@ pub enum StagingStep {
     Copy,
     /// Waiting for copies to finish: for staging to reuse, or at the end of the load.
     Wait,
+    /// Freeing host batches once they are on the device (on a thread of their own).
+    Release,
+    /// After the last copy was issued: waiting for the copies and building the table.
+    Finish,
 }
 
 impl StagingStep {
     /// Every step, in the order above.
-    pub const ALL: [StagingStep; 9] = [
+    pub const ALL: [StagingStep; 12] = [
+        StagingStep::Setup,
         StagingStep::Decode,
         StagingStep::Prepare,
         StagingStep::Handoff,
@@ -45,11 +53,14 @@ impl StagingStep {
         StagingStep::Pack,
         StagingStep::Copy,
         StagingStep::Wait,
+        StagingStep::Release,
+        StagingStep::Finish,
     ];
 
     /// The step's name in a [`Trace`](crate::trace::Trace): `staging.` and its name.
     fn trace_name(self) -> &'static str {
         match self {
+            StagingStep::Setup => "staging.setup",
             StagingStep::Decode => "staging.decode",
             StagingStep::Prepare => "staging.prepare",
             StagingStep::Handoff => "staging.handoff",
@@ -59,12 +70,15 @@ impl StagingStep {
             StagingStep::Pack => "staging.pack",
             StagingStep::Copy => "staging.copy",
             StagingStep::Wait => "staging.wait",
+            StagingStep::Release => "staging.release",
+            StagingStep::Finish => "staging.finish",
         }
     }
 
     /// The step's name, in lower case.
     pub fn name(self) -> &'static str {
         match self {
+            StagingStep::Setup => "setup",
             StagingStep::Decode => "decode",
             StagingStep::Prepare => "prepare",
             StagingStep::Handoff => "handoff",
@@ -74,6 +88,8 @@ impl StagingStep {
             StagingStep::Pack => "pack",
             StagingStep::Copy => "copy",
             StagingStep::Wait => "wait",
+            StagingStep::Release => "release",
+            StagingStep::Finish => "finish",
         }
     }
 }
@@ -144,9 +160,12 @@ mod tests {
         assert_eq!(timed(None, StagingStep::Copy, || 7), 7);
         assert!(timed(Some(&times), StagingStep::Copy, || 8) == 8);
         let text = times.to_string();
-        assert!(text.starts_with("decode 0.000 s, prepare 0.000 s,"), "{text}");
         assert!(
-            text.contains("pack 0.007 s") && text.ends_with("wait 0.000 s"),
+            text.starts_with("setup 0.000 s, decode 0.000 s, prepare 0.000 s,"),
+            "{text}"
+        );
+        assert!(
+            text.contains("pack 0.007 s, copy 0.000 s, wait 0.000 s,") && text.ends_with("finish 0.000 s"),
             "{text}"
         );
     }
