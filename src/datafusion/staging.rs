@@ -340,11 +340,11 @@ pub(crate) fn stage_parallel<U: Send>(
                             _ => Ok(p),
                         });
                     let failed = prepared.is_err();
-                    let sent = timed(times, StagingStep::Handoff, || {
-                        tx.send(prepared.map(|p| (order, partition, p)))
+                    let closed = timed(times, StagingStep::Handoff, || {
+                        tx.send(prepared.map(|p| (order, partition, p))).is_err()
                     });
                     // A closed queue means the stager stopped on an error: stop too.
-                    if sent.is_err() || failed {
+                    if closed || failed {
                         return;
                     }
                 }

@@ -161,8 +161,7 @@ mod tests {
         let packed = Packed::new(&batch(), 0, Box::new(()), None).unwrap();
         let e = packed
             .send(MemoryResource::Host, &Stream::cpu(), None)
-            .err()
-            .expect("sent to the CPU");
+            .expect_err("sent to the CPU");
         assert!(e.to_string().contains("cannot be sent to cpu"), "{e}");
     }
 }
