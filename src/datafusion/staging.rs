@@ -138,29 +138,15 @@ impl Prepared {
     /// Packs the batch into pinned staging for CUDA device `ordinal` on this thread, when
     /// `budget` has room for it (see [`PackingBudget`]), and frees the host batch; otherwise
     /// leaves it for the copying thread to pack.
-    fn pack(self, ordinal: usize, budget: &Arc<PackingBudget>, times: Option<&StagingTimes>) -> DfResult<Prepared> {
-        let Prepared {
-            data,
-            rows,
-            stats,
-            bytes,
-            inputs,
-        } = self;
-        let data = match (data, PackingBudget::reserve(budget, bytes)) {
-            (HostData::Batch(batch), Some(reserved)) => {
-                let packed = Packed::new(&batch, ordinal, Box::new(reserved), times)?;
-                timed(times, StagingStep::Release, || drop(batch));
-                HostData::Packed(packed)
-            }
-            (data, _) => data,
-        };
-        Ok(Prepared {
-            data,
-            rows,
-            stats,
-            bytes,
-            inputs,
-        })
+    fn pack(mut self, ordinal: usize, budget: &Arc<PackingBudget>, times: Option<&StagingTimes>) -> DfResult<Prepared> {
+        if let HostData::Batch(batch) = &self.data
+            && let Some(reserved) = PackingBudget::reserve(budget, self.bytes)
+        {
+            let packed = Packed::new(batch, ordinal, Box::new(reserved), times)?;
+            let batch = std::mem::replace(&mut self.data, HostData::Packed(packed));
+            timed(times, StagingStep::Release, || drop(batch));
+        }
+        Ok(self)
     }
 }
 
