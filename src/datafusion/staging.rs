@@ -1,5 +1,6 @@
 //! Staging: host batches made and prepared on every core (decoded, gathered, compacted, their
-//! statistics computed) and copied to their devices as they are ready, with budgets and progress.
+//! statistics computed, and packed into pinned staging where they are small) and copied to their
+//! devices as they are ready by one thread, with budgets and progress.
 
 use std::collections::HashMap;
 use std::sync::Arc;
