@@ -28,7 +28,7 @@
 //! | file | holds |
 //! |---|---|
 //! | `probe.rs` | [`available`]: the driver library, every checked symbol, `cuInit`, at least one GPU |
-//! | `nvrtc.rs` | [`nvrtc_available`]: NVRTC and the module/launch entry points; [`load_module`]: compiling and loading a kernel's CUDA C |
+//! | `nvrtc.rs` | [`nvrtc_available`]: NVRTC and the module/launch entry points; [`function`]: a kernel of CUDA C, compiled once per device; [`launch`] |
 //! | `symbols.rs` | the checked lists, cudarc's safe calls, the source-scanning tests |
 //! | `device.rs` | initialisation, device count and handles, UUIDs, driver version, default memory pools |
 //! | `memory.rs` | allocation and free of every kind, pinning, memset, 1D and 2D copies |
@@ -75,9 +75,11 @@ pub(crate) use memory::{
     mem_host_get_device_pointer, mem_host_register, mem_host_unregister, memcpy_2d_async, memcpy_async,
     memset_d8_async,
 };
-pub(crate) use nvrtc::load_module;
+#[cfg(feature = "datafusion")]
+pub(crate) use nvrtc::launch_shared;
 #[cfg(feature = "datafusion")]
 pub(crate) use nvrtc::nvrtc_available;
+pub(crate) use nvrtc::{function, launch};
 pub(crate) use pointer::{is_pinned_host, mem_get_address_range};
 pub(crate) use probe::available;
 pub(crate) use vmm::{

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::{CudaContext, CudaModule};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::CompileOptions;
 
 use super::symbols::{KERNELS, NVRTC};
@@ -48,10 +48,36 @@ pub(crate) fn nvrtc_available() -> Result<()> {
         .map_err(Error::Unsupported)
 }
 
-/// Compiles the CUDA C `source` for `ctx`'s device with NVRTC and loads it: [`Error::Unsupported`]
-/// where NVRTC is unusable ([`nvrtc_available`]) or rejects the source. Compiling takes tens of
-/// milliseconds: callers keep what they load.
-pub(crate) fn load_module(ctx: &Arc<CudaContext>, source: &str) -> Result<Arc<CudaModule>> {
+/// The kernel `name` of the CUDA C `source`, compiled for `ctx`'s device with NVRTC and loaded on
+/// first use (tens of milliseconds), then from a cache of modules per (device, source) kept for the
+/// life of the process: [`Error::Unsupported`] where NVRTC is unusable ([`nvrtc_available`]) or
+/// rejects the source.
+pub(crate) fn function(ctx: &Arc<CudaContext>, source: &str, name: &str) -> Result<CudaFunction> {
+    module(ctx, source)?
+        .load_function(name)
+        .map_err(Error::driver("cuModuleGetFunction"))
+}
+
+/// Compiled modules, per device ordinal and source (looked up without copying the source).
+type ModuleCache = Mutex<HashMap<usize, HashMap<String, Arc<CudaModule>>>>;
+
+fn module(ctx: &Arc<CudaContext>, source: &str) -> Result<Arc<CudaModule>> {
+    static CACHE: OnceLock<ModuleCache> = OnceLock::new();
+    let mut cache = CACHE
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let modules = cache.entry(ctx.ordinal()).or_default();
+    if let Some(m) = modules.get(source) {
+        return Ok(m.clone());
+    }
+    let m = compile(ctx, source)?;
+    modules.insert(source.to_string(), m.clone());
+    Ok(m)
+}
+
+/// Compiles `source` for `ctx`'s device with NVRTC and loads it.
+fn compile(ctx: &Arc<CudaContext>, source: &str) -> Result<Arc<CudaModule>> {
     static ARCHS: OnceLock<Mutex<HashMap<(i32, i32), &'static str>>> = OnceLock::new();
     nvrtc_available()?;
     let cc = ctx
@@ -77,4 +103,42 @@ pub(crate) fn load_module(ctx: &Arc<CudaContext>, source: &str) -> Result<Arc<Cu
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, options)
         .map_err(|e| Error::Unsupported(format!("NVRTC could not compile a kernel: {e}")))?;
     ctx.load_module(ptx).map_err(Error::driver("cuModuleLoadData"))
+}
+
+/// Launches `f` on `stream` with 8-byte arguments (device pointers and `unsigned long long`).
+pub(crate) fn launch(stream: &Arc<CudaStream>, f: &CudaFunction, grid: u64, block: u32, args: &[u64]) -> Result<()> {
+    launch_shared(stream, f, grid, block, 0, args)
+}
+
+/// Launches `f` with 8-byte arguments and `shared` bytes of dynamic shared memory per block; a
+/// grid of no blocks launches nothing.
+#[cfg_attr(not(feature = "datafusion"), allow(dead_code))]
+pub(crate) fn launch_shared(
+    stream: &Arc<CudaStream>,
+    f: &CudaFunction,
+    grid: u64,
+    block: u32,
+    shared: u32,
+    args: &[u64],
+) -> Result<()> {
+    if grid == 0 {
+        return Ok(());
+    }
+    let grid = u32::try_from(grid).map_err(|_| Error::InvalidArgument(format!("grid of {grid} blocks")))?;
+    let mut b = stream.launch_builder(f);
+    for a in args {
+        b.arg(a);
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: shared,
+    };
+    // SAFETY: every kernel of this crate takes exactly these 8-byte parameters (pointers and
+    // `unsigned long long`), in this order; the pointers are live device allocations of the
+    // stream's device (or mapped pinned memory), kept alive by the caller until the stream is
+    // synchronised, the sizes passed bound every access the kernels make, and `shared` is what
+    // the kernel indexes.
+    unsafe { b.launch(cfg) }.map_err(Error::driver("cuLaunchKernel"))?;
+    Ok(())
 }

@@ -4,13 +4,10 @@
 //! the kernel, with one batched copy; then one synchronisation.
 //!
 //! The kernel is compiled once per device, on the first import of a string array there (tens of
-//! milliseconds); after that the launch costs what one small copy does, where the batched copy
-//! paid a few hundred nanoseconds per offset.
+//! milliseconds; `crate::driver` keeps the module); after that the launch costs what one small copy
+//! does, where the batched copy paid a few hundred nanoseconds per offset.
 
-use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
-
-use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::driver::CudaFunction;
 
 use super::import::invalid;
 use crate::device::{self, Device, Stream};
@@ -71,26 +68,11 @@ fn pinned(device: Device, len: usize) -> Result<DeviceBuffer> {
     PinnedPool::shared(MemoryResource::PinnedHost(device.ordinal().unwrap_or(0)))?.take(len)
 }
 
-/// The gather kernel of a CUDA device, compiled and loaded on first use; `None`, remembered, where
-/// NVRTC is missing or fails.
+/// The gather kernel of a CUDA device (compiled on first use, then cached by the driver layer), or
+/// `None` where NVRTC is missing or fails.
 fn gather_kernel(device: Device) -> Result<Option<CudaFunction>> {
-    static KERNELS: OnceLock<Mutex<HashMap<usize, Option<CudaFunction>>>> = OnceLock::new();
-    let ordinal = device.ordinal().unwrap_or(0);
-    let mut kernels = KERNELS
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    if let Some(f) = kernels.get(&ordinal) {
-        return Ok(f.clone());
-    }
-    let f = driver::load_module(&device::context(ordinal)?, KERNEL)
-        .and_then(|m| {
-            m.load_function("last_offsets")
-                .map_err(Error::driver("cuModuleGetFunction"))
-        })
-        .ok();
-    kernels.insert(ordinal, f.clone());
-    Ok(f)
+    let ctx = device::context(device.ordinal().unwrap_or(0))?;
+    Ok(driver::function(&ctx, KERNEL, "last_offsets").ok())
 }
 
 /// One launch of the gather on `stream` (a stream of `device`): the addresses go in, and the values
@@ -103,8 +85,6 @@ unsafe fn gather(f: &CudaFunction, reads: &[(u64, usize)], device: Device, strea
     let cuda = stream
         .cuda()
         .ok_or_else(|| Error::Unsupported("the offsets gather needs a CUDA stream".into()))?;
-    let grid = u32::try_from(n.div_ceil(BLOCK as usize))
-        .map_err(|_| Error::InvalidArgument(format!("{n} offsets to read")))?;
     let mut block = pinned(device, n * 16)?;
     let bytes = block
         .host_slice_mut()
@@ -113,18 +93,17 @@ unsafe fn gather(f: &CudaFunction, reads: &[(u64, usize)], device: Device, strea
         slot.copy_from_slice(&if w == 8 { p | WIDE } else { p }.to_le_bytes());
     }
     let addresses = block.device_pointer()?;
-    let (values, count) = (addresses + 8 * n as u64, n as u64);
-    let mut launch = cuda.launch_builder(f);
-    launch.arg(&addresses).arg(&values).arg(&count);
-    let cfg = LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: `last_offsets` takes these three 8-byte parameters; its threads read the `n`
-    // addresses and write the `n` values of `block` (mapped, alive until the synchronisation
-    // below), and read each offset, valid per the caller, a byte at a time.
-    unsafe { launch.launch(cfg) }.map_err(Error::driver("cuLaunchKernel"))?;
+    let values = addresses + 8 * n as u64;
+    // `last_offsets` reads the `n` addresses and writes the `n` values of `block` (mapped, alive
+    // until the synchronisation below), and reads each offset, valid per the caller, a byte at a
+    // time.
+    driver::launch(
+        cuda,
+        f,
+        n.div_ceil(BLOCK as usize) as u64,
+        BLOCK,
+        &[addresses, values, n as u64],
+    )?;
     stream.synchronize()?;
     let bytes = block
         .host_slice_mut()

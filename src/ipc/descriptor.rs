@@ -34,6 +34,7 @@ use crate::ipc::layout::{BodyLayout, needs_normalising};
 use crate::ipc::message::DeviceMessage;
 use crate::ipc::wire::{Reader, Writer};
 use crate::ipc::{decode, handle};
+use crate::memory::cache::Region as _;
 use crate::memory::fence::Fence;
 use crate::memory::shared_device::{OpenedRegions, SharedDeviceRegion};
 use crate::memory::shm::{SharedMapping, SharedMemHandle, SharedRegion};

@@ -11,6 +11,7 @@ use cudarc::driver::CudaContext;
 use crate::device::{Device, Stream};
 use crate::driver;
 use crate::error::{Error, Result};
+use crate::memory::cache::Region;
 use crate::memory::fence::Fence;
 
 /// The alignment of every allocation this crate makes on the host, and of every buffer it plans.

@@ -24,7 +24,7 @@
 //! behind any [`DeviceBuffer`] that views it, including buffers received from another process,
 //! which can therefore be passed on without a copy (with the descriptor they came with).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -82,6 +82,7 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 /// The live [`KeepIdle`]s.
 static KEEPERS: Mutex<usize> = Mutex::new(0);
 
+/// The region's first byte in this process, and its size (a multiple of the device's granularity).
 impl Region for SharedDeviceRegion {
     fn address(&self) -> u64 {
         self.memory().ptr
@@ -94,15 +95,20 @@ impl Region for SharedDeviceRegion {
 
 /// Whether device `ordinal` can make shared device memory: the driver has the entry points and
 /// the GPU supports virtual memory management with POSIX file descriptors.
+/// Asked once per device: every message a channel sends asks again.
 pub(crate) fn supported(ordinal: usize) -> bool {
     use driver::CUdevice_attribute as A;
-    let Ok(ctx) = device::context(ordinal) else {
-        return false;
-    };
-    let has = |a| ctx.attribute(a).is_ok_and(|v| v != 0);
-    driver::shareable_available(|| {
-        has(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)
-            && has(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)
+    static KNOWN: Mutex<BTreeMap<usize, bool>> = Mutex::new(BTreeMap::new());
+    let mut known = KNOWN.lock().unwrap_or_else(|p| p.into_inner());
+    *known.entry(ordinal).or_insert_with(|| {
+        let Ok(ctx) = device::context(ordinal) else {
+            return false;
+        };
+        let has = |a| ctx.attribute(a).is_ok_and(|v| v != 0);
+        driver::shareable_available(|| {
+            has(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)
+                && has(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)
+        })
     })
 }
 
@@ -195,16 +201,6 @@ impl SharedDeviceRegion {
 
     fn memory(&self) -> &ShareableMemory {
         self.memory.as_ref().expect("a live region has its memory")
-    }
-
-    /// The address of the first byte in this process.
-    pub(crate) fn address(&self) -> u64 {
-        self.memory().ptr
-    }
-
-    /// The region's size in bytes (a multiple of the device's granularity).
-    pub(crate) fn size(&self) -> usize {
-        self.memory().size
     }
 
     /// The device's ordinal in this process.

@@ -76,11 +76,6 @@ impl SharedRegion {
         create(size)
     }
 
-    /// The address of the first byte in this process.
-    pub(crate) fn address(&self) -> u64 {
-        self.address
-    }
-
     /// A handle for another process: a duplicate of the descriptor, and the size.
     pub(crate) fn handle(&self) -> Result<SharedMemHandle> {
         let fd = self.fd.try_clone().map_err(|e| Error::io("duplicating a memfd", e))?;

@@ -25,12 +25,15 @@ mod download;
 mod gather;
 mod layout;
 mod pack;
+#[cfg(feature = "datafusion")]
 mod packed;
 mod plan;
 pub(crate) mod times;
 mod upload;
 
 pub use download::{PendingBatch, dtoh, dtoh_array, dtoh_async};
+#[cfg(feature = "datafusion")]
 pub(crate) use packed::Packed;
+#[cfg(feature = "datafusion")]
 pub(crate) use upload::htod_async_timed;
 pub use upload::{htod, htod_array, htod_async};

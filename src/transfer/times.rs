@@ -105,6 +105,7 @@ pub struct StagingTimes {
 
 impl StagingTimes {
     /// No time in any step yet.
+    #[cfg_attr(not(feature = "datafusion"), allow(dead_code))]
     pub fn new() -> Self {
         Self::default()
     }
