@@ -318,44 +318,71 @@ fn limit_and_projection_pushdown() {
 }
 
 /// Staging gathers consecutive input batches of a partition into device batches of about the
-/// rows asked for, keeping every row in order.
+/// rows asked for, keeping every row in order: TPC-H orders, random rows with nulls of every
+/// type a GPU concatenates (on a GPU they are gathered there, after their copy), and the same
+/// with `Utf8` and `LargeUtf8` columns too (gathered on the host first).
 #[test]
 fn staging_gathers_batches() {
     common::each_device(|device, _| {
-        let data = &tpch().orders;
-        for batch_rows in [1, 5000, usize::MAX] {
-            let options = LoadOptions::new().with_device(device).with_batch_rows(batch_rows);
-            let table = GpuTable::try_new(data.schema.clone(), data.partitions.clone(), &options).expect("stage");
-            for (input, staged) in data.partitions.iter().zip(table.partitions()) {
-                let expected = match batch_rows {
-                    1 => input.len(),
-                    usize::MAX => 1,
-                    n => {
-                        // Whole input batches are gathered while they fit in `n` rows.
-                        let (mut count, mut rows) = (0, 0);
-                        for b in input {
-                            if rows > 0 && rows + b.num_rows() > n {
-                                rows = 0;
+        let random = random_data(6000, 5);
+        let concatenable = project(
+            &random,
+            &["i32", "i64", "u8", "f64", "dec", "date", "ts", "flag", "vstr"],
+        );
+        for data in [&tpch().orders, &concatenable, &random] {
+            for batch_rows in [1, 5000, usize::MAX] {
+                let options = LoadOptions::new().with_device(device).with_batch_rows(batch_rows);
+                let table = GpuTable::try_new(data.schema.clone(), data.partitions.clone(), &options).expect("stage");
+                for (input, staged) in data.partitions.iter().zip(table.partitions()) {
+                    let expected = match batch_rows {
+                        1 => input.len(),
+                        usize::MAX => 1,
+                        n => {
+                            // Whole input batches are gathered while they fit in `n` rows.
+                            let (mut count, mut rows) = (0, 0);
+                            for b in input {
+                                if rows > 0 && rows + b.num_rows() > n {
+                                    rows = 0;
+                                }
+                                if rows == 0 {
+                                    count += 1;
+                                }
+                                rows += b.num_rows();
+                                if rows >= n {
+                                    rows = 0;
+                                }
                             }
-                            if rows == 0 {
-                                count += 1;
-                            }
-                            rows += b.num_rows();
-                            if rows >= n {
-                                rows = 0;
-                            }
+                            count
                         }
-                        count
+                    };
+                    assert_eq!(staged.len(), expected, "{batch_rows} rows a batch");
+                    let back: Vec<RecordBatch> =
+                        staged.iter().map(|b| b.to_record_batch().expect("download")).collect();
+                    for b in &back {
+                        b.columns()
+                            .iter()
+                            .for_each(|c| c.to_data().validate_full().expect("valid"));
                     }
-                };
-                assert_eq!(staged.len(), expected, "{batch_rows} rows a batch");
-                let back: Vec<RecordBatch> = staged.iter().map(|b| b.to_record_batch().expect("download")).collect();
-                let back = arrow_select::concat::concat_batches(&data.schema, &back).expect("concat");
-                let input = arrow_select::concat::concat_batches(&data.schema, input).expect("concat");
-                assert_eq!(back, input, "{batch_rows} rows a batch");
+                    let back = arrow_select::concat::concat_batches(&data.schema, &back).expect("concat");
+                    let input = arrow_select::concat::concat_batches(&data.schema, input).expect("concat");
+                    assert_eq!(back, input, "{batch_rows} rows a batch");
+                }
             }
         }
     });
+}
+
+/// `data` with only the columns named.
+fn project(data: &Data, names: &[&str]) -> Data {
+    let indices: Vec<usize> = names.iter().map(|n| data.schema.index_of(n).expect("column")).collect();
+    Data {
+        schema: Arc::new(data.schema.project(&indices).expect("project")),
+        partitions: data
+            .partitions
+            .iter()
+            .map(|p| p.iter().map(|b| b.project(&indices).expect("project")).collect())
+            .collect(),
+    }
 }
 
 /// With several GPUs named, partitions spread over all of them and scan concurrently; results

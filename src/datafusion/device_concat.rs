@@ -1,11 +1,16 @@
-//! Record batches of one CUDA device concatenated in its memory, so that a device stage hashes a
+//! Record batches of one CUDA device concatenated in its memory: staging gathers a table's host
+//! batches into device batches there (after copying them as they are), and a device stage hashes a
 //! join's build side read from a GPU table where it lives, without a trip through the host.
 //!
 //! Fixed-width values and views are copied device to device; validity bitmaps and booleans are
-//! re-packed by `concat_bits` (`kernels/scan.cu`); view columns keep every batch's data buffers,
-//! their long views' buffer indices moved by `rebase_views`.
+//! re-packed by `concat_bits` (`kernels/scan.cu`); the data buffers of view columns are copied
+//! into one new buffer (more where they pass `i32::MAX` bytes), their long views pointed there by
+//! `rebase_views`. The result shares no memory with its inputs, which may be freed at once.
+
+use std::sync::Arc;
 
 use arrow_schema::{DataType, SchemaRef};
+use cudarc::driver::{CudaContext, CudaStream};
 
 use super::device_filter::SCAN_KERNELS;
 use super::nvrtc::{BLOCK, cuda_stream, function, launch};
@@ -28,7 +33,8 @@ fn fixed_width(dt: &DataType) -> Option<usize> {
 }
 
 /// The rows of `batches` (on `device`, a CUDA device; columns of [`concatenable`] types) in one
-/// batch of `schema`, in device memory. Returns when the copies have finished.
+/// batch of `schema`, in new device memory (sharing none with `batches`). Returns when the
+/// copies have finished.
 pub(crate) fn concat_batches(
     schema: SchemaRef,
     batches: &[DeviceRecordBatch],
@@ -58,6 +64,10 @@ pub(crate) fn concat_batches(
     };
     let bitmap_len = rows.div_ceil(32) * 4;
     let mut columns = Vec::with_capacity(schema.fields().len());
+    // Where each data buffer of each view part went (see `merge_data`), and the views to point
+    // there: (address, views, data buffers of the part), in the order of `moves`.
+    let mut moves: Vec<u32> = Vec::new();
+    let mut rebases: Vec<(u64, u64, usize)> = Vec::new();
     for (c, field) in schema.fields().iter().enumerate() {
         let dt = field.data_type();
         let parts: Vec<&DeviceArrayData> = batches.iter().map(|b| &b.columns()[c]).collect();
@@ -95,19 +105,16 @@ pub(crate) fn concat_batches(
                 vec![out]
             }
             DataType::Utf8View | DataType::BinaryView => {
-                let mut views = copy_values(&parts, 16, resource, &stream)?;
-                let rebase = function(&ctx, SCAN_KERNELS, "rebase_views")?;
-                let (mut at, mut data) = (0usize, Vec::new());
+                let views = copy_values(&parts, 16, resource, &stream)?.slice(0, rows * 16)?;
+                let data = merge_data(&parts, resource, &stream, &mut moves)?;
+                let mut at = 0usize;
                 for p in &parts {
-                    if !data.is_empty() && !p.is_empty() {
-                        let here = views.slice(at * 16, p.len() * 16)?;
-                        let args = [here.address(), p.len() as u64, data.len() as u64];
-                        launch(&cuda, &rebase, (p.len() as u64).div_ceil(BLOCK as u64), BLOCK, &args)?;
+                    let buffers = p.buffers().len().saturating_sub(1);
+                    if buffers > 0 && !p.is_empty() {
+                        rebases.push((views.address() + at as u64 * 16, p.len() as u64, buffers));
                     }
                     at += p.len();
-                    data.extend(p.buffers().iter().skip(1).cloned());
                 }
-                views = views.slice(0, rows * 16)?;
                 std::iter::once(views).chain(data).collect()
             }
             other => {
@@ -121,8 +128,88 @@ pub(crate) fn concat_batches(
         column.trusted = parts.iter().all(|p| p.is_trusted());
         columns.push(column);
     }
+    // Kept until the stream is synchronised: the kernels read it.
+    let _moves = rebase_views(&cuda, &ctx, &moves, &rebases, resource, &stream)?;
     stream.synchronize()?;
     DeviceRecordBatch::try_new(schema, columns, rows, stream.record()?)
+}
+
+/// Points the long views of each part listed in `rebases` (the address of its views in the
+/// concatenation, their number and the part's data buffers) at the new data buffers, as `moves`
+/// says (see [`merge_data`]). Returns the table of moves on the device, which must live until the
+/// stream is synchronised.
+fn rebase_views(
+    cuda: &Arc<CudaStream>,
+    ctx: &Arc<CudaContext>,
+    moves: &[u32],
+    rebases: &[(u64, u64, usize)],
+    resource: MemoryResource,
+    stream: &Stream,
+) -> Result<Option<DeviceBuffer>> {
+    if rebases.is_empty() {
+        return Ok(None);
+    }
+    let bytes: Vec<u8> = moves.iter().flat_map(|m| m.to_ne_bytes()).collect();
+    let table = DeviceBuffer::from_host(&bytes, resource, stream)?;
+    let rebase = function(ctx, SCAN_KERNELS, "rebase_views")?;
+    let mut at = 0u64;
+    for &(views, n, buffers) in rebases {
+        let args = [views, n, table.address() + at * 8, buffers as u64];
+        launch(cuda, &rebase, n.div_ceil(BLOCK as u64), BLOCK, &args)?;
+        at += buffers as u64;
+    }
+    Ok(Some(table))
+}
+
+/// The data buffers of the view arrays `parts`, copied one after another into new buffers of at
+/// most `i32::MAX` bytes each (the most a view's offset reaches); appends to `moves`, for each
+/// data buffer of each part in order, the index of the new buffer it went to and its offset
+/// there.
+fn merge_data(
+    parts: &[&DeviceArrayData],
+    resource: MemoryResource,
+    stream: &Stream,
+    moves: &mut Vec<u32>,
+) -> Result<Vec<DeviceBuffer>> {
+    const MOST: usize = i32::MAX as usize;
+    // The new buffers' sizes, and which buffer each old one goes to, where.
+    let mut sizes: Vec<usize> = Vec::new();
+    let mut placed = Vec::new();
+    for p in parts {
+        for b in p.buffers().iter().skip(1) {
+            if b.len() > MOST {
+                return Err(Error::InvalidData(format!("a view data buffer of {} bytes", b.len())));
+            }
+            let last = sizes.len().wrapping_sub(1);
+            match sizes.last_mut() {
+                Some(size) if *size + b.len() <= MOST => {
+                    placed.push((last, *size));
+                    *size += b.len();
+                }
+                _ => {
+                    placed.push((sizes.len(), 0));
+                    sizes.push(b.len());
+                }
+            }
+        }
+    }
+    let mut out = sizes
+        .iter()
+        .map(|&size| DeviceBuffer::alloc(resource, size.max(1), stream))
+        .collect::<Result<Vec<_>>>()?;
+    let old = parts.iter().flat_map(|p| p.buffers().iter().skip(1));
+    for (b, &(to, at)) in old.zip(&placed) {
+        if !b.is_empty() {
+            // SAFETY: `b` and `out` live until the caller synchronises the stream.
+            unsafe { out[to].copy_from_async(at, b, stream)? };
+        }
+        // Both fit in `u32`: at most `i32::MAX` (checked above).
+        moves.extend([to as u32, at as u32]);
+    }
+    for (b, size) in out.iter_mut().zip(&sizes) {
+        *b = b.slice(0, *size)?;
+    }
+    Ok(out)
 }
 
 /// The values (`width` bytes each) of `parts`, one after another in a new buffer.
@@ -204,8 +291,8 @@ mod tests {
         RecordBatch::try_new(Arc::new(schema), columns).unwrap()
     }
 
-    /// Batches of odd lengths, sliced at odd offsets, one empty: the device's concatenation equals
-    /// arrow's.
+    /// Batches of odd lengths, sliced at odd offsets, one empty, their strings in many data
+    /// buffers: the device's concatenation equals arrow's and holds none of their memory.
     #[test]
     fn concatenation_on_the_device_matches_arrow() {
         if !cuda_available() {
@@ -227,6 +314,16 @@ mod tests {
             .collect();
         let schema = hosts[0].schema();
         let joined = concat_batches(schema.clone(), &on_device, device, &stream).unwrap();
+        let inputs: Vec<_> = on_device
+            .iter()
+            .flat_map(|b| b.columns().iter().flat_map(|c| c.buffers().iter().chain(c.nulls())))
+            .collect();
+        for (c, column) in joined.columns().iter().enumerate() {
+            for b in column.buffers().iter().chain(column.nulls()) {
+                assert!(!inputs.iter().any(|i| i.shares_allocation(b)), "column {c}");
+            }
+        }
+        drop(on_device);
         let back = crate::transfer::dtoh(&joined, &stream).unwrap();
         let expected = arrow_select::concat::concat_batches(&schema, &hosts).unwrap();
         assert_eq!(back.num_rows(), expected.num_rows());

@@ -13,6 +13,7 @@ use arrow_array::{Array, ArrayRef, GenericByteViewArray, RecordBatch, RecordBatc
 use arrow_data::ArrayData;
 use arrow_schema::{DataType, SchemaRef};
 
+use super::device_concat::{concat_batches, concatenable};
 use super::error::DfResult;
 use super::lanes::DeviceLane;
 use super::options::{LoadOptions, MAX_GATHERED_BYTES, Progress, ProgressFn};
@@ -39,23 +40,21 @@ pub(crate) fn redistribute(partitions: Vec<Vec<RecordBatch>>, n: Option<usize>) 
 /// The bytes of a batch that staging copies: the used ranges of its buffers, each 64-byte aligned,
 /// and the data buffers of its view arrays as [`compact`] leaves them.
 pub(crate) fn host_bytes(batch: &RecordBatch) -> u64 {
-    batch
-        .columns()
-        .iter()
-        .map(|c| {
-            let d = c.to_data();
-            // The slice size of a view array counts its views, not its data buffers.
-            let views = match view_bytes(c) {
-                Some((held, referenced)) => held.min(referenced),
-                None => 0,
-            };
-            let nested: usize = d.child_data().iter().map(nested_view_data).sum();
-            (d.get_slice_memory_size().unwrap_or_else(|_| c.get_array_memory_size())
-                + views
-                + nested
-                + 64 * (d.buffers().len() + 1)) as u64
-        })
-        .sum()
+    batch.columns().iter().map(|c| column_bytes(c, view_bytes(c))).sum()
+}
+
+/// [`host_bytes`] of one column, given its [`view_bytes`] (those of the column before [`compact`]
+/// made it: compacting keeps the bytes its views reference).
+fn column_bytes(column: &ArrayRef, views: Option<(usize, usize)>) -> u64 {
+    let d = column.to_data();
+    // The slice size of a view array counts its views, not its data buffers.
+    let views = views.map_or(0, |(held, referenced)| held.min(referenced));
+    let nested: usize = d.child_data().iter().map(nested_view_data).sum();
+    (d.get_slice_memory_size()
+        .unwrap_or_else(|_| column.get_array_memory_size())
+        + views
+        + nested
+        + 64 * (d.buffers().len() + 1)) as u64
 }
 
 /// The bytes of the data buffers of the view arrays among `data` and its descendants: staging
@@ -84,39 +83,47 @@ fn view_bytes(column: &ArrayRef) -> Option<(usize, usize)> {
 }
 
 /// `batch` with each view column whose data buffers hold more bytes than its views reference
-/// compacted: its long values copied into new buffers of just their size (arrow's `gc`).
+/// compacted: its long values copied into new buffers of just their size (arrow's `gc`); and
+/// its [`host_bytes`], measured in the same pass over its views.
 ///
 /// DataFusion's Parquet reader hands out string views into the decoded pages and dictionaries of a
 /// whole row group: every batch of the row group lists the same buffers, and each buffer holds the
 /// values of other batches too (and, in plain-encoded pages, their length prefixes). Staged as
 /// they are, those buffers were copied once per batch. A column whose views reference every byte
 /// of its buffers or more (a small dictionary shared by many rows) stays as it is.
-pub(crate) fn compact(batch: &RecordBatch) -> DfResult<RecordBatch> {
+pub(crate) fn compact(batch: &RecordBatch) -> DfResult<(RecordBatch, u64)> {
     fn gc<T: ByteViewType + ?Sized>(a: &GenericByteViewArray<T>) -> ArrayRef {
         Arc::new(a.gc())
     }
-    let wasteful = |c: &ArrayRef| view_bytes(c).is_some_and(|(held, referenced)| held > referenced);
-    if !batch.columns().iter().any(wasteful) {
-        return Ok(batch.clone());
-    }
+    let mut bytes = 0;
     // One column after the other: batches are prepared on every core at once.
     let columns: Vec<ArrayRef> = batch
         .columns()
         .iter()
-        .map(|c| match c.data_type() {
-            DataType::Utf8View if wasteful(c) => gc(c.as_string_view()),
-            DataType::BinaryView if wasteful(c) => gc(c.as_binary_view()),
-            _ => c.clone(),
+        .map(|c| {
+            let views = view_bytes(c);
+            let c = match (c.data_type(), views) {
+                (DataType::Utf8View, Some((held, referenced))) if held > referenced => gc(c.as_string_view()),
+                (DataType::BinaryView, Some((held, referenced))) if held > referenced => gc(c.as_binary_view()),
+                _ => c.clone(),
+            };
+            bytes += column_bytes(&c, views);
+            c
         })
         .collect();
     let options = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
-    Ok(RecordBatch::try_new_with_options(batch.schema(), columns, &options)?)
+    Ok((
+        RecordBatch::try_new_with_options(batch.schema(), columns, &options)?,
+        bytes,
+    ))
 }
 
-/// A device batch's worth of host data, ready to copy: one batch (or its bytes packed for its
-/// GPU already), its statistics and its bytes.
+/// A device batch's worth of host data, ready to copy: one batch, or several that the stager
+/// concatenates on the device after copying them (each batch possibly packed for its GPU
+/// already), their statistics and their bytes.
 pub(crate) struct Prepared {
-    data: HostData,
+    /// Each batch with its bytes.
+    pieces: Vec<(HostData, u64)>,
     rows: usize,
     stats: StatsBuilder,
     bytes: u64,
@@ -136,16 +143,18 @@ impl Prepared {
         self.bytes
     }
 
-    /// Packs the batch into pinned staging for CUDA device `ordinal` on this thread, when
+    /// Packs each batch into pinned staging for CUDA device `ordinal` on this thread, when
     /// `budget` has room for it (see [`PackingBudget`]), and frees the host batch; otherwise
     /// leaves it for the copying thread to pack.
     fn pack(mut self, ordinal: usize, budget: &Arc<PackingBudget>, times: Option<&StagingTimes>) -> DfResult<Prepared> {
-        if let HostData::Batch(batch) = &self.data
-            && let Some(reserved) = PackingBudget::reserve(budget, self.bytes)
-        {
-            let packed = Packed::new(batch, ordinal, Box::new(reserved), times)?;
-            let batch = std::mem::replace(&mut self.data, HostData::Packed(packed));
-            timed(times, StagingStep::Release, || drop(batch));
+        for (piece, bytes) in &mut self.pieces {
+            if let HostData::Batch(batch) = piece
+                && let Some(reserved) = PackingBudget::reserve(budget, *bytes)
+            {
+                let packed = Packed::new(batch, ordinal, Box::new(reserved), times)?;
+                let batch = std::mem::replace(piece, HostData::Packed(packed));
+                timed(times, StagingStep::Release, || drop(batch));
+            }
         }
         Ok(self)
     }
@@ -198,9 +207,11 @@ impl Drop for Reservation {
     }
 }
 
-/// Makes one device batch's worth of `batches` (all of `schema`): concatenated when there are
-/// several, view columns compacted, statistics computed while the data is at hand.
-pub(crate) fn prepare(schema: &SchemaRef, batches: Vec<RecordBatch>) -> DfResult<Prepared> {
+/// Makes one device batch's worth of `batches` (all of `schema`): view columns compacted and
+/// statistics computed while the data is at hand. Several batches are concatenated here unless
+/// `concat_on_device`: then the stager copies them as they are and concatenates them on the
+/// device (see [`device_concatenable`]).
+pub(crate) fn prepare(schema: &SchemaRef, batches: Vec<RecordBatch>, concat_on_device: bool) -> DfResult<Prepared> {
     if let Some(b) = batches.iter().find(|b| b.schema().fields() != schema.fields()) {
         return Err(DataFusionError::Plan(format!(
             "batch schema {:?} does not match the table schema {:?}",
@@ -209,22 +220,33 @@ pub(crate) fn prepare(schema: &SchemaRef, batches: Vec<RecordBatch>) -> DfResult
         )));
     }
     let inputs = batches.len() as u64;
-    let batch = match batches.as_slice() {
-        [one] => compact(one)?,
-        many => arrow_select::concat::concat_batches(
-            schema,
-            many.iter().map(compact).collect::<DfResult<Vec<_>>>()?.iter(),
-        )?,
-    };
+    let mut compacted = batches.iter().map(compact).collect::<DfResult<Vec<_>>>()?;
+    if compacted.len() > 1 && !concat_on_device {
+        let batch = arrow_select::concat::concat_batches(schema, compacted.iter().map(|(b, _)| b))?;
+        let bytes = host_bytes(&batch);
+        compacted = vec![(batch, bytes)];
+    }
     let mut stats = StatsBuilder::new(schema);
-    stats.update(&batch);
+    for (b, _) in &compacted {
+        stats.update(b);
+    }
     Ok(Prepared {
-        bytes: host_bytes(&batch),
-        rows: batch.num_rows(),
-        data: HostData::Batch(batch),
+        bytes: compacted.iter().map(|(_, bytes)| bytes).sum(),
+        rows: compacted.iter().map(|(b, _)| b.num_rows()).sum(),
+        pieces: compacted
+            .into_iter()
+            .map(|(b, bytes)| (HostData::Batch(b), bytes))
+            .collect(),
         stats,
         inputs,
     })
+}
+
+/// Whether batches of `schema` staged on `device` are concatenated there (after copying them as
+/// they are) rather than on the host: on a GPU, where every column has a type
+/// `device_concat::concat_batches` takes.
+pub(crate) fn device_concatenable(schema: &SchemaRef, device: Device) -> bool {
+    device.ordinal().is_some() && schema.fields().iter().all(|f| concatenable(f.data_type()))
 }
 
 /// Each batch with its [`host_bytes`], computed on every core (a view column's bytes take a pass
@@ -320,9 +342,11 @@ pub(crate) fn stage_parallel<U: Send>(
                     let Some((order, (partition, unit))) = next else {
                         return;
                     };
+                    let device = device_for(devices, partition);
+                    let on_device = device_concatenable(schema, device);
                     let prepared = timed(times, StagingStep::Decode, || make(unit))
-                        .and_then(|b| timed(times, StagingStep::Prepare, || prepare(schema, b)))
-                        .and_then(|p| match device_for(devices, partition) {
+                        .and_then(|b| timed(times, StagingStep::Prepare, || prepare(schema, b, on_device)))
+                        .and_then(|p| match device {
                             Device::Cuda(ordinal) => p.pack(ordinal, budget, times),
                             _ => Ok(p),
                         });
@@ -345,7 +369,7 @@ pub(crate) fn stage_parallel<U: Send>(
             let (order, partition, prepared) = prepared?;
             stager.decoded(prepared.bytes());
             // The releasing thread stops once `release` is dropped, when this returns.
-            if let Some(batch) = stager.put(order, partition, prepared)? {
+            for batch in stager.put(order, partition, prepared)? {
                 let _ = release.send(batch);
             }
         }
@@ -520,11 +544,12 @@ impl Stager {
     }
 
     /// Copies `prepared` to the device of `partition`, as the batch at place `order` of its
-    /// order. Returns once the host data has been read (the copy may still be under way), with the
-    /// host batch when it was not packed already, for the caller to free.
-    pub(crate) fn put(&mut self, order: usize, partition: usize, prepared: Prepared) -> DfResult<Option<RecordBatch>> {
+    /// order (its batches concatenated there when they are several). Returns once the host data
+    /// has been read (the copy may still be under way), with the host batches that were not
+    /// packed already, for the caller to free.
+    pub(crate) fn put(&mut self, order: usize, partition: usize, prepared: Prepared) -> DfResult<Vec<RecordBatch>> {
         let Prepared {
-            data,
+            pieces,
             rows,
             stats,
             bytes,
@@ -535,17 +560,34 @@ impl Stager {
         let stream = &self.streams[&device];
         let resource = crate::memory::MemoryResource::default_for(device);
         let times = self.times.as_deref();
-        let (staged, batch) = match data {
-            HostData::Batch(batch) => (htod_async_timed(&batch, resource, stream, times), Some(batch)),
-            HostData::Packed(packed) => (
-                timed(times, StagingStep::Upload, || packed.send(resource, stream, times)),
-                None,
-            ),
-        };
-        let staged = staged.map_err(|e| match e {
+        let out_of_room = |e: Error| match e {
             Error::OutOfMemory { .. } => self.no_room(device, bytes, Some(e)),
             e => e.into(),
-        })?;
+        };
+        let mut read = Vec::new();
+        let mut staged = Vec::with_capacity(pieces.len());
+        for (piece, _) in pieces {
+            let copied = match piece {
+                HostData::Batch(batch) => {
+                    let copied = htod_async_timed(&batch, resource, stream, times);
+                    read.push(batch);
+                    copied
+                }
+                HostData::Packed(packed) => timed(times, StagingStep::Upload, || packed.send(resource, stream, times)),
+            };
+            staged.push(copied.map_err(out_of_room)?);
+        }
+        let staged = match staged.pop() {
+            Some(one) if staged.is_empty() => one,
+            last => {
+                staged.extend(last);
+                // The batches' memory is freed in the order of `stream`, after the concatenation.
+                timed(times, StagingStep::Gather, || {
+                    concat_batches(self.schema.clone(), &staged, device, stream)
+                })
+                .map_err(out_of_room)?
+            }
+        };
         // Keep the table's schema (with its metadata) on every batch.
         let staged = DeviceRecordBatch::try_new(
             self.schema.clone(),
@@ -564,7 +606,7 @@ impl Stager {
         if let Some(p) = &self.progress {
             p(self.done);
         }
-        Ok(batch)
+        Ok(read)
     }
 
     /// The table, once every copy has finished.

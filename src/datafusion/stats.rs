@@ -68,11 +68,16 @@ impl StatsBuilder {
             let nulls = a.logical_nulls().map_or(0, |n| n.null_count());
             c.nulls += nulls;
             c.non_null += a.len() - nulls;
-            let values = std::slice::from_ref(a);
-            if c.min.as_mut().is_some_and(|m| m.update_batch(values).is_err()) {
+            // A view column's extremes are found in one pass and fed to the accumulators alone.
+            let (least, greatest) = match view_extremes(a) {
+                Some(Some((least, greatest))) => (a.slice(least, 1), a.slice(greatest, 1)),
+                Some(None) => (a.slice(0, 0), a.slice(0, 0)),
+                None => (a.clone(), a.clone()),
+            };
+            if c.min.as_mut().is_some_and(|m| m.update_batch(&[least]).is_err()) {
                 c.min = None;
             }
-            if c.max.as_mut().is_some_and(|m| m.update_batch(values).is_err()) {
+            if c.max.as_mut().is_some_and(|m| m.update_batch(&[greatest]).is_err()) {
                 c.max = None;
             }
             c.max_bytes = c.max_bytes.max(longest_string(a));
@@ -175,6 +180,68 @@ fn longest_string(a: &ArrayRef) -> Option<usize> {
     })
 }
 
+/// The places of the least and the greatest value of a view array, in the byte order of
+/// DataFusion's `MIN` and `MAX` (arrow's), found in one pass over the views: `Some(None)` when
+/// every value is null, `None` when `a` is not a view array.
+fn view_extremes(a: &ArrayRef) -> Option<Option<(usize, usize)>> {
+    use arrow_array::GenericByteViewArray;
+    use arrow_array::cast::AsArray;
+    use arrow_array::types::ByteViewType;
+    use std::cmp::Ordering;
+    /// A value found so far, with what orders it quickly: its inline key (for a value of 12
+    /// bytes or fewer) and its first four bytes, big-endian.
+    #[derive(Clone, Copy)]
+    struct Found {
+        at: usize,
+        inline: Option<u128>,
+        prefix: u32,
+    }
+    fn found<T: ByteViewType + ?Sized>(at: usize, view: u128) -> Found {
+        Found {
+            at,
+            inline: (view as u32 <= 12).then(|| GenericByteViewArray::<T>::inline_key_fast(view)),
+            prefix: ((view >> 32) as u32).swap_bytes(),
+        }
+    }
+    fn of<T: ByteViewType + ?Sized>(
+        a: &GenericByteViewArray<T>,
+        mut valid: impl Iterator<Item = usize>,
+    ) -> Option<(usize, usize)> {
+        let views = a.views();
+        let first = valid.next()?;
+        let (mut least, mut greatest) = (found::<T>(first, views[first]), found::<T>(first, views[first]));
+        // Arrow's order (`compare_unchecked`), with the found value's keys computed once.
+        let order = |i: usize, view: u128, f: &Found| match f.inline {
+            Some(key) if view as u32 <= 12 => GenericByteViewArray::<T>::inline_key_fast(view).cmp(&key),
+            _ => match ((view >> 32) as u32).swap_bytes().cmp(&f.prefix) {
+                // SAFETY: both indices are below the array's length.
+                Ordering::Equal => unsafe { GenericByteViewArray::compare_unchecked(a, i, a, f.at) },
+                other => other,
+            },
+        };
+        for i in valid {
+            let view = views[i];
+            if order(i, view, &least) == Ordering::Less {
+                least = found::<T>(i, view);
+            } else if order(i, view, &greatest) == Ordering::Greater {
+                greatest = found::<T>(i, view);
+            }
+        }
+        Some((least.at, greatest.at))
+    }
+    fn valid<T: ByteViewType + ?Sized>(a: &GenericByteViewArray<T>) -> Option<(usize, usize)> {
+        match a.nulls().filter(|n| n.null_count() > 0) {
+            Some(nulls) => of(a, nulls.valid_indices()),
+            None => of(a, 0..a.len()),
+        }
+    }
+    match a.data_type() {
+        DataType::Utf8View => Some(valid(a.as_string_view())),
+        DataType::BinaryView => Some(valid(a.as_binary_view())),
+        _ => None,
+    }
+}
+
 /// Feeds `other`'s extreme to `mine`; a missing one (or one that fails) leaves none.
 fn absorb_extreme<A: Accumulator + CloneEvaluate>(mine: &mut Option<A>, other: &Option<A>) {
     let extreme = other
@@ -204,5 +271,54 @@ impl CloneEvaluate for MinAccumulator {
 impl CloneEvaluate for MaxAccumulator {
     fn clone_evaluate(&self) -> Option<ScalarValue> {
         self.clone().evaluate().ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use arrow_array::{ArrayRef, BinaryViewArray, StringViewArray};
+
+    use super::view_extremes;
+
+    /// Long and short values sharing prefixes, nulls first, between and last: the one-pass
+    /// extremes are arrow's minimum and maximum.
+    #[test]
+    fn view_extremes_are_arrows_min_and_max() {
+        let words = [
+            None,
+            Some("abcdefghijklmnopq"),
+            Some("abcdefghijklmnop"),
+            Some("abcd"),
+            None,
+            Some("abcdefghijkl"),
+            Some("abcdefghijklm"),
+            Some("zz"),
+            Some("z"),
+            Some("zzzzzzzzzzzzzzzzz\u{0}"),
+            Some(""),
+            None,
+        ];
+        for n in 0..=words.len() {
+            for start in 0..n {
+                let strings = StringViewArray::from_iter(words[start..n].iter().copied());
+                let a: ArrayRef = Arc::new(strings.clone());
+                let expected = arrow_arith::aggregate::min_string_view(&strings)
+                    .zip(arrow_arith::aggregate::max_string_view(&strings));
+                let got = view_extremes(&a)
+                    .expect("a view array")
+                    .map(|(lo, hi)| (strings.value(lo), strings.value(hi)));
+                assert_eq!(got, expected, "{:?}", &words[start..n]);
+
+                let bytes = BinaryViewArray::from_iter(words[start..n].iter().map(|w| w.map(str::as_bytes)));
+                let b: ArrayRef = Arc::new(bytes.clone());
+                let got = view_extremes(&b)
+                    .expect("a view array")
+                    .map(|(lo, hi)| (bytes.value(lo), bytes.value(hi)));
+                assert_eq!(got, expected.map(|(lo, hi)| (lo.as_bytes(), hi.as_bytes())));
+            }
+        }
+        assert!(view_extremes(&(Arc::new(arrow_array::Int32Array::from(vec![1])) as ArrayRef)).is_none());
     }
 }

@@ -23,7 +23,9 @@ use super::options::LoadOptions;
 use super::options::{DEFAULT_BATCH_ROWS, MAX_GATHERED_BYTES};
 use super::predicate::{Predicate, supports_filter};
 use super::source::GpuScan;
-use super::staging::{Stager, batches, gather, host_bytes, prepare, redistribute, sized, stage_parallel};
+use super::staging::{
+    Stager, batches, device_concatenable, gather, host_bytes, prepare, redistribute, sized, stage_parallel,
+};
 use crate::array::DeviceRecordBatch;
 use crate::device::Device;
 use crate::transfer::times::{StagingStep, timed};
@@ -167,8 +169,9 @@ impl GpuTable {
         let mut order = 0;
         let times = options.staging_times.clone();
         let mut put = |stager: &mut Stager, partition: usize, run: Vec<(RecordBatch, u64)>| {
+            let on_device = device_concatenable(&schema, stager.device_of(partition));
             let prepared = timed(times.as_deref(), StagingStep::Prepare, || {
-                prepare(&schema, batches(run))
+                prepare(&schema, batches(run), on_device)
             })?;
             stager.decoded(prepared.bytes());
             order += 1;

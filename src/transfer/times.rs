@@ -16,8 +16,8 @@ pub enum StagingStep {
     Setup,
     /// Making host batches: decoding Parquet row groups (nothing for batches already in memory).
     Decode,
-    /// Preparing a device batch's worth of host batches: concatenating, compacting view columns,
-    /// computing statistics.
+    /// Preparing a device batch's worth of host batches: compacting view columns, computing
+    /// statistics, and concatenating them where the device cannot.
     Prepare,
     /// A decoding thread waiting for the copying thread to take its prepared batch (the queue
     /// between them is full: copying is behind).
@@ -34,6 +34,9 @@ pub enum StagingStep {
     Copy,
     /// Waiting for copies to finish: for staging to reuse, or at the end of the load.
     Wait,
+    /// Concatenating a device batch's host batches on the device once they are copied, with the
+    /// wait for their copies.
+    Gather,
     /// Freeing host batches once they are on the device (on a thread of their own).
     Release,
     /// After the last copy was issued: waiting for the copies and building the table.
@@ -42,7 +45,7 @@ pub enum StagingStep {
 
 impl StagingStep {
     /// Every step, in the order above.
-    pub const ALL: [StagingStep; 12] = [
+    pub const ALL: [StagingStep; 13] = [
         StagingStep::Setup,
         StagingStep::Decode,
         StagingStep::Prepare,
@@ -53,6 +56,7 @@ impl StagingStep {
         StagingStep::Pack,
         StagingStep::Copy,
         StagingStep::Wait,
+        StagingStep::Gather,
         StagingStep::Release,
         StagingStep::Finish,
     ];
@@ -70,6 +74,7 @@ impl StagingStep {
             StagingStep::Pack => "staging.pack",
             StagingStep::Copy => "staging.copy",
             StagingStep::Wait => "staging.wait",
+            StagingStep::Gather => "staging.gather",
             StagingStep::Release => "staging.release",
             StagingStep::Finish => "staging.finish",
         }
@@ -88,6 +93,7 @@ impl StagingStep {
             StagingStep::Pack => "pack",
             StagingStep::Copy => "copy",
             StagingStep::Wait => "wait",
+            StagingStep::Gather => "gather",
             StagingStep::Release => "release",
             StagingStep::Finish => "finish",
         }

@@ -180,7 +180,9 @@ extern "C" __global__ void ref_views(const u64* refs, const u64* len, u64 m, con
 
 /* Concatenation on the device (device_concat.rs). `concat_bits` ORs bits src_off..src_off + n of a
    bitmap (all ones when `src` is null) into a zeroed bitmap of 32-bit words from bit dst_off;
-   `rebase_views` moves the buffer index of the long views (more than 12 bytes) among n by `add`. */
+   `rebase_views` points the long views (more than 12 bytes) among n at the concatenation's data
+   buffers: a view of the part's data buffer b (of `buffers`) moves to buffer moves[2 * b], its
+   offset raised by moves[2 * b + 1]; a view of no buffer of the part stays as it is. */
 extern "C" __global__ void concat_bits(const unsigned char* src, u64 src_off, u64 n, unsigned int* dst, u64 dst_off) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
@@ -191,7 +193,11 @@ extern "C" __global__ void concat_bits(const unsigned char* src, u64 src_off, u6
     }
 }
 
-extern "C" __global__ void rebase_views(unsigned int* views, u64 n, u64 add) {
+extern "C" __global__ void rebase_views(unsigned int* views, u64 n, const unsigned int* moves, u64 buffers) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n && views[4 * i] > 12) views[4 * i + 2] += (unsigned int)add;
+    if (i >= n || views[4 * i] <= 12) return;
+    unsigned int b = views[4 * i + 2];
+    if (b >= buffers) return;
+    views[4 * i + 2] = moves[2 * b];
+    views[4 * i + 3] += moves[2 * b + 1];
 }
