@@ -3,7 +3,8 @@
 //! devices as they are ready by one thread, with budgets and progress.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use ::datafusion::common::DataFusionError;
 use arrow_array::cast::AsArray;
@@ -21,9 +22,6 @@ use super::table::{GpuTable, TableData};
 use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Stream};
 use crate::error::Error;
-use crate::memory::pinned::PinnedPool;
-use crate::memory::slots::Slots;
-use crate::memory::{DeviceBuffer, MemoryResource};
 use crate::transfer::times::{StagingStep, StagingTimes, timed};
 use crate::transfer::{Packed, htod_async_timed};
 
@@ -146,14 +144,14 @@ impl Prepared {
     }
 
     /// Packs each batch into pinned staging for CUDA device `ordinal` on this thread, when
-    /// `budget` has room for it, and frees the host batch; otherwise leaves it for the copying
-    /// thread to pack.
-    fn pack(mut self, ordinal: usize, budget: &PackingBudget, times: Option<&StagingTimes>) -> DfResult<Prepared> {
+    /// `budget` has room for it (see [`PackingBudget`]), and frees the host batch; otherwise
+    /// leaves it for the copying thread to pack.
+    fn pack(mut self, ordinal: usize, budget: &Arc<PackingBudget>, times: Option<&StagingTimes>) -> DfResult<Prepared> {
         for (piece, bytes) in &mut self.pieces {
             if let HostData::Batch(batch) = piece
-                && *bytes <= PackingBudget::LARGEST as u64
-                && let Some(packed) = Packed::new(batch, |len| budget.take(ordinal, len), times)?
+                && let Some(reserved) = PackingBudget::reserve(budget, *bytes)
             {
+                let packed = Packed::new(batch, ordinal, Box::new(reserved), times)?;
                 let batch = std::mem::replace(piece, HostData::Packed(packed));
                 timed(times, StagingStep::Release, || drop(batch));
             }
@@ -162,45 +160,50 @@ impl Prepared {
     }
 }
 
-/// The pinned staging that threads preparing batches may fill at once, per GPU: one block of
-/// 1 GiB from the GPU's pool of pinned memory (pinned by the first load, reused by later ones),
-/// lent in slots of 32 MiB ([`Slots`]), each until the copy from it has finished. A larger batch,
-/// or one that finds no slot free, is packed by the copying thread (in chunks, through a few
-/// blocks of staging it reuses). One block rather than one per batch: the driver pins one block
-/// at a time, and threads pinning at once wait on each other.
+/// The pinned staging that threads preparing batches may fill at once: 1 GiB, in batches of at
+/// most 32 MiB. A larger batch, or one that finds no room, is packed by the copying thread (in
+/// chunks, through a few blocks of staging it reuses): pinning memory costs about as much as
+/// copying it, so a block must serve many batches to pay off.
 pub(crate) struct PackingBudget {
-    slots: Mutex<HashMap<usize, Arc<Slots>>>,
+    left: AtomicU64,
 }
 
 impl PackingBudget {
-    const BYTES: usize = 1 << 30;
-    const LARGEST: usize = 32 << 20;
+    const BYTES: u64 = 1 << 30;
+    const LARGEST: u64 = 32 << 20;
 
-    fn new() -> PackingBudget {
-        PackingBudget {
-            slots: Mutex::default(),
-        }
+    fn new() -> Arc<PackingBudget> {
+        Arc::new(PackingBudget {
+            left: AtomicU64::new(Self::BYTES),
+        })
     }
 
-    /// `len` bytes of staging pinned for CUDA device `ordinal`, when a slot is free and `len`
-    /// fits in it.
-    fn take(&self, ordinal: usize, len: usize) -> crate::error::Result<Option<DeviceBuffer>> {
-        if len > Self::LARGEST {
-            return Ok(None);
+    /// Takes `bytes` of the budget, if it has them and they are at most [`Self::LARGEST`], until
+    /// the reservation drops.
+    fn reserve(budget: &Arc<PackingBudget>, bytes: u64) -> Option<Reservation> {
+        if bytes > Self::LARGEST {
+            return None;
         }
-        let slots = {
-            let mut all = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-            match all.get(&ordinal) {
-                Some(slots) => slots.clone(),
-                None => {
-                    let block = PinnedPool::shared(MemoryResource::PinnedHost(ordinal))?.take(Self::BYTES)?;
-                    let slots = Slots::new(block, Self::LARGEST);
-                    all.insert(ordinal, slots.clone());
-                    slots
-                }
-            }
-        };
-        Ok(slots.take(len))
+        budget
+            .left
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| left.checked_sub(bytes))
+            .ok()
+            .map(|_| Reservation {
+                budget: budget.clone(),
+                bytes,
+            })
+    }
+}
+
+/// Bytes of a [`PackingBudget`] in use: kept with the staging until its copy has finished.
+struct Reservation {
+    budget: Arc<PackingBudget>,
+    bytes: u64,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.budget.left.fetch_add(self.bytes, Ordering::AcqRel);
     }
 }
 
@@ -640,5 +643,31 @@ impl Stager {
                 source: None,
             }),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reservations take bytes of the budget while they live; one that does not fit gets none.
+    #[test]
+    fn the_packing_budget_lends_only_what_it_has_until_it_is_given_back() {
+        let budget = PackingBudget::new();
+        let largest = PackingBudget::LARGEST;
+        let n = (PackingBudget::BYTES / largest) as usize;
+        let mut all: Vec<_> = (0..n)
+            .map(|_| PackingBudget::reserve(&budget, largest).expect("fits"))
+            .collect();
+        assert!(PackingBudget::reserve(&budget, 1).is_none());
+        all.pop();
+        assert!(
+            PackingBudget::reserve(&budget, largest + 1).is_none(),
+            "larger than a batch may be"
+        );
+        all.push(PackingBudget::reserve(&budget, largest).expect("given back"));
+        assert!(PackingBudget::reserve(&budget, 1).is_none());
+        drop(all);
+        assert_eq!(budget.left.load(Ordering::Acquire), PackingBudget::BYTES);
     }
 }

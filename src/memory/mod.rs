@@ -15,8 +15,6 @@ mod register;
 mod resource;
 pub(crate) mod shared_device;
 pub(crate) mod shm;
-#[cfg_attr(not(feature = "datafusion"), allow(dead_code))]
-pub(crate) mod slots;
 mod view;
 
 pub use buffer::DeviceBuffer;

@@ -8,6 +8,7 @@ use arrow_schema::SchemaRef;
 use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Stream};
 use crate::error::{Error, Result, try_collect};
+use crate::memory::pinned::PinnedPool;
 use crate::memory::{DeviceBuffer, MemoryResource, copy, stream_for};
 
 use super::deferred::{Keep, defer_release, release_finished};
@@ -21,40 +22,32 @@ pub(crate) struct Packed {
     layouts: Vec<Layout>,
     schema: SchemaRef,
     num_rows: usize,
+    /// Kept with the staging until the copy that reads it has finished.
+    hold: Keep,
 }
 
 impl Packed {
-    /// Plans `batch` and packs it, on this thread, into the pinned memory (of the GPU it goes to)
-    /// that `staging` gives for its size, which is kept until the copy from it has finished; when
-    /// `staging` gives none, returns `None`. The time of the steps counts in `times`.
-    pub(crate) fn new(
-        batch: &RecordBatch,
-        staging: impl FnOnce(usize) -> Result<Option<DeviceBuffer>>,
-        times: Option<&StagingTimes>,
-    ) -> Result<Option<Packed>> {
+    /// Plans `batch` and packs it, on this thread, into pinned memory of CUDA device `ordinal`
+    /// (taken from its pool); `hold` is kept until the copy from it has finished. The time of the
+    /// steps counts in `times`.
+    pub(crate) fn new(batch: &RecordBatch, ordinal: usize, hold: Keep, times: Option<&StagingTimes>) -> Result<Packed> {
         let arrays: Vec<&dyn Array> = batch.columns().iter().map(|c| c.as_ref()).collect();
         let data = column_data(&arrays);
         let mut plan = Plan::for_columns(arrays.len());
         let layouts = try_collect(arrays.iter().zip(&data).map(|(a, d)| plan.column(*a, d.as_ref())))?;
-        let Some(mut staging) = timed(times, StagingStep::Alloc, || staging(plan.size()))? else {
-            return Ok(None);
-        };
-        if !matches!(staging.device(), Device::CudaHost(_)) {
-            return Err(Error::InvalidArgument(format!(
-                "staging in {} memory, not pinned memory of a GPU",
-                staging.device()
-            )));
-        }
+        let pool = PinnedPool::shared(MemoryResource::PinnedHost(ordinal))?;
+        let mut staging = timed(times, StagingStep::Alloc, || pool.take(plan.size()))?;
         let out = staging
             .host_slice_mut()
-            .ok_or_else(|| Error::Unsupported("staging is not writable host memory".into()))?;
+            .ok_or_else(|| Error::Unsupported("staging is not host memory".into()))?;
         timed(times, StagingStep::Pack, || plan.fill(0, out));
-        Ok(Some(Packed {
+        Ok(Packed {
             staging,
             layouts,
             schema: batch.schema(),
             num_rows: batch.num_rows(),
-        }))
+            hold,
+        })
     }
 
     /// Copies the packed bytes into one new allocation of `resource` (on the GPU the staging is
@@ -97,7 +90,7 @@ impl Packed {
             }
             stream.record()
         })?;
-        let keep: Keep = Box::new(self.staging);
+        let keep: Keep = Box::new((self.staging, self.hold));
         defer_release([(keep, done.clone())].into());
         let columns = try_collect(self.layouts.iter().map(|l| l.to_device(&memory)))?;
         DeviceRecordBatch::try_new(self.schema, columns, self.num_rows, done)
@@ -114,18 +107,7 @@ mod tests {
 
     use super::*;
     use crate::device::cuda_for_tests as cuda;
-    use crate::memory::pinned::PinnedPool;
     use crate::transfer::dtoh;
-
-    /// Pinned staging of the first GPU, from its pool.
-    fn pinned(len: usize) -> Result<Option<DeviceBuffer>> {
-        Ok(Some(PinnedPool::shared(MemoryResource::PinnedHost(0))?.take(len)?))
-    }
-
-    /// Host memory, which is not staging for a GPU.
-    fn host(len: usize) -> Result<Option<DeviceBuffer>> {
-        Ok(Some(DeviceBuffer::alloc(MemoryResource::Host, len, &Stream::cpu())?))
-    }
 
     /// Nulls, strings, sliced columns (offsets rebased, bitmaps shifted), a list and a struct.
     fn batch() -> RecordBatch {
@@ -163,20 +145,11 @@ mod tests {
     fn a_batch_packed_on_one_thread_arrives_whole_from_another() {
         let Some(device) = cuda() else { return };
         let batch = batch();
-        let packed = std::thread::scope(|s| s.spawn(|| Packed::new(&batch, pinned, None)).join().unwrap())
-            .unwrap()
-            .expect("staging");
+        let packed =
+            std::thread::scope(|s| s.spawn(|| Packed::new(&batch, 0, Box::new(()), None)).join().unwrap()).unwrap();
         let stream = Stream::new(device).unwrap();
         let staged = packed.send(MemoryResource::default_for(device), &stream, None).unwrap();
         assert_eq!(dtoh(&staged, &stream).unwrap(), batch);
-    }
-
-    /// Packing needs pinned staging; without staging there is no packed batch.
-    #[test]
-    fn packing_needs_pinned_staging() {
-        let e = Packed::new(&batch(), host, None).err().expect("host memory refused");
-        assert!(e.to_string().contains("not pinned memory"), "{e}");
-        assert!(Packed::new(&batch(), |_| Ok(None), None).unwrap().is_none());
     }
 
     /// Staging pinned for one GPU is not sent to another device.
@@ -185,7 +158,7 @@ mod tests {
         if cuda().is_none() {
             return;
         }
-        let packed = Packed::new(&batch(), pinned, None).unwrap().expect("staging");
+        let packed = Packed::new(&batch(), 0, Box::new(()), None).unwrap();
         let e = packed
             .send(MemoryResource::Host, &Stream::cpu(), None)
             .expect_err("sent to the CPU");
