@@ -6,15 +6,17 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use ::datafusion::common::DataFusionError;
+use ::datafusion::parquet::arrow::arrow_reader::statistics::StatisticsConverter;
 use ::datafusion::parquet::arrow::arrow_reader::{
     ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReaderBuilder,
 };
-use arrow_array::{RecordBatch, RecordBatchOptions};
-use arrow_schema::SchemaRef;
+use arrow_array::{Array, ArrayRef, RecordBatch, RecordBatchOptions};
+use arrow_schema::{DataType, Field, Schema, SchemaRef};
 
 use super::error::DfResult;
 use super::options::{DEFAULT_BATCH_ROWS, LoadOptions, MAX_GATHERED_BYTES};
 use super::staging::{Stager, stage_parallel};
+use super::stats::KnownExtremes;
 use super::table::GpuTable;
 use crate::transfer::times::StagingStep;
 
@@ -83,20 +85,22 @@ pub(crate) fn stage(
     }
     stage_parallel(&mut stager, units, |run: Run| {
         let path = &files[run.file];
+        let known = known_extremes(&schema, &metadata[run.file], &run.row_groups);
         let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(open(path)?, metadata[run.file].clone())
             .with_row_groups(run.row_groups)
             .with_batch_size(run.rows)
             .build()
             .map_err(|e| in_file(path, e))?;
         let batch_options = |b: &RecordBatch| RecordBatchOptions::new().with_row_count(Some(b.num_rows()));
-        reader
+        let batches = reader
             .map(|b| {
                 let b = b.map_err(|e| in_file(path, e))?;
                 // The table's schema, with its metadata, on every batch.
                 RecordBatch::try_new_with_options(schema.clone(), b.columns().to_vec(), &batch_options(&b))
                     .map_err(|e| in_file(path, e))
             })
-            .collect()
+            .collect::<DfResult<Vec<_>>>()?;
+        Ok((batches, Some(known)))
     })?;
     stager.finish()
 }
@@ -133,6 +137,76 @@ fn runs(metadata: &[ArrowReaderMetadata], rows: usize) -> Vec<Run> {
     runs
 }
 
+/// The extremes of the columns of `row_groups` that their statistics give exactly: those the
+/// writer marked exact (not truncated) in every row group that has a value, of types whose order
+/// in Parquet is arrow's (integers that fit in 32 signed bits or are signed, decimals, dates,
+/// times, timestamps, booleans, strings and binaries; not floats, whose NaNs and zeros Parquet
+/// orders its own way).
+fn known_extremes(schema: &Schema, metadata: &ArrowReaderMetadata, row_groups: &[usize]) -> KnownExtremes {
+    let file = metadata.metadata();
+    let groups = || row_groups.iter().map(|&i| file.row_group(i));
+    let rows: Vec<u64> = groups().map(|g| g.num_rows().max(0) as u64).collect();
+    let column = |field: &Field| -> Option<(ArrayRef, ArrayRef)> {
+        if !ordered_as_in_arrow(field.data_type()) {
+            return None;
+        }
+        let stats =
+            StatisticsConverter::try_new(field.name(), metadata.schema(), file.file_metadata().schema_descr()).ok()?;
+        let (least, greatest) = (
+            stats.row_group_mins(groups()).ok()?,
+            stats.row_group_maxes(groups()).ok()?,
+        );
+        let exact = stats
+            .row_group_is_min_value_exact(groups())
+            .ok()?
+            .values()
+            .count_set_bits()
+            + stats
+                .row_group_is_max_value_exact(groups())
+                .ok()?
+                .values()
+                .count_set_bits();
+        let nulls = stats.row_group_null_counts(groups()).ok()?;
+        // A row group without extremes must be all nulls (not without statistics).
+        let complete = (0..rows.len()).all(|g| {
+            let all_null = nulls.is_valid(g) && nulls.value(g) == rows[g];
+            all_null || (least.is_valid(g) && greatest.is_valid(g))
+        });
+        (complete
+            && exact == 2 * rows.len()
+            && least.data_type() == field.data_type()
+            && greatest.data_type() == field.data_type())
+        .then_some((least, greatest))
+    };
+    schema.fields().iter().map(|f| column(f)).collect()
+}
+
+/// Whether Parquet orders values of `dt` (as DataFusion reads them) as arrow does.
+fn ordered_as_in_arrow(dt: &DataType) -> bool {
+    use DataType::*;
+    matches!(
+        dt,
+        Boolean
+            | Int8
+            | Int16
+            | Int32
+            | Int64
+            | UInt8
+            | UInt16
+            | Decimal128(..)
+            | Date32
+            | Time32(_)
+            | Time64(_)
+            | Timestamp(..)
+            | Utf8
+            | LargeUtf8
+            | Utf8View
+            | Binary
+            | LargeBinary
+            | BinaryView
+    )
+}
+
 fn open(path: &Path) -> DfResult<File> {
     File::open(path).map_err(|e| in_file(path, e))
 }
@@ -140,4 +214,89 @@ fn open(path: &Path) -> DfResult<File> {
 /// An error reading `path`, naming it.
 fn in_file(path: &Path, e: impl std::fmt::Display) -> DataFusionError {
     DataFusionError::Execution(format!("{}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use ::datafusion::parquet::arrow::ArrowWriter;
+    use ::datafusion::parquet::file::properties::{EnabledStatistics, WriterProperties};
+    use arrow_array::cast::AsArray;
+    use arrow_array::types::Int64Type;
+    use arrow_array::{Float64Array, Int64Array, StringViewArray};
+
+    use super::*;
+
+    /// 300 rows in row groups of 100: integers with nulls, strings long and short, floats.
+    fn write(path: &Path, statistics: EnabledStatistics) -> RecordBatch {
+        let ints = Int64Array::from_iter((0..300i64).map(|i| (i % 7 != 0).then_some((i * 37) % 101 - 50)));
+        let strings = StringViewArray::from_iter_values((0..300).map(|i| format!("{}{}", "s".repeat(i % 20), i)));
+        let floats = Float64Array::from_iter_values((0..300).map(|i| i as f64 - 0.5));
+        let batch = RecordBatch::try_from_iter([
+            ("i", Arc::new(ints) as ArrayRef),
+            ("s", Arc::new(strings) as ArrayRef),
+            ("f", Arc::new(floats) as ArrayRef),
+        ])
+        .unwrap();
+        let props = WriterProperties::builder()
+            .set_max_row_group_row_count(Some(100))
+            .set_statistics_enabled(statistics)
+            .build();
+        let mut w = ArrowWriter::try_new(File::create(path).unwrap(), batch.schema(), Some(props)).unwrap();
+        w.write(&batch).unwrap();
+        w.close().unwrap();
+        batch
+    }
+
+    fn metadata(path: &Path, schema: &SchemaRef) -> ArrowReaderMetadata {
+        let options = ArrowReaderOptions::new().with_schema(schema.clone());
+        ArrowReaderMetadata::load(&File::open(path).unwrap(), options).unwrap()
+    }
+
+    /// Row-group statistics give the extremes of integer and string columns as arrow finds them,
+    /// not of float columns; a file without statistics gives none.
+    #[test]
+    fn row_group_statistics_give_exact_extremes() {
+        let dir = std::env::temp_dir().join(format!("arrow-cuda-extremes-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (with, without) = (dir.join("with.parquet"), dir.join("without.parquet"));
+        let batch = write(&with, EnabledStatistics::Chunk);
+        write(&without, EnabledStatistics::None);
+        let schema = batch.schema();
+
+        let known = known_extremes(&schema, &metadata(&with, &schema), &[0, 1, 2]);
+        let (least, greatest) = known[0].as_ref().expect("integers");
+        let ints = batch.column(0).as_primitive::<Int64Type>();
+        assert_eq!(
+            arrow_arith::aggregate::min(least.as_primitive::<Int64Type>()),
+            arrow_arith::aggregate::min(ints)
+        );
+        assert_eq!(
+            arrow_arith::aggregate::max(greatest.as_primitive::<Int64Type>()),
+            arrow_arith::aggregate::max(ints)
+        );
+        let (least, greatest) = known[1].as_ref().expect("strings");
+        let strings = batch.column(1).as_string_view();
+        assert_eq!(
+            arrow_arith::aggregate::min_string_view(least.as_string_view()),
+            arrow_arith::aggregate::min_string_view(strings)
+        );
+        assert_eq!(
+            arrow_arith::aggregate::max_string_view(greatest.as_string_view()),
+            arrow_arith::aggregate::max_string_view(strings)
+        );
+        assert!(known[2].is_none(), "floats");
+        // The first row group alone: its own extremes.
+        let first = known_extremes(&schema, &metadata(&with, &schema), &[0]);
+        let (least, _) = first[0].as_ref().expect("integers");
+        assert_eq!(
+            arrow_arith::aggregate::min(least.as_primitive::<Int64Type>()),
+            arrow_arith::aggregate::min(&ints.slice(0, 100))
+        );
+
+        let none = known_extremes(&schema, &metadata(&without, &schema), &[0, 1, 2]);
+        assert!(none.iter().all(Option::is_none));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -17,7 +17,7 @@ use super::device_concat::{concat_batches, concatenable};
 use super::error::DfResult;
 use super::lanes::DeviceLane;
 use super::options::{LoadOptions, MAX_GATHERED_BYTES, Progress, ProgressFn};
-use super::stats::StatsBuilder;
+use super::stats::{KnownExtremes, StatsBuilder};
 use super::table::{GpuTable, TableData};
 use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Stream};
@@ -208,10 +208,15 @@ impl Drop for Reservation {
 }
 
 /// Makes one device batch's worth of `batches` (all of `schema`): view columns compacted and
-/// statistics computed while the data is at hand. Several batches are concatenated here unless
-/// `concat_on_device`: then the stager copies them as they are and concatenates them on the
-/// device (see [`device_concatenable`]).
-pub(crate) fn prepare(schema: &SchemaRef, batches: Vec<RecordBatch>, concat_on_device: bool) -> DfResult<Prepared> {
+/// statistics computed while the data is at hand (but the extremes `known` gives). Several
+/// batches are concatenated here unless `concat_on_device`: then the stager copies them as they
+/// are and concatenates them on the device (see [`device_concatenable`]).
+pub(crate) fn prepare(
+    schema: &SchemaRef,
+    batches: Vec<RecordBatch>,
+    known: Option<&KnownExtremes>,
+    concat_on_device: bool,
+) -> DfResult<Prepared> {
     if let Some(b) = batches.iter().find(|b| b.schema().fields() != schema.fields()) {
         return Err(DataFusionError::Plan(format!(
             "batch schema {:?} does not match the table schema {:?}",
@@ -228,7 +233,7 @@ pub(crate) fn prepare(schema: &SchemaRef, batches: Vec<RecordBatch>, concat_on_d
     }
     let mut stats = StatsBuilder::new(schema);
     for (b, _) in &compacted {
-        stats.update(b);
+        stats.update(b, known);
     }
     Ok(Prepared {
         bytes: compacted.iter().map(|(_, bytes)| bytes).sum(),
@@ -298,7 +303,8 @@ pub(crate) fn batches(run: Vec<(RecordBatch, u64)>) -> Vec<RecordBatch> {
 }
 
 /// Stages `units` through `stager` on every core: worker threads make each unit's host batches
-/// (`make`: decode a file's row groups, say) and [`prepare`] them, while this thread copies each
+/// (`make`: decode a file's row groups, say, with the extremes their metadata knows) and
+/// [`prepare`] them, while this thread copies each
 /// prepared batch to its device as soon as it is ready, so that decoding, preparing and copying
 /// overlap. A unit is its place in its partition's order, its partition, and what `make` takes.
 ///
@@ -308,7 +314,7 @@ pub(crate) fn batches(run: Vec<(RecordBatch, u64)>) -> Vec<RecordBatch> {
 pub(crate) fn stage_parallel<U: Send>(
     stager: &mut Stager,
     units: Vec<(usize, U)>,
-    make: impl Fn(U) -> DfResult<Vec<RecordBatch>> + Sync,
+    make: impl Fn(U) -> DfResult<(Vec<RecordBatch>, Option<KnownExtremes>)> + Sync,
 ) -> DfResult<()> {
     let workers = std::thread::available_parallelism()
         .map_or(4, |n| n.get())
@@ -345,7 +351,11 @@ pub(crate) fn stage_parallel<U: Send>(
                     let device = device_for(devices, partition);
                     let on_device = device_concatenable(schema, device);
                     let prepared = timed(times, StagingStep::Decode, || make(unit))
-                        .and_then(|b| timed(times, StagingStep::Prepare, || prepare(schema, b, on_device)))
+                        .and_then(|(b, known)| {
+                            timed(times, StagingStep::Prepare, || {
+                                prepare(schema, b, known.as_ref(), on_device)
+                            })
+                        })
                         .and_then(|p| match device {
                             Device::Cuda(ordinal) => p.pack(ordinal, budget, times),
                             _ => Ok(p),

@@ -28,6 +28,12 @@ impl std::fmt::Debug for ColumnStats {
     }
 }
 
+/// The least and the greatest value of the columns of some rows where they are known without
+/// reading the rows (from a Parquet file's row-group statistics): for each column, `None`, or
+/// arrays of candidates (of the column's type) whose least and greatest non-null values are the
+/// column's.
+pub(crate) type KnownExtremes = Vec<Option<(ArrayRef, ArrayRef)>>;
+
 /// Statistics of a partition or a table, fed batch by batch.
 #[derive(Clone, Debug)]
 pub(crate) struct StatsBuilder {
@@ -61,18 +67,21 @@ impl StatsBuilder {
     }
 
     /// Takes in the values of `batch`, one column after the other (batches are prepared on every
-    /// core at once).
-    pub(crate) fn update(&mut self, batch: &RecordBatch) {
+    /// core at once); the extremes of the columns `known` gives are taken from there rather than
+    /// found in the values.
+    pub(crate) fn update(&mut self, batch: &RecordBatch, known: Option<&KnownExtremes>) {
         self.rows += batch.num_rows();
-        for (c, a) in self.columns.iter_mut().zip(batch.columns()) {
+        for (i, (c, a)) in self.columns.iter_mut().zip(batch.columns()).enumerate() {
             let nulls = a.logical_nulls().map_or(0, |n| n.null_count());
             c.nulls += nulls;
             c.non_null += a.len() - nulls;
             // A view column's extremes are found in one pass and fed to the accumulators alone.
-            let (least, greatest) = match view_extremes(a) {
-                Some(Some((least, greatest))) => (a.slice(least, 1), a.slice(greatest, 1)),
-                Some(None) => (a.slice(0, 0), a.slice(0, 0)),
-                None => (a.clone(), a.clone()),
+            let known = known.and_then(|k| k.get(i)).and_then(Option::as_ref);
+            let (least, greatest) = match (known, view_extremes(a)) {
+                (Some((least, greatest)), _) => (least.clone(), greatest.clone()),
+                (None, Some(Some((least, greatest)))) => (a.slice(least, 1), a.slice(greatest, 1)),
+                (None, Some(None)) => (a.slice(0, 0), a.slice(0, 0)),
+                (None, None) => (a.clone(), a.clone()),
             };
             if c.min.as_mut().is_some_and(|m| m.update_batch(&[least]).is_err()) {
                 c.min = None;

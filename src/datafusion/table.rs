@@ -82,7 +82,7 @@ impl GpuTable {
         let (mut stager, units) = timed(times.as_deref(), StagingStep::Setup, || {
             Self::units(schema, partitions, options)
         })?;
-        stage_parallel(&mut stager, units, Ok)?;
+        stage_parallel(&mut stager, units, |batches| Ok((batches, None)))?;
         stager.finish()
     }
 
@@ -171,7 +171,7 @@ impl GpuTable {
         let mut put = |stager: &mut Stager, partition: usize, run: Vec<(RecordBatch, u64)>| {
             let on_device = device_concatenable(&schema, stager.device_of(partition));
             let prepared = timed(times.as_deref(), StagingStep::Prepare, || {
-                prepare(&schema, batches(run), on_device)
+                prepare(&schema, batches(run), None, on_device)
             })?;
             stager.decoded(prepared.bytes());
             order += 1;
