@@ -15,7 +15,7 @@ use arrow_schema::{DataType, Field, Schema, SchemaRef};
 
 use super::error::DfResult;
 use super::options::{DEFAULT_BATCH_ROWS, LoadOptions, MAX_GATHERED_BYTES};
-use super::staging::{Stager, stage_parallel};
+use super::staging::{Place, Stager, stage_parallel};
 use super::stats::KnownExtremes;
 use super::table::GpuTable;
 use crate::transfer::times::StagingStep;
@@ -72,11 +72,11 @@ pub(crate) fn stage(
     let runs = runs(&metadata, rows);
     let partitions = options.partitions.unwrap_or(cores.min(runs.len())).max(1);
     let n = runs.len();
-    let units: Vec<(usize, Run)> = runs
+    let units: Vec<(Place, Run)> = runs
         .into_iter()
         .enumerate()
-        .map(|(i, run)| (i * partitions / n, run))
-        .filter(|(p, _)| share.is_none_or(|s| s.contains(p)))
+        .map(|(i, run)| (Place::whole(i * partitions / n, i), run))
+        .filter(|(p, _)| share.is_none_or(|s| s.contains(&p.partition)))
         .collect();
     let staged_rows = units.iter().map(|(_, run)| run.rows as u64).sum();
     let mut stager = Stager::new(schema.clone(), partitions, options, Some(staged_rows), None)?;

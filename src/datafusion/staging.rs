@@ -118,12 +118,10 @@ pub(crate) fn compact(batch: &RecordBatch) -> DfResult<(RecordBatch, u64)> {
     ))
 }
 
-/// A device batch's worth of host data, ready to copy: one batch, or several that the stager
-/// concatenates on the device after copying them (each batch possibly packed for its GPU
-/// already), their statistics and their bytes.
+/// A device batch's worth of host data (or a piece of one, see [`Place`]), ready to copy: one
+/// batch (or its bytes packed for its GPU already), its statistics and its bytes.
 pub(crate) struct Prepared {
-    /// Each batch with its bytes.
-    pieces: Vec<(HostData, u64)>,
+    data: HostData,
     rows: usize,
     stats: StatsBuilder,
     bytes: u64,
@@ -143,18 +141,16 @@ impl Prepared {
         self.bytes
     }
 
-    /// Packs each batch into pinned staging for CUDA device `ordinal` on this thread, when
+    /// Packs the batch into pinned staging for CUDA device `ordinal` on this thread, when
     /// `budget` has room for it (see [`PackingBudget`]), and frees the host batch; otherwise
     /// leaves it for the copying thread to pack.
     fn pack(mut self, ordinal: usize, budget: &Arc<PackingBudget>, times: Option<&StagingTimes>) -> DfResult<Prepared> {
-        for (piece, bytes) in &mut self.pieces {
-            if let HostData::Batch(batch) = piece
-                && let Some(reserved) = PackingBudget::reserve(budget, *bytes)
-            {
-                let packed = Packed::new(batch, ordinal, Box::new(reserved), times)?;
-                let batch = std::mem::replace(piece, HostData::Packed(packed));
-                timed(times, StagingStep::Release, || drop(batch));
-            }
+        if let HostData::Batch(batch) = &self.data
+            && let Some(reserved) = PackingBudget::reserve(budget, self.bytes)
+        {
+            let packed = Packed::new(batch, ordinal, Box::new(reserved), times)?;
+            let batch = std::mem::replace(&mut self.data, HostData::Packed(packed));
+            timed(times, StagingStep::Release, || drop(batch));
         }
         Ok(self)
     }
@@ -207,15 +203,13 @@ impl Drop for Reservation {
     }
 }
 
-/// Makes one device batch's worth of `batches` (all of `schema`): view columns compacted and
-/// statistics computed while the data is at hand (but the extremes `known` gives). Several
-/// batches are concatenated here unless `concat_on_device`: then the stager copies them as they
-/// are and concatenates them on the device (see [`device_concatenable`]).
+/// Makes one device batch's worth of `batches` (all of `schema`; or a piece of one, see
+/// [`Place`]): concatenated when there are several, view columns compacted, statistics computed
+/// while the data is at hand (but the extremes `known` gives).
 pub(crate) fn prepare(
     schema: &SchemaRef,
     batches: Vec<RecordBatch>,
     known: Option<&KnownExtremes>,
-    concat_on_device: bool,
 ) -> DfResult<Prepared> {
     if let Some(b) = batches.iter().find(|b| b.schema().fields() != schema.fields()) {
         return Err(DataFusionError::Plan(format!(
@@ -225,31 +219,79 @@ pub(crate) fn prepare(
         )));
     }
     let inputs = batches.len() as u64;
-    let mut compacted = batches.iter().map(compact).collect::<DfResult<Vec<_>>>()?;
-    if compacted.len() > 1 && !concat_on_device {
-        let batch = arrow_select::concat::concat_batches(schema, compacted.iter().map(|(b, _)| b))?;
-        let bytes = host_bytes(&batch);
-        compacted = vec![(batch, bytes)];
-    }
+    let (batch, bytes) = match batches.as_slice() {
+        [one] => compact(one)?,
+        many => {
+            let compacted = many.iter().map(compact).collect::<DfResult<Vec<_>>>()?;
+            let batch = arrow_select::concat::concat_batches(schema, compacted.iter().map(|(b, _)| b))?;
+            let bytes = host_bytes(&batch);
+            (batch, bytes)
+        }
+    };
     let mut stats = StatsBuilder::new(schema);
-    for (b, _) in &compacted {
-        stats.update(b, known);
-    }
+    stats.update(&batch, known);
     Ok(Prepared {
-        bytes: compacted.iter().map(|(_, bytes)| bytes).sum(),
-        rows: compacted.iter().map(|(b, _)| b.num_rows()).sum(),
-        pieces: compacted
-            .into_iter()
-            .map(|(b, bytes)| (HostData::Batch(b), bytes))
-            .collect(),
+        bytes,
+        rows: batch.num_rows(),
+        data: HostData::Batch(batch),
         stats,
         inputs,
     })
 }
 
-/// Whether batches of `schema` staged on `device` are concatenated there (after copying them as
-/// they are) rather than on the host: on a GPU, where every column has a type
-/// `device_concat::concat_batches` takes.
+/// Where a unit of staging goes: a partition, a device batch's place in its order, and which
+/// piece of it the unit is, of how many. A device batch of several pieces is gathered on its
+/// device: each piece is prepared and copied by itself, and the stager concatenates them once
+/// all are there (see [`device_concatenable`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Place {
+    pub(crate) partition: usize,
+    pub(crate) order: usize,
+    pub(crate) piece: usize,
+    pub(crate) pieces: usize,
+}
+
+impl Place {
+    /// The whole device batch at `order` of `partition`.
+    pub(crate) fn whole(partition: usize, order: usize) -> Place {
+        Place {
+            partition,
+            order,
+            piece: 0,
+            pieces: 1,
+        }
+    }
+
+    /// The units of a run of host batches that makes the device batch at `order` of
+    /// `partition`: its batches one by one where `on_device` gathers them, else all at once.
+    pub(crate) fn units(
+        partition: usize,
+        order: usize,
+        run: Vec<RecordBatch>,
+        on_device: bool,
+    ) -> Vec<(Place, Vec<RecordBatch>)> {
+        if !on_device || run.len() < 2 {
+            return vec![(Place::whole(partition, order), run)];
+        }
+        let pieces = run.len();
+        run.into_iter()
+            .enumerate()
+            .map(|(piece, b)| {
+                let place = Place {
+                    partition,
+                    order,
+                    piece,
+                    pieces,
+                };
+                (place, vec![b])
+            })
+            .collect()
+    }
+}
+
+/// Whether a device batch of several host batches of `schema` is gathered on `device` (each
+/// copied as it is, then concatenated there) rather than on the host: on a GPU, where every column
+/// has a type `device_concat::concat_batches` takes.
 pub(crate) fn device_concatenable(schema: &SchemaRef, device: Device) -> bool {
     device.ordinal().is_some() && schema.fields().iter().all(|f| concatenable(f.data_type()))
 }
@@ -306,26 +348,26 @@ pub(crate) fn batches(run: Vec<(RecordBatch, u64)>) -> Vec<RecordBatch> {
 /// (`make`: decode a file's row groups, say, with the extremes their metadata knows) and
 /// [`prepare`] them, while this thread copies each
 /// prepared batch to its device as soon as it is ready, so that decoding, preparing and copying
-/// overlap. A unit is its place in its partition's order, its partition, and what `make` takes.
+/// overlap. A unit is its [`Place`] and what `make` takes.
 ///
 /// At most a few prepared batches wait for their copy: workers wait while the queue is full, so
 /// host memory holds a few device batches per core, never the whole table. The first error stops
 /// the workers and is returned.
 pub(crate) fn stage_parallel<U: Send>(
     stager: &mut Stager,
-    units: Vec<(usize, U)>,
+    units: Vec<(Place, U)>,
     make: impl Fn(U) -> DfResult<(Vec<RecordBatch>, Option<KnownExtremes>)> + Sync,
 ) -> DfResult<()> {
     let workers = std::thread::available_parallelism()
         .map_or(4, |n| n.get())
         .min(units.len());
-    let queue = std::sync::Mutex::new(units.into_iter().enumerate());
+    let queue = std::sync::Mutex::new(units.into_iter());
     let schema = stager.schema.clone();
     let times = stager.times.clone();
     let times = times.as_deref();
     let devices = stager.devices.clone();
     let budget = PackingBudget::new();
-    let (tx, rx) = std::sync::mpsc::sync_channel::<DfResult<(usize, usize, Prepared)>>(2);
+    let (tx, rx) = std::sync::mpsc::sync_channel::<DfResult<(Place, Prepared)>>(2);
     // Host batches are freed on a thread of their own: giving back hundreds of megabytes to the
     // system (`munmap`) takes longer than copying them, and the copying thread must not wait on it.
     let (release, released) = std::sync::mpsc::channel::<RecordBatch>();
@@ -345,16 +387,13 @@ pub(crate) fn stage_parallel<U: Send>(
                         Ok(mut q) => q.next(),
                         Err(_) => None,
                     };
-                    let Some((order, (partition, unit))) = next else {
+                    let Some((place, unit)) = next else {
                         return;
                     };
-                    let device = device_for(devices, partition);
-                    let on_device = device_concatenable(schema, device);
+                    let device = device_for(devices, place.partition);
                     let prepared = timed(times, StagingStep::Decode, || make(unit))
                         .and_then(|(b, known)| {
-                            timed(times, StagingStep::Prepare, || {
-                                prepare(schema, b, known.as_ref(), on_device)
-                            })
+                            timed(times, StagingStep::Prepare, || prepare(schema, b, known.as_ref()))
                         })
                         .and_then(|p| match device {
                             Device::Cuda(ordinal) => p.pack(ordinal, budget, times),
@@ -362,7 +401,7 @@ pub(crate) fn stage_parallel<U: Send>(
                         });
                     let failed = prepared.is_err();
                     let closed = timed(times, StagingStep::Handoff, || {
-                        tx.send(prepared.map(|p| (order, partition, p))).is_err()
+                        tx.send(prepared.map(|p| (place, p))).is_err()
                     });
                     // A closed queue means the stager stopped on an error: stop too.
                     if closed || failed {
@@ -376,10 +415,10 @@ pub(crate) fn stage_parallel<U: Send>(
         // before the scope waits for them.
         let rx = rx;
         while let Ok(prepared) = timed(times, StagingStep::Idle, || rx.recv()) {
-            let (order, partition, prepared) = prepared?;
+            let (place, prepared) = prepared?;
             stager.decoded(prepared.bytes());
             // The releasing thread stops once `release` is dropped, when this returns.
-            for batch in stager.put(order, partition, prepared)? {
+            if let Some(batch) = stager.put(place, prepared)? {
                 let _ = release.send(batch);
             }
         }
@@ -419,6 +458,9 @@ pub(crate) struct Stager {
     room: HashMap<Device, Room>,
     /// The device batches of each partition, each with its place in the partition's order.
     partitions: Vec<Vec<(usize, DeviceRecordBatch)>>,
+    /// The pieces copied so far of each device batch gathered on its device (see [`Place`]), by
+    /// partition and place in its order.
+    gathering: HashMap<(usize, usize), Vec<Option<DeviceRecordBatch>>>,
     partition_stats: Vec<StatsBuilder>,
     progress: Option<ProgressFn>,
     done: Progress,
@@ -472,6 +514,7 @@ impl Stager {
         Ok(Stager {
             name: options.name.clone(),
             partitions: vec![Vec::new(); partitions.max(1)],
+            gathering: HashMap::new(),
             partition_stats: (0..partitions.max(1)).map(|_| StatsBuilder::new(&schema)).collect(),
             schema,
             devices,
@@ -553,70 +596,84 @@ impl Stager {
         }
     }
 
-    /// Copies `prepared` to the device of `partition`, as the batch at place `order` of its
-    /// order (its batches concatenated there when they are several). Returns once the host data
-    /// has been read (the copy may still be under way), with the host batches that were not
-    /// packed already, for the caller to free.
-    pub(crate) fn put(&mut self, order: usize, partition: usize, prepared: Prepared) -> DfResult<Vec<RecordBatch>> {
+    /// Copies `prepared` to the device of its partition, to its `place` (a piece of a device
+    /// batch waits there for the others; the last to come concatenates them). Returns once the
+    /// host data has been read (the copy may still be under way), with the host batch when it was
+    /// not packed already, for the caller to free.
+    pub(crate) fn put(&mut self, place: Place, prepared: Prepared) -> DfResult<Option<RecordBatch>> {
         let Prepared {
-            pieces,
+            data,
             rows,
             stats,
             bytes,
             inputs,
         } = prepared;
+        let partition = place.partition;
         let device = self.device_of(partition);
         self.check_room(device, bytes)?;
         let stream = &self.streams[&device];
         let resource = crate::memory::MemoryResource::default_for(device);
         let times = self.times.as_deref();
-        let out_of_room = |e: Error| match e {
-            Error::OutOfMemory { .. } => self.no_room(device, bytes, Some(e)),
-            e => e.into(),
+        let (staged, batch) = match data {
+            HostData::Batch(batch) => (htod_async_timed(&batch, resource, stream, times), Some(batch)),
+            HostData::Packed(packed) => (
+                timed(times, StagingStep::Upload, || packed.send(resource, stream, times)),
+                None,
+            ),
         };
-        let mut read = Vec::new();
-        let mut staged = Vec::with_capacity(pieces.len());
-        for (piece, _) in pieces {
-            let copied = match piece {
-                HostData::Batch(batch) => {
-                    let copied = htod_async_timed(&batch, resource, stream, times);
-                    read.push(batch);
-                    copied
+        let staged = staged.map_err(|e| self.failed(device, bytes, e))?;
+        let staged = if place.pieces == 1 {
+            Some(staged)
+        } else {
+            let key = (partition, place.order);
+            let pieces = self.gathering.entry(key).or_insert_with(|| vec![None; place.pieces]);
+            if let Some(slot) = pieces.get_mut(place.piece) {
+                *slot = Some(staged);
+            }
+            match pieces.iter().all(Option::is_some) {
+                true => {
+                    let pieces: Vec<_> = self.gathering.remove(&key).into_iter().flatten().flatten().collect();
+                    // The pieces' memory is freed in the order of `stream`, after the concatenation.
+                    let stream = &self.streams[&device];
+                    let schema = self.schema.clone();
+                    let joined = timed(times, StagingStep::Gather, || {
+                        concat_batches(schema, &pieces, device, stream)
+                    });
+                    Some(joined.map_err(|e| self.failed(device, bytes, e))?)
                 }
-                HostData::Packed(packed) => timed(times, StagingStep::Upload, || packed.send(resource, stream, times)),
-            };
-            staged.push(copied.map_err(out_of_room)?);
-        }
-        let staged = match staged.pop() {
-            Some(one) if staged.is_empty() => one,
-            last => {
-                staged.extend(last);
-                // The batches' memory is freed in the order of `stream`, after the concatenation.
-                timed(times, StagingStep::Gather, || {
-                    concat_batches(self.schema.clone(), &staged, device, stream)
-                })
-                .map_err(out_of_room)?
+                false => None,
             }
         };
-        // Keep the table's schema (with its metadata) on every batch.
-        let staged = DeviceRecordBatch::try_new(
-            self.schema.clone(),
-            staged.columns().to_vec(),
-            staged.num_rows(),
-            staged.ready().clone(),
-        )?;
         if let Some(r) = self.room.get_mut(&device) {
             r.staged += bytes;
         }
         self.partition_stats[partition].absorb(stats);
-        self.partitions[partition].push((order, staged));
         self.done.rows += rows as u64;
         self.done.bytes += bytes;
         self.done.batches += inputs;
         if let Some(p) = &self.progress {
             p(self.done);
         }
-        Ok(read)
+        if let Some(staged) = staged {
+            // Keep the table's schema (with its metadata) on every batch.
+            let staged = DeviceRecordBatch::try_new(
+                self.schema.clone(),
+                staged.columns().to_vec(),
+                staged.num_rows(),
+                staged.ready().clone(),
+            )?;
+            self.partitions[partition].push((place.order, staged));
+        }
+        Ok(batch)
+    }
+
+    /// The error of a copy (or concatenation) to `device` of `bytes` more that failed with `e`:
+    /// [`Stager::no_room`] when the device was out of memory.
+    fn failed(&self, device: Device, bytes: u64, e: Error) -> DataFusionError {
+        match e {
+            Error::OutOfMemory { .. } => self.no_room(device, bytes, Some(e)),
+            e => e.into(),
+        }
     }
 
     /// The table, once every copy has finished.
@@ -627,6 +684,11 @@ impl Stager {
 
     /// [`Stager::finish`]'s work.
     fn build(self) -> DfResult<GpuTable> {
+        if let Some((partition, order)) = self.gathering.keys().next() {
+            return Err(DataFusionError::Internal(format!(
+                "device batch {order} of partition {partition} is missing pieces"
+            )));
+        }
         let partition_devices = (0..self.partitions.len()).map(|i| self.device_of(i)).collect();
         let mut partitions = Vec::with_capacity(self.partitions.len());
         for mut p in self.partitions {
@@ -658,6 +720,8 @@ impl Stager {
 
 #[cfg(test)]
 mod tests {
+    use arrow_array::Int32Array;
+
     use super::*;
 
     /// Reservations take bytes of the budget while they live; one that does not fit gets none.
@@ -679,5 +743,31 @@ mod tests {
         assert!(PackingBudget::reserve(&budget, 1).is_none());
         drop(all);
         assert_eq!(budget.left.load(Ordering::Acquire), PackingBudget::BYTES);
+    }
+
+    /// A run gathered on the device is one unit per batch, each knowing its piece of the device
+    /// batch; otherwise (or when it is one batch) the run is one unit.
+    #[test]
+    fn runs_gathered_on_the_device_are_cut_into_pieces() {
+        let batch =
+            |n: i32| RecordBatch::try_from_iter([("a", Arc::new(Int32Array::from(vec![n])) as ArrayRef)]).unwrap();
+        let run = vec![batch(1), batch(2), batch(3)];
+        let pieces = Place::units(2, 7, run.clone(), true);
+        assert_eq!(pieces.len(), 3);
+        for (k, (place, unit)) in pieces.iter().enumerate() {
+            let expected = Place {
+                partition: 2,
+                order: 7,
+                piece: k,
+                pieces: 3,
+            };
+            assert_eq!(*place, expected);
+            assert_eq!(unit, &vec![run[k].clone()]);
+        }
+        assert_eq!(Place::units(2, 7, run.clone(), false), vec![(Place::whole(2, 7), run)]);
+        assert_eq!(
+            Place::units(0, 1, vec![batch(4)], true),
+            vec![(Place::whole(0, 1), vec![batch(4)])]
+        );
     }
 }

@@ -24,7 +24,7 @@ use super::options::{DEFAULT_BATCH_ROWS, MAX_GATHERED_BYTES};
 use super::predicate::{Predicate, supports_filter};
 use super::source::GpuScan;
 use super::staging::{
-    Stager, batches, device_concatenable, gather, host_bytes, prepare, redistribute, sized, stage_parallel,
+    Place, Stager, batches, device_concatenable, gather, host_bytes, prepare, redistribute, sized, stage_parallel,
 };
 use crate::array::DeviceRecordBatch;
 use crate::device::Device;
@@ -93,11 +93,17 @@ impl GpuTable {
         schema: SchemaRef,
         partitions: Vec<Vec<RecordBatch>>,
         options: &LoadOptions,
-    ) -> DfResult<(Stager, Vec<(usize, Vec<RecordBatch>)>)> {
+    ) -> DfResult<(Stager, Vec<(Place, Vec<RecordBatch>)>)> {
         let partitions = sized(redistribute(partitions, options.partitions));
         let total_rows = partitions.iter().flatten().map(|(b, _)| b.num_rows() as u64).sum();
         let total_bytes = partitions.iter().flatten().map(|(_, bytes)| bytes).sum();
-        let stager = Stager::new(schema, partitions.len(), options, Some(total_rows), Some(total_bytes))?;
+        let stager = Stager::new(
+            schema.clone(),
+            partitions.len(),
+            options,
+            Some(total_rows),
+            Some(total_bytes),
+        )?;
         // Check each device's share before copying anything.
         let mut need: HashMap<Device, u64> = HashMap::new();
         for (i, p) in partitions.iter().enumerate() {
@@ -107,11 +113,13 @@ impl GpuTable {
             stager.check_room(device, bytes)?;
         }
         let rows = options.batch_rows.unwrap_or(DEFAULT_BATCH_ROWS);
-        let units = partitions
-            .into_iter()
-            .enumerate()
-            .flat_map(|(i, p)| gather(p, rows).into_iter().map(move |run| (i, batches(run))))
-            .collect();
+        let mut units = Vec::new();
+        for (i, p) in partitions.into_iter().enumerate() {
+            let on_device = device_concatenable(&schema, stager.device_of(i));
+            for run in gather(p, rows) {
+                units.extend(Place::units(i, units.len(), batches(run), on_device));
+            }
+        }
         Ok((stager, units))
     }
 
@@ -162,7 +170,6 @@ impl GpuTable {
         let n_out = options.partitions.unwrap_or(streams.len()).max(1);
         let rows = options.batch_rows.unwrap_or(DEFAULT_BATCH_ROWS);
         let mut stager = Stager::new(schema.clone(), n_out, options, None, None)?;
-        // Each partition's batches not staged yet, and the place of the next device batch.
         // Each partition's batches not staged yet (with their sizes), and their bytes.
         let mut pending: Vec<Vec<(RecordBatch, u64)>> = vec![Vec::new(); n_out];
         let mut pending_bytes = vec![0u64; n_out];
@@ -170,12 +177,13 @@ impl GpuTable {
         let times = options.staging_times.clone();
         let mut put = |stager: &mut Stager, partition: usize, run: Vec<(RecordBatch, u64)>| {
             let on_device = device_concatenable(&schema, stager.device_of(partition));
-            let prepared = timed(times.as_deref(), StagingStep::Prepare, || {
-                prepare(&schema, batches(run), None, on_device)
-            })?;
-            stager.decoded(prepared.bytes());
             order += 1;
-            stager.put(order, partition, prepared).map(drop)
+            for (place, unit) in Place::units(partition, order, batches(run), on_device) {
+                let prepared = timed(times.as_deref(), StagingStep::Prepare, || prepare(&schema, unit, None))?;
+                stager.decoded(prepared.bytes());
+                stager.put(place, prepared)?;
+            }
+            Ok::<_, DataFusionError>(())
         };
         let mut next = 0usize;
         for (i, mut s) in streams.into_iter().enumerate() {
