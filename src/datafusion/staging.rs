@@ -1,6 +1,7 @@
-//! Staging: host batches made and prepared on every core (decoded, gathered, compacted, their
-//! statistics computed, and packed into pinned staging where they are small) and copied to their
-//! devices as they are ready by one thread, with budgets and progress.
+//! Staging: host batches made and prepared on every core (decoded, compacted, their statistics
+//! computed, and packed into pinned staging where they are small) and copied to their devices as
+//! they are ready by one thread, which gathers them into device batches there (or they are
+//! gathered on the host first, where the device cannot), with budgets and progress.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,7 +18,7 @@ use super::device_concat::{concat_batches, concatenable};
 use super::error::DfResult;
 use super::lanes::DeviceLane;
 use super::options::{LoadOptions, MAX_GATHERED_BYTES, Progress, ProgressFn};
-use super::stats::{KnownExtremes, StatsBuilder};
+use super::stats::{KnownExtremes, StatsBuilder, ViewScan, scan_views};
 use super::table::{GpuTable, TableData};
 use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Stream};
@@ -71,27 +72,38 @@ fn nested_view_data(data: &ArrayData) -> usize {
 /// staging copies every one whole) and the bytes its views reference (the values too long to be
 /// inlined); `None` for a column of another type.
 fn view_bytes(column: &ArrayRef) -> Option<(usize, usize)> {
-    fn of<T: ByteViewType + ?Sized>(a: &GenericByteViewArray<T>) -> (usize, usize) {
-        let held = a.data_buffers().iter().map(|b| b.len()).sum();
-        (held, a.total_buffer_bytes_used())
+    fn of<T: ByteViewType + ?Sized>(a: &GenericByteViewArray<T>) -> usize {
+        a.total_buffer_bytes_used()
     }
+    let referenced = match column.data_type() {
+        DataType::Utf8View => of(column.as_string_view()),
+        DataType::BinaryView => of(column.as_binary_view()),
+        _ => return None,
+    };
+    Some((held_bytes(column), referenced))
+}
+
+/// The bytes the data buffers of a view column hold (each buffer as often as the column lists
+/// it); 0 for a column of another type.
+fn held_bytes(column: &ArrayRef) -> usize {
     match column.data_type() {
-        DataType::Utf8View => Some(of(column.as_string_view())),
-        DataType::BinaryView => Some(of(column.as_binary_view())),
-        _ => None,
+        DataType::Utf8View => column.as_string_view().data_buffers().iter().map(|b| b.len()).sum(),
+        DataType::BinaryView => column.as_binary_view().data_buffers().iter().map(|b| b.len()).sum(),
+        _ => 0,
     }
 }
 
 /// `batch` with each view column whose data buffers hold more bytes than its views reference
 /// compacted: its long values copied into new buffers of just their size (arrow's `gc`); and
-/// its [`host_bytes`], measured in the same pass over its views.
+/// its [`host_bytes`]. `scans` are the [`scan_views`] of its columns, which say what the views
+/// reference.
 ///
 /// DataFusion's Parquet reader hands out string views into the decoded pages and dictionaries of a
 /// whole row group: every batch of the row group lists the same buffers, and each buffer holds the
 /// values of other batches too (and, in plain-encoded pages, their length prefixes). Staged as
 /// they are, those buffers were copied once per batch. A column whose views reference every byte
 /// of its buffers or more (a small dictionary shared by many rows) stays as it is.
-pub(crate) fn compact(batch: &RecordBatch) -> DfResult<(RecordBatch, u64)> {
+pub(crate) fn compact(batch: &RecordBatch, scans: &[Option<ViewScan>]) -> DfResult<(RecordBatch, u64)> {
     fn gc<T: ByteViewType + ?Sized>(a: &GenericByteViewArray<T>) -> ArrayRef {
         Arc::new(a.gc())
     }
@@ -100,8 +112,9 @@ pub(crate) fn compact(batch: &RecordBatch) -> DfResult<(RecordBatch, u64)> {
     let columns: Vec<ArrayRef> = batch
         .columns()
         .iter()
-        .map(|c| {
-            let views = view_bytes(c);
+        .zip(scans)
+        .map(|(c, scan)| {
+            let views = scan.map(|s| (held_bytes(c), s.referenced));
             let c = match (c.data_type(), views) {
                 (DataType::Utf8View, Some((held, referenced))) if held > referenced => gc(c.as_string_view()),
                 (DataType::BinaryView, Some((held, referenced))) if held > referenced => gc(c.as_binary_view()),
@@ -116,6 +129,11 @@ pub(crate) fn compact(batch: &RecordBatch) -> DfResult<(RecordBatch, u64)> {
         RecordBatch::try_new_with_options(batch.schema(), columns, &options)?,
         bytes,
     ))
+}
+
+/// The [`scan_views`] of each column of `batch`.
+fn scans(batch: &RecordBatch) -> Vec<Option<ViewScan>> {
+    batch.columns().iter().map(scan_views).collect()
 }
 
 /// A device batch's worth of host data (or a piece of one, see [`Place`]), ready to copy: one
@@ -219,17 +237,25 @@ pub(crate) fn prepare(
         )));
     }
     let inputs = batches.len() as u64;
-    let (batch, bytes) = match batches.as_slice() {
-        [one] => compact(one)?,
+    let (batch, bytes, scans) = match batches.as_slice() {
+        [one] => {
+            let scans = scans(one);
+            let (batch, bytes) = compact(one, &scans)?;
+            (batch, bytes, scans)
+        }
         many => {
-            let compacted = many.iter().map(compact).collect::<DfResult<Vec<_>>>()?;
+            let compacted = many
+                .iter()
+                .map(|b| compact(b, &scans(b)))
+                .collect::<DfResult<Vec<_>>>()?;
             let batch = arrow_select::concat::concat_batches(schema, compacted.iter().map(|(b, _)| b))?;
             let bytes = host_bytes(&batch);
-            (batch, bytes)
+            // The statistics scan the concatenation's views.
+            (batch, bytes, Vec::new())
         }
     };
     let mut stats = StatsBuilder::new(schema);
-    stats.update(&batch, known);
+    stats.update(&batch, &scans, known);
     Ok(Prepared {
         bytes,
         rows: batch.num_rows(),

@@ -67,17 +67,19 @@ impl StatsBuilder {
     }
 
     /// Takes in the values of `batch`, one column after the other (batches are prepared on every
-    /// core at once); the extremes of the columns `known` gives are taken from there rather than
-    /// found in the values.
-    pub(crate) fn update(&mut self, batch: &RecordBatch, known: Option<&KnownExtremes>) {
+    /// core at once), given the [`scan_views`] of each of its view columns (`scans`, column by
+    /// column; found here where missing); the extremes of the columns `known` gives are taken
+    /// from there rather than found in the values.
+    pub(crate) fn update(&mut self, batch: &RecordBatch, scans: &[Option<ViewScan>], known: Option<&KnownExtremes>) {
         self.rows += batch.num_rows();
         for (i, (c, a)) in self.columns.iter_mut().zip(batch.columns()).enumerate() {
             let nulls = a.logical_nulls().map_or(0, |n| n.null_count());
             c.nulls += nulls;
             c.non_null += a.len() - nulls;
-            // A view column's extremes are found in one pass and fed to the accumulators alone.
+            let scan = scans.get(i).copied().flatten().or_else(|| scan_views(a));
+            // A view column's extremes are fed to the accumulators alone.
             let known = known.and_then(|k| k.get(i)).and_then(Option::as_ref);
-            let (least, greatest) = match (known, view_extremes(a)) {
+            let (least, greatest) = match (known, scan.map(|s| s.extremes)) {
                 (Some((least, greatest)), _) => (least.clone(), greatest.clone()),
                 (None, Some(Some((least, greatest)))) => (a.slice(least, 1), a.slice(greatest, 1)),
                 (None, Some(None)) => (a.slice(0, 0), a.slice(0, 0)),
@@ -89,7 +91,11 @@ impl StatsBuilder {
             if c.max.as_mut().is_some_and(|m| m.update_batch(&[greatest]).is_err()) {
                 c.max = None;
             }
-            c.max_bytes = c.max_bytes.max(longest_string(a));
+            let longest = match (a.data_type(), scan) {
+                (DataType::Utf8View, Some(scan)) => Some(scan.longest),
+                _ => longest_string(a),
+            };
+            c.max_bytes = c.max_bytes.max(longest);
             c.bytes += a.get_array_memory_size();
         }
     }
@@ -189,10 +195,21 @@ fn longest_string(a: &ArrayRef) -> Option<usize> {
     })
 }
 
-/// The places of the least and the greatest value of a view array, in the byte order of
-/// DataFusion's `MIN` and `MAX` (arrow's), found in one pass over the views: `Some(None)` when
-/// every value is null, `None` when `a` is not a view array.
-fn view_extremes(a: &ArrayRef) -> Option<Option<(usize, usize)>> {
+/// What one pass over the views of a view column finds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ViewScan {
+    /// The places of its least and greatest values, in the byte order of DataFusion's `MIN` and
+    /// `MAX` (arrow's); `None` when every value is null.
+    pub(crate) extremes: Option<(usize, usize)>,
+    /// Its longest value in bytes, null slots included (an upper bound).
+    pub(crate) longest: usize,
+    /// The bytes its long views (more than 12 bytes) reference, null slots included (arrow's
+    /// `total_buffer_bytes_used`).
+    pub(crate) referenced: usize,
+}
+
+/// One pass over the views of `a`, when it is a view array (see [`ViewScan`]).
+pub(crate) fn scan_views(a: &ArrayRef) -> Option<ViewScan> {
     use arrow_array::GenericByteViewArray;
     use arrow_array::cast::AsArray;
     use arrow_array::types::ByteViewType;
@@ -212,13 +229,7 @@ fn view_extremes(a: &ArrayRef) -> Option<Option<(usize, usize)>> {
             prefix: ((view >> 32) as u32).swap_bytes(),
         }
     }
-    fn of<T: ByteViewType + ?Sized>(
-        a: &GenericByteViewArray<T>,
-        mut valid: impl Iterator<Item = usize>,
-    ) -> Option<(usize, usize)> {
-        let views = a.views();
-        let first = valid.next()?;
-        let (mut least, mut greatest) = (found::<T>(first, views[first]), found::<T>(first, views[first]));
+    fn scan<T: ByteViewType + ?Sized>(a: &GenericByteViewArray<T>, valid: impl Fn(usize) -> bool) -> ViewScan {
         // Arrow's order (`compare_unchecked`), with the found value's keys computed once.
         let order = |i: usize, view: u128, f: &Found| match f.inline {
             Some(key) if view as u32 <= 12 => GenericByteViewArray::<T>::inline_key_fast(view).cmp(&key),
@@ -228,25 +239,43 @@ fn view_extremes(a: &ArrayRef) -> Option<Option<(usize, usize)>> {
                 other => other,
             },
         };
-        for i in valid {
-            let view = views[i];
-            if order(i, view, &least) == Ordering::Less {
-                least = found::<T>(i, view);
-            } else if order(i, view, &greatest) == Ordering::Greater {
-                greatest = found::<T>(i, view);
+        let (mut longest, mut referenced) = (0u32, 0usize);
+        let mut extremes: Option<(Found, Found)> = None;
+        for (i, &view) in a.views().iter().enumerate() {
+            let len = view as u32;
+            longest = longest.max(len);
+            if len > 12 {
+                referenced += len as usize;
+            }
+            if !valid(i) {
+                continue;
+            }
+            match &mut extremes {
+                None => extremes = Some((found::<T>(i, view), found::<T>(i, view))),
+                Some((least, greatest)) => {
+                    if order(i, view, least) == Ordering::Less {
+                        *least = found::<T>(i, view);
+                    } else if order(i, view, greatest) == Ordering::Greater {
+                        *greatest = found::<T>(i, view);
+                    }
+                }
             }
         }
-        Some((least.at, greatest.at))
+        ViewScan {
+            extremes: extremes.map(|(least, greatest)| (least.at, greatest.at)),
+            longest: longest as usize,
+            referenced,
+        }
     }
-    fn valid<T: ByteViewType + ?Sized>(a: &GenericByteViewArray<T>) -> Option<(usize, usize)> {
+    fn of<T: ByteViewType + ?Sized>(a: &GenericByteViewArray<T>) -> ViewScan {
         match a.nulls().filter(|n| n.null_count() > 0) {
-            Some(nulls) => of(a, nulls.valid_indices()),
-            None => of(a, 0..a.len()),
+            Some(nulls) => scan(a, |i| nulls.is_valid(i)),
+            None => scan(a, |_| true),
         }
     }
     match a.data_type() {
-        DataType::Utf8View => Some(valid(a.as_string_view())),
-        DataType::BinaryView => Some(valid(a.as_binary_view())),
+        DataType::Utf8View => Some(of(a.as_string_view())),
+        DataType::BinaryView => Some(of(a.as_binary_view())),
         _ => None,
     }
 }
@@ -289,12 +318,12 @@ mod tests {
 
     use arrow_array::{ArrayRef, BinaryViewArray, StringViewArray};
 
-    use super::view_extremes;
+    use super::scan_views;
 
-    /// Long and short values sharing prefixes, nulls first, between and last: the one-pass
-    /// extremes are arrow's minimum and maximum.
+    /// Long and short values sharing prefixes, nulls first, between and last: one pass finds
+    /// arrow's minimum and maximum, the longest value and the bytes the long views reference.
     #[test]
-    fn view_extremes_are_arrows_min_and_max() {
+    fn a_scan_of_the_views_finds_arrows_min_max_and_sizes() {
         let words = [
             None,
             Some("abcdefghijklmnopq"),
@@ -315,19 +344,22 @@ mod tests {
                 let a: ArrayRef = Arc::new(strings.clone());
                 let expected = arrow_arith::aggregate::min_string_view(&strings)
                     .zip(arrow_arith::aggregate::max_string_view(&strings));
-                let got = view_extremes(&a)
-                    .expect("a view array")
-                    .map(|(lo, hi)| (strings.value(lo), strings.value(hi)));
+                let scan = scan_views(&a).expect("a view array");
+                let got = scan.extremes.map(|(lo, hi)| (strings.value(lo), strings.value(hi)));
                 assert_eq!(got, expected, "{:?}", &words[start..n]);
+                assert_eq!(scan.referenced, strings.total_buffer_bytes_used());
+                let longest = strings.views().iter().map(|&v| v as u32 as usize).max().unwrap_or(0);
+                assert_eq!(scan.longest, longest);
 
                 let bytes = BinaryViewArray::from_iter(words[start..n].iter().map(|w| w.map(str::as_bytes)));
                 let b: ArrayRef = Arc::new(bytes.clone());
-                let got = view_extremes(&b)
+                let got = scan_views(&b)
                     .expect("a view array")
+                    .extremes
                     .map(|(lo, hi)| (bytes.value(lo), bytes.value(hi)));
                 assert_eq!(got, expected.map(|(lo, hi)| (lo.as_bytes(), hi.as_bytes())));
             }
         }
-        assert!(view_extremes(&(Arc::new(arrow_array::Int32Array::from(vec![1])) as ArrayRef)).is_none());
+        assert!(scan_views(&(Arc::new(arrow_array::Int32Array::from(vec![1])) as ArrayRef)).is_none());
     }
 }
