@@ -65,9 +65,9 @@ pub(crate) fn concat_batches(
     let bitmap_len = rows.div_ceil(32) * 4;
     let mut columns = Vec::with_capacity(schema.fields().len());
     // Where each data buffer of each view part went (see `merge_data`), and the views to point
-    // there: (address, views, data buffers of the part), in the order of `moves`.
+    // there.
     let mut moves: Vec<u32> = Vec::new();
-    let mut rebases: Vec<(u64, u64, usize)> = Vec::new();
+    let mut rebases: Vec<Rebase> = Vec::new();
     for (c, field) in schema.fields().iter().enumerate() {
         let dt = field.data_type();
         let parts: Vec<&DeviceArrayData> = batches.iter().map(|b| &b.columns()[c]).collect();
@@ -106,13 +106,21 @@ pub(crate) fn concat_batches(
             }
             DataType::Utf8View | DataType::BinaryView => {
                 let views = copy_values(&parts, 16, resource, &stream)?.slice(0, rows * 16)?;
+                // The first entry of `moves` for each part's data buffers.
+                let mut entry = moves.len() / 2;
                 let data = merge_data(&parts, resource, &stream, &mut moves)?;
                 let mut at = 0usize;
                 for p in &parts {
                     let buffers = p.buffers().len().saturating_sub(1);
                     if buffers > 0 && !p.is_empty() {
-                        rebases.push((views.address() + at as u64 * 16, p.len() as u64, buffers));
+                        rebases.push(Rebase {
+                            views: views.address() + at as u64 * 16,
+                            len: p.len() as u64,
+                            entry,
+                            buffers,
+                        });
                     }
+                    entry += buffers;
                     at += p.len();
                 }
                 std::iter::once(views).chain(data).collect()
@@ -134,15 +142,26 @@ pub(crate) fn concat_batches(
     DeviceRecordBatch::try_new(schema, columns, rows, stream.record()?)
 }
 
-/// Points the long views of each part listed in `rebases` (the address of its views in the
-/// concatenation, their number and the part's data buffers) at the new data buffers, as `moves`
-/// says (see [`merge_data`]). Returns the table of moves on the device, which must live until the
-/// stream is synchronised.
+/// The long views of a part of a view column, to point at the concatenation's data buffers.
+struct Rebase {
+    /// The address of the part's views in the concatenation.
+    views: u64,
+    /// Its views.
+    len: u64,
+    /// The entry of `moves` (see [`merge_data`]) of its first data buffer.
+    entry: usize,
+    /// Its data buffers.
+    buffers: usize,
+}
+
+/// Points the long views of each part of `rebases` at the new data buffers, as `moves` says (see
+/// [`merge_data`]). Returns the table of moves on the device, which must live until the stream
+/// is synchronised.
 fn rebase_views(
     cuda: &Arc<CudaStream>,
     ctx: &Arc<CudaContext>,
     moves: &[u32],
-    rebases: &[(u64, u64, usize)],
+    rebases: &[Rebase],
     resource: MemoryResource,
     stream: &Stream,
 ) -> Result<Option<DeviceBuffer>> {
@@ -152,11 +171,10 @@ fn rebase_views(
     let bytes: Vec<u8> = moves.iter().flat_map(|m| m.to_ne_bytes()).collect();
     let table = DeviceBuffer::from_host(&bytes, resource, stream)?;
     let rebase = function(ctx, SCAN_KERNELS, "rebase_views")?;
-    let mut at = 0u64;
-    for &(views, n, buffers) in rebases {
-        let args = [views, n, table.address() + at * 8, buffers as u64];
-        launch(cuda, &rebase, n.div_ceil(BLOCK as u64), BLOCK, &args)?;
-        at += buffers as u64;
+    for r in rebases {
+        // Two `u32` per data buffer.
+        let args = [r.views, r.len, table.address() + r.entry as u64 * 8, r.buffers as u64];
+        launch(cuda, &rebase, r.len.div_ceil(BLOCK as u64), BLOCK, &args)?;
     }
     Ok(Some(table))
 }
@@ -291,8 +309,9 @@ mod tests {
         RecordBatch::try_new(Arc::new(schema), columns).unwrap()
     }
 
-    /// Batches of odd lengths, sliced at odd offsets, one empty, their strings in many data
-    /// buffers: the device's concatenation equals arrow's and holds none of their memory.
+    /// Batches of odd lengths, sliced at odd offsets, empty ones (one an empty slice of strings in
+    /// data buffers), their strings in many data buffers: the device's concatenation equals
+    /// arrow's and holds none of their memory.
     #[test]
     fn concatenation_on_the_device_matches_arrow() {
         if !cuda_available() {
@@ -302,6 +321,7 @@ mod tests {
         let device = Device::Cuda(0);
         let stream = Stream::new(device).unwrap();
         let hosts = [
+            batch(200, 6).slice(50, 0),
             batch(37, 1).slice(3, 30),
             batch(0, 2),
             batch(101, 3),
