@@ -11,10 +11,14 @@
 //! # Staging
 //!
 //! A table is staged by a pipeline: its host batches are made and prepared on every core (Parquet
-//! runs of row groups decoded straight into one batch each, by [`GpuTable::from_parquet`]; small
-//! host batches gathered into device batches of about [`LoadOptions::with_batch_rows`] rows, by
-//! [`GpuTable::try_new`]; string views compacted; statistics computed while the batch is at hand),
-//! and each is copied to its device as soon as it is ready, while the next ones are prepared. A
+//! runs of row groups decoded straight into one batch each, by [`GpuTable::from_parquet`], their
+//! columns' extremes taken from the row-group statistics where those are exact; string views
+//! compacted; statistics computed while the batch is at hand), and each is copied to its device as
+//! soon as it is ready, while the next ones are prepared. Small host batches
+//! ([`GpuTable::try_new`]) are gathered into device batches of about
+//! [`LoadOptions::with_batch_rows`] rows on the GPU, each concatenated there once its last piece
+//! is copied, where every column has a fixed width or is a boolean or view column (on the host
+//! before the copy otherwise). A
 //! few prepared batches wait at most: host memory never holds the whole table. Partitions are
 //! the input's (runs of consecutive row groups for Parquet, one per core) unless
 //! [`LoadOptions::with_partitions`] sets them. [`LoadOptions::with_progress`] reports the bytes
