@@ -72,12 +72,9 @@ fn nested_view_data(data: &ArrayData) -> usize {
 /// staging copies every one whole) and the bytes its views reference (the values too long to be
 /// inlined); `None` for a column of another type.
 fn view_bytes(column: &ArrayRef) -> Option<(usize, usize)> {
-    fn of<T: ByteViewType + ?Sized>(a: &GenericByteViewArray<T>) -> usize {
-        a.total_buffer_bytes_used()
-    }
     let referenced = match column.data_type() {
-        DataType::Utf8View => of(column.as_string_view()),
-        DataType::BinaryView => of(column.as_binary_view()),
+        DataType::Utf8View => column.as_string_view().total_buffer_bytes_used(),
+        DataType::BinaryView => column.as_binary_view().total_buffer_bytes_used(),
         _ => return None,
     };
     Some((held_bytes(column), referenced))
@@ -318,7 +315,7 @@ impl Place {
 /// Whether a device batch of several host batches of `schema` is gathered on `device` (each
 /// copied as it is, then concatenated there) rather than on the host: on a GPU, where every column
 /// has a type `device_concat::concat_batches` takes.
-pub(crate) fn device_concatenable(schema: &SchemaRef, device: Device) -> bool {
+fn device_concatenable(schema: &SchemaRef, device: Device) -> bool {
     device.ordinal().is_some() && schema.fields().iter().all(|f| concatenable(f.data_type()))
 }
 
@@ -648,28 +645,9 @@ impl Stager {
             ),
         };
         let staged = staged.map_err(|e| self.failed(device, bytes, e))?;
-        let staged = if place.pieces == 1 {
-            Some(staged)
-        } else {
-            let key = (partition, place.order);
-            let pieces = self.gathering.entry(key).or_insert_with(|| vec![None; place.pieces]);
-            if let Some(slot) = pieces.get_mut(place.piece) {
-                *slot = Some(staged);
-            }
-            match pieces.iter().all(Option::is_some) {
-                true => {
-                    let pieces: Vec<_> = self.gathering.remove(&key).into_iter().flatten().flatten().collect();
-                    // The pieces' memory is freed in the order of `stream`, after the concatenation.
-                    let stream = &self.streams[&device];
-                    let schema = self.schema.clone();
-                    let joined = timed(times, StagingStep::Gather, || {
-                        concat_batches(schema, &pieces, device, stream)
-                    });
-                    Some(joined.map_err(|e| self.failed(device, bytes, e))?)
-                }
-                false => None,
-            }
-        };
+        let staged = self
+            .gathered(place, staged)
+            .map_err(|e| self.failed(device, bytes, e))?;
         if let Some(r) = self.room.get_mut(&device) {
             r.staged += bytes;
         }
@@ -691,6 +669,41 @@ impl Stager {
             self.partitions[partition].push((place.order, staged));
         }
         Ok(batch)
+    }
+
+    /// The device batch at `place` once `staged` has come: `staged` itself when it is the whole
+    /// batch, else the concatenation of the pieces once the last has come (`None` before).
+    fn gathered(&mut self, place: Place, staged: DeviceRecordBatch) -> crate::error::Result<Option<DeviceRecordBatch>> {
+        if place.pieces == 1 {
+            return Ok(Some(staged));
+        }
+        let key = (place.partition, place.order);
+        let pieces = self.gathering.entry(key).or_insert_with(|| vec![None; place.pieces]);
+        if let Some(slot) = pieces.get_mut(place.piece) {
+            *slot = Some(staged);
+        }
+        if !pieces.iter().all(Option::is_some) {
+            return Ok(None);
+        }
+        let pieces: Vec<_> = self.gathering.remove(&key).into_iter().flatten().flatten().collect();
+        let device = self.device_of(place.partition);
+        // The pieces' memory is freed in the order of the stream, after the concatenation.
+        timed(self.times.as_deref(), StagingStep::Gather, || {
+            concat_batches(self.schema.clone(), &pieces, device, &self.streams[&device])
+        })
+        .map(Some)
+    }
+
+    /// The units of a run of host batches that makes the device batch at `order` of `partition`
+    /// (see [`Place::units`]): its batches one by one where its device gathers them.
+    pub(crate) fn units(
+        &self,
+        partition: usize,
+        order: usize,
+        run: Vec<RecordBatch>,
+    ) -> Vec<(Place, Vec<RecordBatch>)> {
+        let on_device = device_concatenable(&self.schema, self.device_of(partition));
+        Place::units(partition, order, run, on_device)
     }
 
     /// The error of a copy (or concatenation) to `device` of `bytes` more that failed with `e`:

@@ -23,9 +23,7 @@ use super::options::LoadOptions;
 use super::options::{DEFAULT_BATCH_ROWS, MAX_GATHERED_BYTES};
 use super::predicate::{Predicate, supports_filter};
 use super::source::GpuScan;
-use super::staging::{
-    Place, Stager, batches, device_concatenable, gather, host_bytes, prepare, redistribute, sized, stage_parallel,
-};
+use super::staging::{Place, Stager, batches, gather, host_bytes, prepare, redistribute, sized, stage_parallel};
 use crate::array::DeviceRecordBatch;
 use crate::device::Device;
 use crate::transfer::times::{StagingStep, timed};
@@ -97,13 +95,7 @@ impl GpuTable {
         let partitions = sized(redistribute(partitions, options.partitions));
         let total_rows = partitions.iter().flatten().map(|(b, _)| b.num_rows() as u64).sum();
         let total_bytes = partitions.iter().flatten().map(|(_, bytes)| bytes).sum();
-        let stager = Stager::new(
-            schema.clone(),
-            partitions.len(),
-            options,
-            Some(total_rows),
-            Some(total_bytes),
-        )?;
+        let stager = Stager::new(schema, partitions.len(), options, Some(total_rows), Some(total_bytes))?;
         // Check each device's share before copying anything.
         let mut need: HashMap<Device, u64> = HashMap::new();
         for (i, p) in partitions.iter().enumerate() {
@@ -115,9 +107,8 @@ impl GpuTable {
         let rows = options.batch_rows.unwrap_or(DEFAULT_BATCH_ROWS);
         let mut units = Vec::new();
         for (i, p) in partitions.into_iter().enumerate() {
-            let on_device = device_concatenable(&schema, stager.device_of(i));
             for run in gather(p, rows) {
-                units.extend(Place::units(i, units.len(), batches(run), on_device));
+                units.extend(stager.units(i, units.len(), batches(run)));
             }
         }
         Ok((stager, units))
@@ -176,9 +167,8 @@ impl GpuTable {
         let mut order = 0;
         let times = options.staging_times.clone();
         let mut put = |stager: &mut Stager, partition: usize, run: Vec<(RecordBatch, u64)>| {
-            let on_device = device_concatenable(&schema, stager.device_of(partition));
             order += 1;
-            for (place, unit) in Place::units(partition, order, batches(run), on_device) {
+            for (place, unit) in stager.units(partition, order, batches(run)) {
                 let prepared = timed(times.as_deref(), StagingStep::Prepare, || prepare(&schema, unit, None))?;
                 stager.decoded(prepared.bytes());
                 stager.put(place, prepared)?;
