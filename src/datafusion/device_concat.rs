@@ -5,12 +5,16 @@
 //! Fixed-width values and views are copied device to device; validity bitmaps and booleans are
 //! re-packed by `concat_bits` (`kernels/scan.cu`); the data buffers of view columns are copied
 //! into one new buffer (more where they pass `i32::MAX` bytes), their long views pointed there by
-//! `rebase_views`. The result shares no memory with its inputs, which may be freed at once.
+//! `rebase_views`. Offsets (strings, binaries, lists, maps) are rebased by `rebase_offsets32/64`
+//! after one read of every part's first and last offset (a gather kernel, one synchronisation per
+//! level of nesting), and the bytes or child rows they span are concatenated in turn; structs and
+//! fixed-size lists concatenate their children's windows. The result shares no memory with its
+//! inputs, which may be freed at once.
 
 use std::sync::Arc;
 
 use arrow_schema::{DataType, SchemaRef};
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{CudaFunction, CudaStream};
 
 use super::device_filter::SCAN_KERNELS;
 use super::nvrtc::{BLOCK, cuda_stream, function, launch};
@@ -18,10 +22,19 @@ use crate::array::{DeviceArrayData, DeviceRecordBatch};
 use crate::device::{Device, Stream};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, MemoryResource};
+use crate::transfer::offsets::read_offsets;
 
-/// Whether [`concat_batches`] takes columns of this type.
+/// Whether [`concat_batches`] takes columns of this type: every type but dictionaries, unions,
+/// list views and run-end encoded arrays (and nestings of them).
 pub(crate) fn concatenable(dt: &DataType) -> bool {
-    matches!(dt, DataType::Boolean | DataType::Utf8View | DataType::BinaryView) || fixed_width(dt).is_some()
+    match dt {
+        DataType::Null | DataType::Boolean | DataType::Utf8View | DataType::BinaryView => true,
+        DataType::List(f) | DataType::LargeList(f) | DataType::FixedSizeList(f, _) | DataType::Map(f, _) => {
+            concatenable(f.data_type())
+        }
+        DataType::Struct(fields) => fields.iter().all(|f| concatenable(f.data_type())),
+        other => offset_width(other).is_some() || fixed_width(other).is_some(),
+    }
 }
 
 fn fixed_width(dt: &DataType) -> Option<usize> {
@@ -29,6 +42,15 @@ fn fixed_width(dt: &DataType) -> Option<usize> {
         DataType::FixedSizeBinary(w) => usize::try_from(*w).ok(),
         DataType::Boolean => None,
         other => other.primitive_width(),
+    }
+}
+
+/// The width of the offsets of a type that has them.
+fn offset_width(dt: &DataType) -> Option<usize> {
+    match dt {
+        DataType::Utf8 | DataType::Binary | DataType::List(_) | DataType::Map(..) => Some(4),
+        DataType::LargeUtf8 | DataType::LargeBinary | DataType::LargeList(_) => Some(8),
+        _ => None,
     }
 }
 
@@ -42,104 +64,364 @@ pub(crate) fn concat_batches(
     stream: &Stream,
 ) -> Result<DeviceRecordBatch> {
     let (stream, cuda) = cuda_stream(stream, device, "a device concatenation")?;
-    let ctx = cuda.context().clone();
-    let resource = MemoryResource::default_for(device);
     let rows: usize = batches.iter().map(DeviceRecordBatch::num_rows).sum();
     for b in batches {
         stream.wait(b.ready())?;
     }
-    let bits = function(&ctx, SCAN_KERNELS, "concat_bits")?;
-    // ORs each array's bits (`None`: all ones) into `out` from its first row.
-    let pack_bits = |out: &DeviceBuffer, parts: &[(Option<&DeviceBuffer>, usize, usize)]| -> Result<()> {
-        let mut at = 0u64;
-        for &(src, offset, len) in parts {
-            if len > 0 {
-                let src = src.map_or(0, DeviceBuffer::address);
-                let args = [src, offset as u64, len as u64, out.address(), at];
-                launch(&cuda, &bits, (len as u64).div_ceil(BLOCK as u64), BLOCK, &args)?;
+    let mut concat = Concat::new(cuda, device, &stream)?;
+    let columns: Vec<Vec<DeviceArrayData>> = (0..schema.fields().len())
+        .map(|c| batches.iter().map(|b| b.columns()[c].clone()).collect())
+        .collect();
+    // The first and last offsets of every column that has them, in one read.
+    let mut ends = concat.ends(schema.fields().iter().map(|f| f.data_type()).zip(&columns))?;
+    let columns = schema
+        .fields()
+        .iter()
+        .zip(&columns)
+        .zip(&mut ends)
+        .map(|((f, parts), ends)| concat.array(f.data_type(), parts, std::mem::take(ends)))
+        .collect::<Result<Vec<_>>>()?;
+    // Kept until the stream is synchronised: the kernels read it.
+    let _moves = concat.rebase_views()?;
+    stream.synchronize()?;
+    DeviceRecordBatch::try_new(schema, columns, rows, stream.record()?)
+}
+
+/// A concatenation under way on one stream: its kernels, and the views to point at their new data
+/// buffers once every column's are in place.
+struct Concat<'s> {
+    cuda: Arc<CudaStream>,
+    stream: &'s Stream,
+    device: Device,
+    resource: MemoryResource,
+    bits: CudaFunction,
+    offsets32: CudaFunction,
+    offsets64: CudaFunction,
+    rebase: CudaFunction,
+    /// Where each data buffer of each view part went (see `merge_data`).
+    moves: Vec<u32>,
+    /// The views to point there.
+    rebases: Vec<Rebase>,
+}
+
+/// The first and last offset of each part of an array (`(0, 0)` for empty parts), or nothing for
+/// a type without offsets.
+type Ends = Vec<(i64, i64)>;
+
+impl<'s> Concat<'s> {
+    fn new(cuda: Arc<CudaStream>, device: Device, stream: &'s Stream) -> Result<Self> {
+        let ctx = cuda.context().clone();
+        Ok(Concat {
+            bits: function(&ctx, SCAN_KERNELS, "concat_bits")?,
+            offsets32: function(&ctx, SCAN_KERNELS, "rebase_offsets32")?,
+            offsets64: function(&ctx, SCAN_KERNELS, "rebase_offsets64")?,
+            rebase: function(&ctx, SCAN_KERNELS, "rebase_views")?,
+            cuda,
+            stream,
+            device,
+            resource: MemoryResource::default_for(device),
+            moves: Vec::new(),
+            rebases: Vec::new(),
+        })
+    }
+
+    /// `len` bytes of new device memory.
+    fn alloc(&self, len: usize) -> Result<DeviceBuffer> {
+        DeviceBuffer::alloc(self.resource, len.max(1), self.stream)?.slice(0, len)
+    }
+
+    /// The [`Ends`] of each array whose parts are given, read from the device at once.
+    fn ends<'a>(&self, arrays: impl Iterator<Item = (&'a DataType, &'a Vec<DeviceArrayData>)>) -> Result<Vec<Ends>> {
+        let mut reads = Vec::new();
+        let arrays: Vec<_> = arrays.collect();
+        for (dt, parts) in &arrays {
+            let Some(width) = offset_width(dt) else {
+                continue;
+            };
+            for p in parts.iter().filter(|p| !p.is_empty()) {
+                let offsets = p
+                    .buffers()
+                    .first()
+                    .ok_or_else(|| Error::InvalidData(format!("a {dt} array without offsets")))?;
+                let end = (p.offset() + p.len() + 1) * width;
+                if end > offsets.len() {
+                    return Err(Error::InvalidData(format!(
+                        "a {dt} array of {} elements from {} with {} bytes of offsets",
+                        p.len(),
+                        p.offset(),
+                        offsets.len()
+                    )));
+                }
+                let first = offsets.address() + (p.offset() * width) as u64;
+                if !first.is_multiple_of(width as u64) {
+                    return Err(Error::Unsupported(format!(
+                        "concatenating {dt} offsets not aligned to their width"
+                    )));
+                }
+                reads.extend([(first, width), (first + (p.len() * width) as u64, width)]);
             }
-            at += len as u64;
         }
-        Ok(())
-    };
-    let bitmap_len = rows.div_ceil(32) * 4;
-    let mut columns = Vec::with_capacity(schema.fields().len());
-    // Where each data buffer of each view part went (see `merge_data`), and the views to point
-    // there.
-    let mut moves: Vec<u32> = Vec::new();
-    let mut rebases: Vec<Rebase> = Vec::new();
-    for (c, field) in schema.fields().iter().enumerate() {
-        let dt = field.data_type();
-        let parts: Vec<&DeviceArrayData> = batches.iter().map(|b| &b.columns()[c]).collect();
+        // SAFETY: every read is an offset inside an offsets buffer of `arrays` (checked above),
+        // which the caller keeps until the read has synchronised.
+        let mut values = unsafe { read_offsets(&reads, self.device, self.stream)? }.into_iter();
+        let mut out = Vec::with_capacity(arrays.len());
+        for (dt, parts) in arrays {
+            out.push(match offset_width(dt) {
+                None => Vec::new(),
+                Some(_) => parts
+                    .iter()
+                    .map(|p| match p.is_empty() {
+                        true => (0, 0),
+                        false => (values.next().unwrap_or(0), values.next().unwrap_or(0)),
+                    })
+                    .collect(),
+            });
+        }
+        Ok(out)
+    }
+
+    /// The rows of `parts` (arrays of `dt`) in one new array; `ends` are their [`Ends`] when read
+    /// already (empty otherwise).
+    fn array(&mut self, dt: &DataType, parts: &[DeviceArrayData], ends: Ends) -> Result<DeviceArrayData> {
         if let Some(p) = parts.iter().find(|p| p.data_type() != dt) {
             return Err(Error::InvalidData(format!(
                 "a column of {} where the schema says {dt}",
                 p.data_type()
             )));
         }
+        let rows: usize = parts.iter().map(DeviceArrayData::len).sum();
         let has_nulls = |p: &&DeviceArrayData| p.nulls().is_some() && p.null_count() != Some(0);
-        let nulls = if parts.iter().any(has_nulls) {
-            let out = DeviceBuffer::zeroed(resource, bitmap_len.max(4), &stream)?;
+        let nulls = if parts.iter().any(|p| has_nulls(&p)) {
             let spans: Vec<_> = parts
                 .iter()
-                .map(|p| (p.nulls().filter(|_| has_nulls(p)), p.offset(), p.len()))
+                .map(|p| (p.nulls().filter(|_| has_nulls(&p)), p.offset(), p.len()))
                 .collect();
-            pack_bits(&out, &spans)?;
-            Some(out)
+            Some(self.pack_bits(rows, &spans)?)
         } else {
             None
         };
-        let null_count = if nulls.is_none() {
-            Some(0)
-        } else {
-            parts.iter().map(|p| p.null_count()).sum::<Option<usize>>()
+        let null_count = match nulls {
+            None => Some(0),
+            Some(_) => parts.iter().map(|p| p.null_count()).sum::<Option<usize>>(),
         };
-        let buffers = match dt {
+        let (buffers, children) = match dt {
+            DataType::Null => (vec![], vec![]),
             DataType::Boolean => {
-                let out = DeviceBuffer::zeroed(resource, bitmap_len.max(4), &stream)?;
                 let spans: Vec<_> = parts
                     .iter()
                     .map(|p| (p.buffers().first(), p.offset(), p.len()))
                     .collect();
-                pack_bits(&out, &spans)?;
-                vec![out]
+                (vec![self.pack_bits(rows, &spans)?], vec![])
             }
-            DataType::Utf8View | DataType::BinaryView => {
-                let views = copy_values(&parts, 16, resource, &stream)?.slice(0, rows * 16)?;
-                // The first entry of `moves` for each part's data buffers.
-                let mut entry = moves.len() / 2;
-                let data = merge_data(&parts, resource, &stream, &mut moves)?;
-                let mut at = 0usize;
-                for p in &parts {
-                    let buffers = p.buffers().len().saturating_sub(1);
-                    if buffers > 0 && !p.is_empty() {
-                        rebases.push(Rebase {
-                            views: views.address() + at as u64 * 16,
-                            len: p.len() as u64,
-                            entry,
-                            buffers,
-                        });
+            DataType::Utf8View | DataType::BinaryView => (self.views(parts, rows)?, vec![]),
+            DataType::Utf8 | DataType::LargeUtf8 | DataType::Binary | DataType::LargeBinary => {
+                let ends = self.ends_of(dt, parts, ends)?;
+                let mut data = self.alloc(spanned(dt, &ends)?)?;
+                let offsets = self.offsets(dt, parts, &ends, rows)?;
+                let mut at = 0;
+                for (p, &(first, last)) in parts.iter().zip(&ends) {
+                    let len = (last - first) as usize;
+                    if len > 0 {
+                        let values = p
+                            .buffers()
+                            .get(1)
+                            .ok_or_else(|| Error::InvalidData(format!("a {dt} array without its data buffer")))?;
+                        let src = values.slice(first as usize, len)?;
+                        // SAFETY: `src` and `data` live until the caller synchronises the stream.
+                        unsafe { data.copy_from_async(at, &src, self.stream)? };
                     }
-                    entry += buffers;
-                    at += p.len();
+                    at += len;
                 }
-                std::iter::once(views).chain(data).collect()
+                (vec![offsets, data], vec![])
+            }
+            DataType::List(f) | DataType::LargeList(f) | DataType::Map(f, _) => {
+                let ends = self.ends_of(dt, parts, ends)?;
+                spanned(dt, &ends)?;
+                let offsets = self.offsets(dt, parts, &ends, rows)?;
+                let values = parts
+                    .iter()
+                    .zip(&ends)
+                    .map(|(p, &(first, last))| child(p, 0)?.slice(first as usize, (last - first) as usize))
+                    .collect::<Result<Vec<_>>>()?;
+                (vec![offsets], vec![self.array(f.data_type(), &values, Ends::new())?])
+            }
+            DataType::FixedSizeList(f, size) => {
+                let size = usize::try_from(*size).map_err(|_| Error::InvalidData(format!("{dt}")))?;
+                let values = parts
+                    .iter()
+                    .map(|p| child(p, 0)?.slice(p.offset() * size, p.len() * size))
+                    .collect::<Result<Vec<_>>>()?;
+                (vec![], vec![self.array(f.data_type(), &values, Ends::new())?])
+            }
+            DataType::Struct(fields) => {
+                let mut children = Vec::with_capacity(fields.len());
+                for (i, f) in fields.iter().enumerate() {
+                    let windows = parts
+                        .iter()
+                        .map(|p| child(p, i)?.slice(p.offset(), p.len()))
+                        .collect::<Result<Vec<_>>>()?;
+                    children.push(self.array(f.data_type(), &windows, Ends::new())?);
+                }
+                (vec![], children)
             }
             other => {
                 let width = fixed_width(other)
                     .ok_or_else(|| Error::Unsupported(format!("concatenating {other} on the device")))?;
-                vec![copy_values(&parts, width, resource, &stream)?]
+                (vec![self.values(parts, width, rows)?], vec![])
             }
         };
-        let mut column = DeviceArrayData::try_new(dt.clone(), rows, 0, null_count, nulls, buffers, vec![])?;
-        // Copies of the parts' values, bits and views: as valid as they are.
-        column.trusted = parts.iter().all(|p| p.is_trusted());
-        columns.push(column);
+        let mut array = DeviceArrayData::try_new(dt.clone(), rows, 0, null_count, nulls, buffers, children)?;
+        // Copies of the parts' values, bits, views and rebased offsets: as valid as they are.
+        array.trusted = parts.iter().all(|p| p.is_trusted());
+        Ok(array)
     }
-    // Kept until the stream is synchronised: the kernels read it.
-    let _moves = rebase_views(&cuda, &ctx, &moves, &rebases, resource, &stream)?;
-    stream.synchronize()?;
-    DeviceRecordBatch::try_new(schema, columns, rows, stream.record()?)
+
+    /// `ends` if read already, else the [`Ends`] of `parts` (arrays of `dt`) read now.
+    fn ends_of(&self, dt: &DataType, parts: &[DeviceArrayData], ends: Ends) -> Result<Ends> {
+        if ends.len() == parts.len() {
+            return Ok(ends);
+        }
+        let parts = parts.to_vec();
+        Ok(self.ends(std::iter::once((dt, &parts)))?.remove(0))
+    }
+
+    /// A new bitmap of `rows` bits holding each span's bits (`(bitmap, offset, len)`, all ones
+    /// for no bitmap), one after another.
+    fn pack_bits(&self, rows: usize, spans: &[(Option<&DeviceBuffer>, usize, usize)]) -> Result<DeviceBuffer> {
+        let out = DeviceBuffer::zeroed(self.resource, rows.div_ceil(32).max(1) * 4, self.stream)?;
+        let mut at = 0u64;
+        for &(src, offset, len) in spans {
+            if len > 0 {
+                let src = src.map_or(0, DeviceBuffer::address);
+                let args = [src, offset as u64, len as u64, out.address(), at];
+                launch(
+                    &self.cuda,
+                    &self.bits,
+                    (len as u64).div_ceil(BLOCK as u64),
+                    BLOCK,
+                    &args,
+                )?;
+            }
+            at += len as u64;
+        }
+        Ok(out)
+    }
+
+    /// The offsets of `parts` (arrays of `dt`, whose [`Ends`] are `ends`) one after another in a
+    /// new buffer of `rows + 1` offsets, each part's rebased to start where the previous ended.
+    fn offsets(
+        &self,
+        dt: &DataType,
+        parts: &[DeviceArrayData],
+        ends: &[(i64, i64)],
+        rows: usize,
+    ) -> Result<DeviceBuffer> {
+        let width = offset_width(dt).ok_or_else(|| Error::Unsupported(format!("offsets of {dt}")))?;
+        let out = DeviceBuffer::zeroed(self.resource, (rows + 1) * width, self.stream)?;
+        let kernel = if width == 4 { &self.offsets32 } else { &self.offsets64 };
+        let (mut at, mut base) = (0usize, 0i64);
+        for (p, &(first, last)) in parts.iter().zip(ends) {
+            if !p.is_empty() {
+                // `ends` checked that the part's offsets lie in its buffer.
+                let src = p.buffers()[0].address() + (p.offset() * width) as u64;
+                let dst = out.address() + (at * width) as u64;
+                let n = p.len() as u64 + 1;
+                let args = [src, n, dst, base.wrapping_sub(first) as u64];
+                launch(&self.cuda, kernel, n.div_ceil(BLOCK as u64), BLOCK, &args)?;
+            }
+            at += p.len();
+            base += last - first;
+        }
+        Ok(out)
+    }
+
+    /// The values (`width` bytes each) of `parts`, one after another in a new buffer.
+    fn values(&self, parts: &[DeviceArrayData], width: usize, rows: usize) -> Result<DeviceBuffer> {
+        let mut out = self.alloc(rows * width)?;
+        let mut at = 0;
+        for p in parts {
+            let values = p
+                .buffers()
+                .first()
+                .ok_or_else(|| Error::InvalidData(format!("a {} array without values", p.data_type())))?;
+            if p.is_empty() {
+                continue;
+            }
+            let src = values.slice(p.offset() * width, p.len() * width)?;
+            // SAFETY: `src` and `out` live until the caller synchronises the stream.
+            unsafe { out.copy_from_async(at, &src, self.stream)? };
+            at += p.len() * width;
+        }
+        Ok(out)
+    }
+
+    /// The views of the view arrays `parts` in a new buffer, and their data buffers copied into
+    /// new ones (see [`merge_data`]); the long views are noted to be pointed there.
+    fn views(&mut self, parts: &[DeviceArrayData], rows: usize) -> Result<Vec<DeviceBuffer>> {
+        let views = self.values(parts, 16, rows)?;
+        // The first entry of `moves` for each part's data buffers.
+        let mut entry = self.moves.len() / 2;
+        let data = merge_data(parts, self.resource, self.stream, &mut self.moves)?;
+        let mut at = 0usize;
+        for p in parts {
+            let buffers = p.buffers().len().saturating_sub(1);
+            if buffers > 0 && !p.is_empty() {
+                self.rebases.push(Rebase {
+                    views: views.address() + at as u64 * 16,
+                    len: p.len() as u64,
+                    entry,
+                    buffers,
+                });
+            }
+            entry += buffers;
+            at += p.len();
+        }
+        Ok(std::iter::once(views).chain(data).collect())
+    }
+
+    /// Points the long views of each part noted by [`Concat::views`] at the new data buffers.
+    /// Returns the table of moves on the device, which must live until the stream is synchronised.
+    fn rebase_views(&self) -> Result<Option<DeviceBuffer>> {
+        if self.rebases.is_empty() {
+            return Ok(None);
+        }
+        let bytes: Vec<u8> = self.moves.iter().flat_map(|m| m.to_ne_bytes()).collect();
+        let table = DeviceBuffer::from_host(&bytes, self.resource, self.stream)?;
+        for r in &self.rebases {
+            // Two `u32` per data buffer.
+            let args = [r.views, r.len, table.address() + r.entry as u64 * 8, r.buffers as u64];
+            launch(&self.cuda, &self.rebase, r.len.div_ceil(BLOCK as u64), BLOCK, &args)?;
+        }
+        Ok(Some(table))
+    }
+}
+
+/// Child `i` of `p`.
+fn child(p: &DeviceArrayData, i: usize) -> Result<&DeviceArrayData> {
+    p.children()
+        .get(i)
+        .ok_or_else(|| Error::InvalidData(format!("a {} array without child {i}", p.data_type())))
+}
+
+/// The values the parts' offsets span in all (bytes, or child rows), which must rise within each
+/// part and fit the type's offsets.
+fn spanned(dt: &DataType, ends: &[(i64, i64)]) -> Result<usize> {
+    let most = if offset_width(dt) == Some(4) {
+        i32::MAX as i64
+    } else {
+        i64::MAX
+    };
+    let mut total = 0i64;
+    for &(first, last) in ends {
+        if first < 0 || last < first {
+            return Err(Error::InvalidData(format!("{dt} offsets from {first} to {last}")));
+        }
+        total = total
+            .checked_add(last - first)
+            .filter(|t| *t <= most)
+            .ok_or_else(|| Error::InvalidData(format!("the concatenated {dt} values overflow its offsets")))?;
+    }
+    usize::try_from(total).map_err(|_| Error::InvalidData(format!("{dt} values of {total} bytes")))
 }
 
 /// The long views of a part of a view column, to point at the concatenation's data buffers.
@@ -154,37 +436,12 @@ struct Rebase {
     buffers: usize,
 }
 
-/// Points the long views of each part of `rebases` at the new data buffers, as `moves` says (see
-/// [`merge_data`]). Returns the table of moves on the device, which must live until the stream
-/// is synchronised.
-fn rebase_views(
-    cuda: &Arc<CudaStream>,
-    ctx: &Arc<CudaContext>,
-    moves: &[u32],
-    rebases: &[Rebase],
-    resource: MemoryResource,
-    stream: &Stream,
-) -> Result<Option<DeviceBuffer>> {
-    if rebases.is_empty() {
-        return Ok(None);
-    }
-    let bytes: Vec<u8> = moves.iter().flat_map(|m| m.to_ne_bytes()).collect();
-    let table = DeviceBuffer::from_host(&bytes, resource, stream)?;
-    let rebase = function(ctx, SCAN_KERNELS, "rebase_views")?;
-    for r in rebases {
-        // Two `u32` per data buffer.
-        let args = [r.views, r.len, table.address() + r.entry as u64 * 8, r.buffers as u64];
-        launch(cuda, &rebase, r.len.div_ceil(BLOCK as u64), BLOCK, &args)?;
-    }
-    Ok(Some(table))
-}
-
 /// The data buffers of the view arrays `parts`, copied one after another into new buffers of at
 /// most `i32::MAX` bytes each (the most a view's offset reaches); appends to `moves`, for each
 /// data buffer of each part in order, the index of the new buffer it went to and its offset
 /// there.
 fn merge_data(
-    parts: &[&DeviceArrayData],
+    parts: &[DeviceArrayData],
     resource: MemoryResource,
     stream: &Stream,
     moves: &mut Vec<u32>,
@@ -230,56 +487,65 @@ fn merge_data(
     Ok(out)
 }
 
-/// The values (`width` bytes each) of `parts`, one after another in a new buffer.
-fn copy_values(
-    parts: &[&DeviceArrayData],
-    width: usize,
-    resource: MemoryResource,
-    stream: &Stream,
-) -> Result<DeviceBuffer> {
-    let rows: usize = parts.iter().map(|p| p.len()).sum();
-    let mut out = DeviceBuffer::alloc(resource, (rows * width).max(1), stream)?;
-    let mut at = 0;
-    for p in parts {
-        let values = p
-            .buffers()
-            .first()
-            .ok_or_else(|| Error::InvalidData(format!("a {} array without values", p.data_type())))?;
-        if p.is_empty() {
-            continue;
-        }
-        let src = values.slice(p.offset() * width, p.len() * width)?;
-        // SAFETY: `src` and `out` live until the caller synchronises the stream.
-        unsafe { out.copy_from_async(at, &src, stream)? };
-        at += p.len() * width;
-    }
-    Ok(out)
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
 
-    use arrow_array::builder::{FixedSizeBinaryBuilder, StringViewBuilder};
-    use arrow_array::{ArrayRef, BooleanArray, Decimal128Array, Int32Array, Int64Array, RecordBatch};
-    use arrow_schema::{DataType, Field, Schema};
+    use arrow_array::builder::{
+        FixedSizeBinaryBuilder, FixedSizeListBuilder, GenericListBuilder, Int32Builder, Int64Builder, ListBuilder,
+        MapBuilder, StringBuilder, StringViewBuilder,
+    };
+    use arrow_array::{
+        Array, ArrayRef, BinaryArray, BooleanArray, Decimal128Array, Int32Array, Int64Array, LargeBinaryArray,
+        LargeStringArray, NullArray, RecordBatch, StringArray, StructArray,
+    };
+    use arrow_buffer::NullBuffer;
+    use arrow_schema::{DataType, Field, Fields, Schema};
 
-    use super::concat_batches;
+    use super::{concat_batches, concatenable};
     use crate::device::{Device, Stream, cuda_available};
 
-    /// A batch of every concatenable kind, `seed` varying its values; strings long and short, in
-    /// several data buffers.
+    /// A batch of every concatenable kind, `seed` varying its values: view strings long and
+    /// short in several data buffers, offset strings and binaries of both widths, lists, maps,
+    /// fixed-size lists and a struct, all with nulls.
     fn batch(rows: usize, seed: usize) -> RecordBatch {
+        let text = |i: usize| (!(i + seed).is_multiple_of(5)).then(|| "x".repeat((i * 7 + seed) % 30));
         let mut views = StringViewBuilder::new().with_fixed_block_size(64);
         let mut fixed = FixedSizeBinaryBuilder::new(3);
+        let mut list = ListBuilder::new(StringBuilder::new());
+        let mut large_list = GenericListBuilder::<i64, _>::new(Int32Builder::new());
+        let mut pairs = FixedSizeListBuilder::new(Int64Builder::new(), 2);
+        let mut map = MapBuilder::new(None, StringBuilder::new(), Int32Builder::new());
         for i in 0..rows {
-            if (i + seed).is_multiple_of(5) {
-                views.append_null();
-            } else {
-                views.append_value("x".repeat((i * 7 + seed) % 30));
-            }
+            views.append_option(text(i));
             fixed.append_value([i as u8, seed as u8, 7]).unwrap();
+            for j in 0..(i + seed) % 4 {
+                list.values().append_option(text(i + j));
+                large_list.values().append_option((j != 1).then_some((i * j) as i32));
+                map.keys().append_value(format!("k{j}"));
+                map.values().append_option((j != 2).then_some(j as i32));
+            }
+            list.append(!(i + seed).is_multiple_of(6));
+            large_list.append(!(i + seed).is_multiple_of(7));
+            map.append(!(i + seed).is_multiple_of(8)).unwrap();
+            pairs.values().append_value(i as i64);
+            pairs.values().append_option((i % 3 != 0).then_some(-(seed as i64)));
+            pairs.append(!(i + seed).is_multiple_of(9));
         }
+        let strings = StringArray::from_iter((0..rows).map(text));
+        let record = StructArray::new(
+            Fields::from(vec![
+                Field::new("s", DataType::Utf8, true),
+                Field::new("n", DataType::Int32, true),
+            ]),
+            vec![
+                Arc::new(strings.clone()) as ArrayRef,
+                Arc::new(Int32Array::from_iter(
+                    (0..rows).map(|i| (i % 4 != 1).then_some(i as i32)),
+                )),
+            ],
+            Some(NullBuffer::from_iter((0..rows).map(|i| !(i + seed).is_multiple_of(10)))),
+        );
         let columns: Vec<ArrayRef> = vec![
             Arc::new(Int64Array::from_iter(
                 (0..rows).map(|i| (!(i + seed).is_multiple_of(3)).then_some((i * seed) as i64)),
@@ -297,21 +563,33 @@ mod tests {
             ),
             Arc::new(views.finish()),
             Arc::new(fixed.finish()),
+            Arc::new(strings),
+            Arc::new(LargeStringArray::from_iter((0..rows).map(text))),
+            Arc::new(BinaryArray::from_iter(
+                (0..rows).map(|i| text(i).map(String::into_bytes)),
+            )),
+            Arc::new(LargeBinaryArray::from_iter(
+                (0..rows).map(|i| text(i).map(String::into_bytes)),
+            )),
+            Arc::new(list.finish()),
+            Arc::new(large_list.finish()),
+            Arc::new(pairs.finish()),
+            Arc::new(map.finish()),
+            Arc::new(record),
+            Arc::new(NullArray::new(rows)),
         ];
-        let schema = Schema::new(vec![
-            Field::new("i64", DataType::Int64, true),
-            Field::new("i32", DataType::Int32, true),
-            Field::new("flag", DataType::Boolean, true),
-            Field::new("dec", DataType::Decimal128(30, 2), true),
-            Field::new("s", DataType::Utf8View, true),
-            Field::new("fixed", DataType::FixedSizeBinary(3), true),
-        ]);
-        RecordBatch::try_new(Arc::new(schema), columns).unwrap()
+        let fields: Vec<Field> = columns
+            .iter()
+            .enumerate()
+            .map(|(i, c)| Field::new(format!("c{i}"), c.data_type().clone(), true))
+            .collect();
+        RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).unwrap()
     }
 
-    /// Batches of odd lengths, sliced at odd offsets, empty ones (one an empty slice of strings in
-    /// data buffers), their strings in many data buffers: the device's concatenation equals
-    /// arrow's and holds none of their memory.
+    /// Batches of odd lengths, sliced at odd offsets on the host and on the device (where the
+    /// offsets of a part start past zero and a struct's window lies inside its children), empty
+    /// ones (one an empty slice of strings in data buffers), their view strings in many data
+    /// buffers: the device's concatenation equals arrow's and holds none of their memory.
     #[test]
     fn concatenation_on_the_device_matches_arrow() {
         if !cuda_available() {
@@ -328,29 +606,56 @@ mod tests {
             batch(300, 4).slice(77, 150),
             batch(9, 5),
         ];
-        let on_device: Vec<_> = hosts
-            .iter()
-            .map(|b| crate::transfer::htod(b, device, &stream).unwrap())
-            .collect();
         let schema = hosts[0].schema();
+        assert!(schema.fields().iter().all(|f| concatenable(f.data_type())));
+        // The second half of the parts are cut on the device.
+        let cuts = [(0, 0), (0, 30), (0, 0), (13, 70), (29, 101), (2, 5)];
+        let mut on_device = Vec::new();
+        let mut expected = Vec::new();
+        for (i, (host, (offset, len))) in hosts.iter().zip(cuts).enumerate() {
+            let uploaded = crate::transfer::htod(host, device, &stream).unwrap();
+            match i >= 3 {
+                true => {
+                    on_device.push(uploaded.slice(offset, len).unwrap());
+                    expected.push(host.slice(offset, len));
+                }
+                false => {
+                    on_device.push(uploaded);
+                    expected.push(host.clone());
+                }
+            }
+        }
         let joined = concat_batches(schema.clone(), &on_device, device, &stream).unwrap();
         let inputs: Vec<_> = on_device
             .iter()
-            .flat_map(|b| b.columns().iter().flat_map(|c| c.buffers().iter().chain(c.nulls())))
+            .flat_map(|b| b.columns().iter().flat_map(|c| c.all_buffers()))
             .collect();
         for (c, column) in joined.columns().iter().enumerate() {
-            for b in column.buffers().iter().chain(column.nulls()) {
+            for b in column.all_buffers() {
                 assert!(!inputs.iter().any(|i| i.shares_allocation(b)), "column {c}");
             }
         }
+        drop(inputs);
         drop(on_device);
         let back = crate::transfer::dtoh(&joined, &stream).unwrap();
-        let expected = arrow_select::concat::concat_batches(&schema, &hosts).unwrap();
+        let expected = arrow_select::concat::concat_batches(&schema, &expected).unwrap();
         assert_eq!(back.num_rows(), expected.num_rows());
         for (c, (got, want)) in back.columns().iter().zip(expected.columns()).enumerate() {
             assert_eq!(got.as_ref(), want.as_ref(), "column {c}");
             assert_eq!(got.null_count(), want.null_count(), "column {c}");
             got.to_data().validate_full().unwrap();
+        }
+    }
+
+    /// Dictionaries, unions, list views and run-end encoded columns (and lists of them) are not
+    /// taken: staging concatenates them on the host.
+    #[test]
+    fn types_without_a_device_concatenation_are_refused() {
+        let dictionary = DataType::Dictionary(Box::new(DataType::Int32), Box::new(DataType::Utf8));
+        let list = DataType::List(Arc::new(Field::new_list_field(dictionary.clone(), true)));
+        let view = DataType::ListView(Arc::new(Field::new_list_field(DataType::Int32, true)));
+        for dt in [dictionary, list, view] {
+            assert!(!concatenable(&dt), "{dt}");
         }
     }
 }

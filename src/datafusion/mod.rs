@@ -17,7 +17,7 @@
 //! soon as it is ready, while the next ones are prepared. Small host batches
 //! ([`GpuTable::try_new`]) are gathered into device batches of about
 //! [`LoadOptions::with_batch_rows`] rows on the GPU, each concatenated there once its last piece
-//! is copied, where every column has a fixed width or is a boolean or view column (on the host
+//! is copied, where no column is a dictionary, union, list view or run-end encoded (on the host
 //! before the copy otherwise). A
 //! few prepared batches wait at most: host memory never holds the whole table. Partitions are
 //! the input's (runs of consecutive row groups for Parquet, one per core) unless

@@ -314,7 +314,8 @@ impl Place {
 
 /// Whether a device batch of several host batches of `schema` is gathered on `device` (each
 /// copied as it is, then concatenated there) rather than on the host: on a GPU, where every column
-/// has a type `device_concat::concat_batches` takes.
+/// has a type `device_concat::concat_batches` takes (all but dictionaries, unions, list views and
+/// run-end encoded columns).
 fn device_concatenable(schema: &SchemaRef, device: Device) -> bool {
     device.ordinal().is_some() && schema.fields().iter().all(|f| concatenable(f.data_type()))
 }

@@ -4,7 +4,7 @@
 //! callback runs exactly once, when the last buffer drops. The structure (counts, lengths, offsets,
 //! pointers) is checked before anything is built; the sizes of string and binary data come from the
 //! last offset of each array, read after the producer's event, all of them at once (one gather
-//! kernel on a GPU, see [`offsets`](super::offsets)) and with one synchronisation. Every imported buffer shares one owner, with no allocation of its own.
+//! kernel on a GPU, see `transfer::offsets`) and with one synchronisation. Every imported buffer shares one owner, with no allocation of its own.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -16,10 +16,10 @@ use crate::array::{DeviceArrayData, DeviceRecordBatch, check_type, has_validity}
 use crate::device::{Device, Event, Stream};
 use crate::driver::{self, CUevent};
 use crate::error::{Error, Result};
-use crate::ffi::offsets::read_offsets;
 use crate::ffi::schema::import_schema_ref;
 use crate::memory::{Allocation, DeviceBuffer, stream_for};
 use crate::trace::Laps;
+use crate::transfer::offsets::read_offsets;
 
 /// Nesting deeper than this is refused rather than risking the stack.
 pub(crate) const MAX_DEPTH: usize = 64;

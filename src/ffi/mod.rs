@@ -8,7 +8,6 @@
 mod export;
 mod guard;
 mod import;
-mod offsets;
 mod schema;
 mod schema_export;
 mod stream;

@@ -17,13 +17,14 @@
 //! of an upload goes), `pack` (producing its bytes in staging, on several threads), `download` (the
 //! device-to-host entry points and [`PendingBatch`]), `gather` (the spans of a download and their
 //! DMAs), `layout` (an array's buffer ranges in one allocation, and the arrays built from them on
-//! either side), `packed` (a batch packed on one thread and sent by another, for staging), `deferred` (memory kept until the copies that use it are done), `times` (where
+//! either side), `offsets` (scattered offsets read from a device at once), `packed` (a batch packed on one thread and sent by another, for staging), `deferred` (memory kept until the copies that use it are done), `times` (where
 //! staging's time goes, when asked).
 
 mod deferred;
 mod download;
 mod gather;
 mod layout;
+pub(crate) mod offsets;
 mod pack;
 #[cfg(feature = "datafusion")]
 mod packed;

@@ -193,6 +193,18 @@ extern "C" __global__ void concat_bits(const unsigned char* src, u64 src_off, u6
     }
 }
 
+/* `rebase_offsets32/64` write n offsets from `src` to `dst`, each plus `delta` (a part's offsets
+   moved to start where the previous part's ended), in unsigned arithmetic (no overflow). */
+extern "C" __global__ void rebase_offsets32(const u32* src, u64 n, u32* dst, u64 delta) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = src[i] + (u32)delta;
+}
+
+extern "C" __global__ void rebase_offsets64(const u64* src, u64 n, u64* dst, u64 delta) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = src[i] + delta;
+}
+
 extern "C" __global__ void rebase_views(unsigned int* views, u64 n, const unsigned int* moves, u64 buffers) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n || views[4 * i] <= 12) return;

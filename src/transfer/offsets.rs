@@ -1,15 +1,14 @@
-//! Reading the last offsets an import needs (the sizes of string and binary data) from the
-//! producer's memory, all at once: directly for host memory; on a GPU with one launch of a gather
-//! kernel that writes them into mapped pinned memory, or, where NVRTC is missing or cannot compile
-//! the kernel, with one batched copy; then one synchronisation.
+//! Reading scattered offsets from device memory, all at once (the sizes of string and binary data
+//! that a C Device import or a concatenation on the device needs): directly for host memory; on a
+//! GPU with one launch of a gather kernel that writes them into mapped pinned memory, or, where
+//! NVRTC is missing or cannot compile the kernel, with one batched copy; then one synchronisation.
 //!
-//! The kernel is compiled once per device, on the first import of a string array there (tens of
-//! milliseconds; `crate::driver` keeps the module); after that the launch costs what one small copy
-//! does, where the batched copy paid a few hundred nanoseconds per offset.
+//! The kernel is compiled once per device, on the first read there (tens of milliseconds;
+//! `crate::driver` keeps the module); after that the launch costs what one small copy does, where
+//! the batched copy paid a few hundred nanoseconds per offset.
 
 use cudarc::driver::CudaFunction;
 
-use super::import::invalid;
 use crate::device::{self, Device, Stream};
 use crate::driver;
 use crate::error::{Error, Result};
@@ -17,7 +16,7 @@ use crate::memory::pinned::PinnedPool;
 use crate::memory::{DeviceBuffer, MemoryResource, copy};
 
 /// The gather kernel.
-const KERNEL: &str = include_str!("kernels/last_offsets.cu");
+const KERNEL: &str = include_str!("kernels/gather_offsets.cu");
 
 /// Threads per block of the gather.
 const BLOCK: u32 = 256;
@@ -32,7 +31,7 @@ const WIDE: u64 = 1 << 63;
 ///
 /// # Safety
 /// Each address is an offset of its width in `device`'s memory, valid until the stream's work ends.
-pub(super) unsafe fn read_offsets(reads: &[(u64, usize)], device: Device, stream: &Stream) -> Result<Vec<i64>> {
+pub(crate) unsafe fn read_offsets(reads: &[(u64, usize)], device: Device, stream: &Stream) -> Result<Vec<i64>> {
     if reads.is_empty() {
         return Ok(vec![]);
     }
@@ -72,7 +71,7 @@ fn pinned(device: Device, len: usize) -> Result<DeviceBuffer> {
 /// `None` where NVRTC is missing or fails.
 fn gather_kernel(device: Device) -> Result<Option<CudaFunction>> {
     let ctx = device::context(device.ordinal().unwrap_or(0))?;
-    Ok(driver::function(&ctx, KERNEL, "last_offsets").ok())
+    Ok(driver::function(&ctx, KERNEL, "gather_offsets").ok())
 }
 
 /// One launch of the gather on `stream` (a stream of `device`): the addresses go in, and the values
@@ -88,13 +87,13 @@ unsafe fn gather(f: &CudaFunction, reads: &[(u64, usize)], device: Device, strea
     let mut block = pinned(device, n * 16)?;
     let bytes = block
         .host_slice_mut()
-        .ok_or_else(|| invalid("pinned block is shared"))?;
+        .ok_or_else(|| Error::Unsupported("pinned staging block is shared".into()))?;
     for (slot, &(p, w)) in bytes.chunks_exact_mut(8).zip(reads) {
         slot.copy_from_slice(&if w == 8 { p | WIDE } else { p }.to_le_bytes());
     }
     let addresses = block.device_pointer()?;
     let values = addresses + 8 * n as u64;
-    // `last_offsets` reads the `n` addresses and writes the `n` values of `block` (mapped, alive
+    // `gather_offsets` reads the `n` addresses and writes the `n` values of `block` (mapped, alive
     // until the synchronisation below), and reads each offset, valid per the caller, a byte at a
     // time.
     driver::launch(
@@ -107,7 +106,7 @@ unsafe fn gather(f: &CudaFunction, reads: &[(u64, usize)], device: Device, strea
     stream.synchronize()?;
     let bytes = block
         .host_slice_mut()
-        .ok_or_else(|| invalid("pinned block is shared"))?;
+        .ok_or_else(|| Error::Unsupported("pinned staging block is shared".into()))?;
     Ok(bytes[8 * n..].chunks_exact(8).map(decode).collect())
 }
 
@@ -135,7 +134,9 @@ unsafe fn copy_offsets(reads: &[(u64, usize)], device: Device, stream: &Stream) 
         }
     }
     stream.synchronize()?;
-    let bytes = out.host_slice_mut().ok_or_else(|| invalid("pinned block is shared"))?;
+    let bytes = out
+        .host_slice_mut()
+        .ok_or_else(|| Error::Unsupported("pinned staging block is shared".into()))?;
     Ok(reads
         .iter()
         .enumerate()

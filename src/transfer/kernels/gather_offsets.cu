@@ -1,5 +1,5 @@
-// The last offsets a C Device import reads (see `ffi/offsets.rs`): the sizes of string and binary
-// data, one offset per array, gathered in one launch.
+// Offsets read from device memory at once (see `transfer/offsets.rs`): the sizes of string and
+// binary data that a C Device import or a concatenation on the device needs, gathered in one launch.
 //
 // `reads[i]` is the address of offset `i`, with the top bit set for an 8-byte offset and clear for
 // a 4-byte one; `out[i]` receives its value, sign-extended. Both arrays live in mapped pinned host
@@ -7,7 +7,7 @@
 
 typedef unsigned long long u64;
 
-extern "C" __global__ void last_offsets(const u64* reads, long long* out, u64 n) {
+extern "C" __global__ void gather_offsets(const u64* reads, long long* out, u64 n) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) {
         return;
