@@ -576,12 +576,23 @@ fn exported_memory_lives_until_the_last_imported_view_drops() {
     let nulls_drops = Arc::new(AtomicUsize::new(0));
     let values = counted_buffer(vec![10i32, 20, 30, 40, 50], &values_drops);
     let nulls = counted_buffer(vec![0b0001_1011u8], &nulls_drops);
+    let (values_at, nulls_at) = (values.address(), nulls.address());
     let data = DeviceArrayData::try_new(DataType::Int32, 5, 0, Some(1), Some(nulls), vec![values], vec![]).unwrap();
     let expected: ArrayRef = Arc::new(Int32Array::from(vec![Some(10), Some(20), None, Some(40), Some(50)]));
     let ffi = export_array(&data, &Event::completed(), &Stream::cpu()).unwrap();
     drop(data);
     assert_eq!(values_drops.load(Ordering::SeqCst), 0, "the export keeps the memory");
     let imported = import(ffi, &DataType::Int32).unwrap();
+    // The imported buffers are the producer's, each as an allocation of its own: nothing of the
+    // memory between them is reachable.
+    let (values, nulls) = (&imported.buffers()[0], imported.nulls().unwrap());
+    assert_eq!((values.address(), values.len()), (values_at, 20));
+    assert_eq!((nulls.address(), nulls.len()), (nulls_at, 1));
+    assert!(!values.shares_allocation(nulls));
+    for b in [values, nulls] {
+        assert!(b.parent().is_none());
+        assert_eq!(b.offset(), 0);
+    }
     let slice = imported.slice(1, 3).unwrap();
     let clone = imported.clone();
     let host = dtoh_array(&imported, &Stream::cpu()).unwrap();

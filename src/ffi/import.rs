@@ -4,10 +4,10 @@
 //! callback runs exactly once, when the last buffer drops. The structure (counts, lengths, offsets,
 //! pointers) is checked before anything is built; the sizes of string and binary data come from the
 //! last offset of each array, read after the producer's event, all of them at once (one gather
-//! kernel on a GPU, see `transfer::offsets`) and with one synchronisation. Every imported buffer shares one owner, with no allocation of its own.
+//! kernel on a GPU, see `transfer::offsets`) and with one synchronisation. Every imported buffer
+//! is a view of one allocation record that spans them all and owns the producer's struct.
 
 use std::ffi::c_void;
-use std::sync::Arc;
 
 use arrow_schema::{DataType, SchemaRef, UnionMode};
 
@@ -17,7 +17,7 @@ use crate::device::{Device, Event, Stream};
 use crate::driver::{self, CUevent};
 use crate::error::{Error, Result};
 use crate::ffi::schema::import_schema_ref;
-use crate::memory::{Allocation, DeviceBuffer, stream_for};
+use crate::memory::{ALIGNMENT, Allocation, DeviceBuffer, stream_for};
 use crate::trace::Laps;
 use crate::transfer::offsets::read_offsets;
 
@@ -463,27 +463,53 @@ impl Walker {
     }
 }
 
-fn build(node: Node, device: Device, owner: &Arc<Imported>, offsets: &[i64]) -> Result<DeviceArrayData> {
-    let buffer = |b: Buf| -> Result<DeviceBuffer> {
-        let size = match b.size {
+impl Buf {
+    /// The buffer's size in bytes, checked to lie in the address space (and to be empty where the
+    /// pointer is null); `offsets` are the values of the offsets read.
+    fn len(&self, offsets: &[i64]) -> Result<usize> {
+        let size = match self.size {
             Size::Bytes(n) => n,
             Size::LastOffset(i) => count(offsets[i], "last offset")?,
         };
-        if b.ptr == 0 && size > 0 {
+        if self.ptr == 0 && size > 0 {
             return Err(invalid(format!("null buffer where {size} bytes are needed")));
         }
-        buffer_end(b.ptr, size)?;
-        let owner: Arc<dyn std::any::Any + Send + Sync> = owner.clone();
-        let address = if b.ptr == 0 {
-            crate::memory::ALIGNMENT as u64
-        } else {
-            b.ptr
-        };
-        // SAFETY: the producer guarantees `size` bytes at `ptr` on `device` until release, which
-        // `owner` defers until the last buffer drops.
-        Ok(DeviceBuffer::from_allocation(unsafe {
-            Allocation::foreign_shared(address, size, device, owner)
-        }))
+        buffer_end(self.ptr, size)?;
+        Ok(size)
+    }
+}
+
+impl Node {
+    /// Every buffer of the tree below and including this node.
+    fn for_each_buffer(&self, f: &mut impl FnMut(&Buf) -> Result<()>) -> Result<()> {
+        self.nulls.iter().chain(&self.buffers).try_for_each(&mut *f)?;
+        self.children.iter().try_for_each(|c| c.for_each_buffer(f))
+    }
+}
+
+/// The addresses from the lowest buffer of `node`'s tree to the end of the highest (the null
+/// pointers of empty buffers aside); `None` when every pointer is null.
+fn extent(node: &Node, offsets: &[i64]) -> Result<Option<(u64, u64)>> {
+    let mut extent: Option<(u64, u64)> = None;
+    node.for_each_buffer(&mut |b| {
+        let end = b.ptr + b.len(offsets)? as u64;
+        if b.ptr != 0 {
+            extent = Some(extent.map_or((b.ptr, end), |(lo, hi)| (lo.min(b.ptr), hi.max(end))));
+        }
+        Ok(())
+    })?;
+    Ok(extent)
+}
+
+/// The device array of `node`, its buffers views of `span` (which starts at the lowest buffer,
+/// see [`extent`]); an empty buffer with a null pointer views its first byte.
+fn build(node: Node, span: &DeviceBuffer, offsets: &[i64]) -> Result<DeviceArrayData> {
+    let buffer = |b: Buf| -> Result<DeviceBuffer> {
+        let len = b.len(offsets)?;
+        match b.ptr {
+            0 => span.slice(0, 0),
+            p => span.slice((p - span.address()) as usize, len),
+        }
     };
     Ok(DeviceArrayData {
         data_type: node.data_type,
@@ -495,7 +521,7 @@ fn build(node: Node, device: Device, owner: &Arc<Imported>, offsets: &[i64]) -> 
         children: node
             .children
             .into_iter()
-            .map(|c| build(c, device, owner, offsets))
+            .map(|c| build(c, span, offsets))
             .collect::<Result<_>>()?,
         trusted: false,
     })
@@ -531,8 +557,13 @@ pub unsafe fn import_array(
     // SAFETY: the reads are elements of offsets buffers, valid per the caller.
     let offsets = unsafe { read_offsets(&walker.reads, device, &stream)? };
     laps.lap("import.offsets");
-    let owner = Arc::new(Imported(array));
-    let data = build(node, device, &owner, &offsets)?;
+    let (lo, hi) = extent(&node, &offsets)?.unwrap_or((ALIGNMENT as u64, ALIGNMENT as u64));
+    // SAFETY: the producer guarantees each buffer's bytes on `device` until release, which the
+    // span's owner defers until the last view drops; only views of buffers are handed out.
+    let span = DeviceBuffer::from_allocation(unsafe {
+        Allocation::spanning(lo, (hi - lo) as usize, device, Box::new(Imported(array)))
+    });
+    let data = build(node, &span, &offsets)?;
     laps.lap("import.build");
     Ok((data, ready))
 }

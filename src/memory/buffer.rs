@@ -121,9 +121,14 @@ impl DeviceBuffer {
         self.alloc.ptr() + self.offset as u64
     }
 
-    /// The offset of this view in its allocation.
+    /// The offset of this view in its allocation: 0 for the buffers of an imported C Device array,
+    /// which lie at addresses of the producer's choosing, each as if an allocation of its own
+    /// (see [`DeviceBuffer::parent`]).
     pub fn offset(&self) -> usize {
-        self.offset
+        match self.alloc.is_span() {
+            true => 0,
+            false => self.offset,
+        }
     }
 
     /// The device the memory belongs to.
@@ -146,9 +151,11 @@ impl DeviceBuffer {
         Arc::strong_count(&self.alloc) == 1 && !matches!(self.resource(), MemoryResource::Foreign(_))
     }
 
-    /// The whole allocation this buffer views, when it views only part of it.
+    /// The whole allocation this buffer views, when it views only part of it (never for the
+    /// buffers of an imported C Device array: see [`DeviceBuffer::offset`]).
     pub fn parent(&self) -> Option<DeviceBuffer> {
-        (self.offset != 0 || self.len != self.alloc.size()).then(|| DeviceBuffer {
+        let part = self.offset != 0 || self.len != self.alloc.size();
+        (part && !self.alloc.is_span()).then(|| DeviceBuffer {
             alloc: self.alloc.clone(),
             offset: 0,
             len: self.alloc.size(),
@@ -173,9 +180,10 @@ impl DeviceBuffer {
         self.alloc.is_exported()
     }
 
-    /// Whether two buffers view the same allocation.
+    /// Whether two buffers view the same allocation, which is one range of memory (never for the
+    /// buffers of an imported C Device array: see [`DeviceBuffer::offset`]).
     pub fn shares_allocation(&self, other: &DeviceBuffer) -> bool {
-        Arc::ptr_eq(&self.alloc, &other.alloc)
+        Arc::ptr_eq(&self.alloc, &other.alloc) && !self.alloc.is_span()
     }
 
     /// A zero-copy view of `len` bytes from `offset`, sharing ownership of the memory.

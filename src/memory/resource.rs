@@ -195,8 +195,10 @@ enum Release {
     Pool(Stream),
     PinnedHost(Arc<CudaContext>),
     Owner(#[allow(dead_code)] Box<dyn Any + Send + Sync>),
-    /// An owner that many allocations share (every buffer of one imported array).
-    Shared(#[allow(dead_code)] Arc<dyn Any + Send + Sync>),
+    /// The owner of several buffers at addresses of its own (every buffer of one imported array):
+    /// the allocation spans them, and only the views of them are memory (see
+    /// [`Allocation::spanning`]).
+    Span(#[allow(dead_code)] Box<dyn Any + Send + Sync>),
 }
 
 /// One block of memory with one owner. Buffers share it through an `Arc` and view ranges of it.
@@ -251,22 +253,19 @@ impl Allocation {
         alloc
     }
 
-    /// Like [`Allocation::foreign`], with an owner that other allocations share: no allocation of its
-    /// own for it.
+    /// Like [`Allocation::foreign`], for several buffers of one owner that lie anywhere in
+    /// `ptr..ptr + size`: one allocation for them all, which their views share. The bytes between
+    /// them need not be memory, so the allocation is never viewed whole
+    /// ([`Allocation::is_span`]).
     ///
     /// # Safety
-    /// As for [`Allocation::foreign`].
-    pub(crate) unsafe fn foreign_shared(
-        ptr: u64,
-        size: usize,
-        device: Device,
-        owner: Arc<dyn Any + Send + Sync>,
-    ) -> Self {
+    /// Each buffer viewed must be memory of `device` that stays valid until `owner` is dropped.
+    pub(crate) unsafe fn spanning(ptr: u64, size: usize, device: Device, owner: Box<dyn Any + Send + Sync>) -> Self {
         Allocation {
             ptr,
             size,
             resource: MemoryResource::Foreign(device),
-            release: Release::Shared(owner),
+            release: Release::Span(owner),
             ipc_handle: OnceLock::new(),
             exported: AtomicBool::new(false),
             fence: None,
@@ -292,6 +291,12 @@ impl Allocation {
             exported: AtomicBool::new(false),
             fence: None,
         }
+    }
+
+    /// Whether the allocation spans the buffers of one owner ([`Allocation::spanning`]), so that
+    /// only its views are memory.
+    pub(crate) fn is_span(&self) -> bool {
+        matches!(self.release, Release::Span(_))
     }
 
     pub(crate) fn ptr(&self) -> u64 {
@@ -360,7 +365,7 @@ impl Drop for Allocation {
         // Errors cannot be reported from here and must not panic; the driver keeps them sticky for
         // the context, where the next call reports them.
         match &self.release {
-            Release::Nothing | Release::Owner(_) | Release::Shared(_) => {}
+            Release::Nothing | Release::Owner(_) | Release::Span(_) => {}
             Release::Host(layout) => {
                 // SAFETY: allocated with exactly this layout in `allocate`.
                 unsafe { std::alloc::dealloc(self.ptr as *mut u8, *layout) }
