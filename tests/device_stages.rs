@@ -579,7 +579,11 @@ fn joins_inside_stages() {
             let stage = plan.lines().find(|l| l.contains("DeviceStageExec")).unwrap_or_default();
             assert!(stage.contains(" join(") && stage.contains("rows=["), "{sql}\n{plan}");
         }
-        assert_same(&gpu, &mem, "select f.amount, d.name from f join d on f.k = d.k", false);
+        // A build side's strings are outputs of a rows stage where the build side stays on the
+        // device (a GPU scan there), not where it does not (a limit over the scan).
+        assert_same(&gpu, &mem, "select f.amount, d.name from f join d on f.k = d.k", true);
+        let limited = "select f.amount, x.name from f join (select k, name from d limit 1000) x on f.k = x.k";
+        assert_same(&gpu, &mem, limited, false);
         // Joins that keep or mark the rows of their build side without a match (`d`, `dd` and `e`
         // are smaller than `f`: DataFusion builds on them) run as two stages, the matched rows and
         // an anti join of the build side with `f`, unioned: aggregated and as rows.
