@@ -4,6 +4,8 @@ use ::datafusion::common::stats::Precision;
 use ::datafusion::common::{ColumnStatistics, ScalarValue, Statistics};
 use ::datafusion::functions_aggregate::min_max::{MaxAccumulator, MinAccumulator};
 use ::datafusion::logical_expr::Accumulator;
+use std::sync::Arc;
+
 use arrow_array::{Array, ArrayRef, RecordBatch};
 use arrow_schema::{DataType, Schema};
 
@@ -83,7 +85,11 @@ impl StatsBuilder {
                 (Some((least, greatest)), _) => (least.clone(), greatest.clone()),
                 (None, Some(Some((least, greatest)))) => (a.slice(least, 1), a.slice(greatest, 1)),
                 (None, Some(None)) => (a.slice(0, 0), a.slice(0, 0)),
-                (None, None) => (a.clone(), a.clone()),
+                (None, None) => match primitive_extremes(a) {
+                    Some(Some(extremes)) => extremes,
+                    Some(None) => (a.slice(0, 0), a.slice(0, 0)),
+                    None => (a.clone(), a.clone()),
+                },
             };
             if c.min.as_mut().is_some_and(|m| m.update_batch(&[least]).is_err()) {
                 c.min = None;
@@ -193,6 +199,46 @@ fn longest_string(a: &ArrayRef) -> Option<usize> {
         DataType::Dictionary(..) => longest_string(a.as_any_dictionary().values())?,
         _ => return None,
     })
+}
+
+/// The least and the greatest valid value of a primitive array (integers, floats, decimals,
+/// dates, times, timestamps, durations; not intervals) in one pass, each as an array of one value,
+/// or `None` inside when every value is null; `None` for other arrays. The order is arrow's
+/// `min` and `max` (which DataFusion's `MIN` and `MAX` use): IEEE total order for floats, NaN
+/// greatest. Two passes, `min` and `max`, read the column twice.
+fn primitive_extremes(a: &ArrayRef) -> Option<Option<(ArrayRef, ArrayRef)>> {
+    use arrow_array::cast::AsArray;
+    use arrow_array::{ArrowNativeTypeOp, ArrowPrimitiveType, PrimitiveArray};
+
+    fn fold<N: ArrowNativeTypeOp>(mut values: impl Iterator<Item = N>) -> Option<(N, N)> {
+        let first = values.next()?;
+        Some(values.fold((first, first), |(least, greatest), v| {
+            (
+                if v.is_lt(least) { v } else { least },
+                if v.is_gt(greatest) { v } else { greatest },
+            )
+        }))
+    }
+    fn extremes<T: ArrowPrimitiveType>(a: &PrimitiveArray<T>) -> Option<(ArrayRef, ArrayRef)> {
+        let values = a.values();
+        let (least, greatest) = match a.nulls().filter(|n| n.null_count() > 0) {
+            None => fold(values.iter().copied()),
+            Some(nulls) => fold(nulls.valid_indices().map(|i| values[i])),
+        }?;
+        let one = |v: T::Native| -> ArrayRef {
+            Arc::new(PrimitiveArray::<T>::new(vec![v].into(), None).with_data_type(a.data_type().clone()))
+        };
+        Some((one(least), one(greatest)))
+    }
+    macro_rules! typed {
+        ($t:ty) => {
+            Some(extremes(a.as_primitive::<$t>()))
+        };
+    }
+    match a.data_type() {
+        DataType::Interval(_) => None,
+        dt => arrow_array::downcast_primitive!(dt => (typed), _ => None),
+    }
 }
 
 /// What one pass over the views of a view column finds.
@@ -318,7 +364,7 @@ mod tests {
 
     use arrow_array::{ArrayRef, BinaryViewArray, StringViewArray};
 
-    use super::scan_views;
+    use super::{primitive_extremes, scan_views};
 
     /// Long and short values sharing prefixes, nulls first, between and last: one pass finds
     /// arrow's minimum and maximum, the longest value and the bytes the long views reference.
@@ -361,5 +407,63 @@ mod tests {
             }
         }
         assert!(scan_views(&(Arc::new(arrow_array::Int32Array::from(vec![1])) as ArrayRef)).is_none());
+    }
+
+    /// One pass finds what arrow's `min` and `max` find: integers with nulls, floats with NaN of
+    /// both signs and signed zeros, decimals and zoned timestamps keeping their types, sliced,
+    /// all-null and empty arrays; other arrays are not primitive.
+    #[test]
+    fn one_pass_over_primitives_finds_arrows_min_and_max() {
+        use arrow_array::types::{Decimal128Type, Float64Type, Int32Type, TimestampMillisecondType};
+        use arrow_array::{Array, ArrowPrimitiveType, cast::AsArray};
+        use arrow_array::{Decimal128Array, Float64Array, Int32Array, PrimitiveArray, TimestampMillisecondArray};
+        use arrow_buffer::ToByteSlice;
+
+        fn check<T: ArrowPrimitiveType>(a: PrimitiveArray<T>)
+        where
+            T: arrow_array::ArrowNumericType,
+        {
+            for (offset, len) in [(0, a.len()), (1, a.len().saturating_sub(2)), (0, 0)] {
+                let a = a.slice(offset.min(a.len()), len);
+                let array: ArrayRef = Arc::new(a.clone());
+                let got = primitive_extremes(&array).expect("a primitive array");
+                let expected = arrow_arith::aggregate::min(&a).zip(arrow_arith::aggregate::max(&a));
+                let got = got.map(|(least, greatest)| {
+                    assert_eq!(least.data_type(), a.data_type());
+                    assert_eq!(greatest.data_type(), a.data_type());
+                    (
+                        least.as_primitive::<T>().value(0),
+                        greatest.as_primitive::<T>().value(0),
+                    )
+                });
+                // Bit for bit: NaN and signed zeros included.
+                let bits = |p: Option<(T::Native, T::Native)>| {
+                    p.map(|(l, g)| (l.to_byte_slice().to_vec(), g.to_byte_slice().to_vec()))
+                };
+                assert_eq!(bits(got), bits(expected), "{a:?}");
+            }
+        }
+        check::<Int32Type>(Int32Array::from(vec![Some(3), None, Some(-7), Some(12), None, Some(0)]));
+        check::<Int32Type>(Int32Array::from(vec![None, None, None]));
+        check::<Float64Type>(Float64Array::from(vec![
+            Some(0.0),
+            Some(-0.0),
+            Some(f64::NAN),
+            None,
+            Some(-f64::NAN),
+            Some(-3.5),
+            Some(f64::INFINITY),
+        ]));
+        check::<Float64Type>(Float64Array::from(vec![0.0, -0.0, 1.0, -1.0]));
+        check::<Decimal128Type>(
+            Decimal128Array::from(vec![Some(12_345), None, Some(-99_999), Some(7)])
+                .with_precision_and_scale(15, 2)
+                .unwrap(),
+        );
+        check::<TimestampMillisecondType>(
+            TimestampMillisecondArray::from(vec![Some(5), Some(-1), None, Some(9)]).with_timezone("+02:00"),
+        );
+        let strings: ArrayRef = Arc::new(arrow_array::StringArray::from(vec!["a"]));
+        assert!(primitive_extremes(&strings).is_none());
     }
 }
