@@ -415,14 +415,11 @@ mod tests {
     #[test]
     fn one_pass_over_primitives_finds_arrows_min_and_max() {
         use arrow_array::types::{Decimal128Type, Float64Type, Int32Type, TimestampMillisecondType};
-        use arrow_array::{Array, ArrowPrimitiveType, cast::AsArray};
+        use arrow_array::{Array, ArrowNumericType, cast::AsArray};
         use arrow_array::{Decimal128Array, Float64Array, Int32Array, PrimitiveArray, TimestampMillisecondArray};
         use arrow_buffer::ToByteSlice;
 
-        fn check<T: ArrowPrimitiveType>(a: PrimitiveArray<T>)
-        where
-            T: arrow_array::ArrowNumericType,
-        {
+        fn check<T: ArrowNumericType>(a: PrimitiveArray<T>) {
             for (offset, len) in [(0, a.len()), (1, a.len().saturating_sub(2)), (0, 0)] {
                 let a = a.slice(offset.min(a.len()), len);
                 let array: ArrayRef = Arc::new(a.clone());
