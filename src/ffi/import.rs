@@ -4,22 +4,23 @@
 //! callback runs exactly once, when the last buffer drops. The structure (counts, lengths, offsets,
 //! pointers) is checked before anything is built; the sizes of string and binary data come from the
 //! last offset of each array, read after the producer's event, all of them at once (one gather
-//! kernel on a GPU, see `transfer::offsets`) and with one synchronisation. Every imported buffer
-//! is a view of one allocation record that spans them all and owns the producer's struct.
+//! kernel on a GPU, see `transfer::offsets`) while the arrays are built, with one synchronisation.
+//! Every imported buffer is a view of one allocation record that spans them all and owns the
+//! producer's struct.
 
 use std::ffi::c_void;
 
 use arrow_schema::{DataType, SchemaRef, UnionMode};
 
 use crate::abi::{FFI_ArrowArray, FFI_ArrowDeviceArray, FFI_ArrowSchema};
-use crate::array::{DeviceArrayData, DeviceRecordBatch, check_type, has_validity};
+use crate::array::{Buffers, DeviceArrayData, DeviceRecordBatch, check_type, has_validity};
 use crate::device::{Device, Event, Stream};
 use crate::driver::{self, CUevent};
 use crate::error::{Error, Result};
 use crate::ffi::schema::import_schema_ref;
 use crate::memory::{ALIGNMENT, Allocation, DeviceBuffer, stream_for};
 use crate::trace::Laps;
-use crate::transfer::offsets::read_offsets;
+use crate::transfer::offsets::start_reading;
 
 /// Nesting deeper than this is refused rather than risking the stack.
 pub(crate) const MAX_DEPTH: usize = 64;
@@ -463,66 +464,98 @@ impl Walker {
     }
 }
 
-impl Buf {
-    /// The buffer's size in bytes, checked to lie in the address space (and to be empty where the
-    /// pointer is null); `offsets` are the values of the offsets read.
-    fn len(&self, offsets: &[i64]) -> Result<usize> {
-        let size = match self.size {
-            Size::Bytes(n) => n,
-            Size::LastOffset(i) => count(offsets[i], "last offset")?,
-        };
-        if self.ptr == 0 && size > 0 {
-            return Err(invalid(format!("null buffer where {size} bytes are needed")));
-        }
-        buffer_end(self.ptr, size)?;
-        Ok(size)
-    }
-}
-
-impl Node {
-    /// Every buffer of the tree below and including this node.
-    fn for_each_buffer(&self, f: &mut impl FnMut(&Buf) -> Result<()>) -> Result<()> {
-        self.nulls.iter().chain(&self.buffers).try_for_each(&mut *f)?;
-        self.children.iter().try_for_each(|c| c.for_each_buffer(f))
-    }
-}
-
-/// The addresses from the lowest buffer of `node`'s tree to the end of the highest (the null
-/// pointers of empty buffers aside); `None` when every pointer is null.
-fn extent(node: &Node, offsets: &[i64]) -> Result<Option<(u64, u64)>> {
-    let mut extent: Option<(u64, u64)> = None;
-    node.for_each_buffer(&mut |b| {
-        let end = b.ptr + b.len(offsets)? as u64;
-        if b.ptr != 0 {
-            extent = Some(extent.map_or((b.ptr, end), |(lo, hi)| (lo.min(b.ptr), hi.max(end))));
-        }
-        Ok(())
-    })?;
-    Ok(extent)
-}
-
-/// The device array of `node`, its buffers views of `span` (which starts at the lowest buffer,
-/// see [`extent`]); an empty buffer with a null pointer views its first byte.
-fn build(node: Node, span: &DeviceBuffer, offsets: &[i64]) -> Result<DeviceArrayData> {
-    let buffer = |b: Buf| -> Result<DeviceBuffer> {
-        let len = b.len(offsets)?;
-        match b.ptr {
+/// The view of `size` bytes at `ptr` of the import's `span` (which starts at its lowest buffer,
+/// see [`lowest`]); an empty buffer with a null pointer views the span's first byte.
+fn view(span: &DeviceBuffer, ptr: u64, size: usize) -> Result<DeviceBuffer> {
+    if ptr == 0 {
+        return match size {
             0 => span.slice(0, 0),
-            p => span.slice((p - span.address()) as usize, len),
+            _ => Err(invalid(format!("null buffer where {size} bytes are needed"))),
+        };
+    }
+    buffer_end(ptr, size)?;
+    span.slice((ptr - span.address()) as usize, size)
+}
+
+/// The lowest non-null buffer pointer of `node`'s tree.
+fn lowest(node: &Node) -> Option<u64> {
+    let own = node
+        .nulls
+        .iter()
+        .chain(&node.buffers)
+        .map(|b| b.ptr)
+        .filter(|&p| p != 0);
+    own.chain(node.children.iter().filter_map(lowest)).min()
+}
+
+/// A buffer whose size is an offset still being read when the arrays are built: the child
+/// indices from the root to its array, which buffer of the array it is, its address, and the
+/// read whose value is its size.
+struct Late {
+    path: smallvec::SmallVec<[usize; 4]>,
+    buffer: usize,
+    ptr: u64,
+    read: usize,
+}
+
+impl Late {
+    /// Puts the buffer, now that `offsets` are read, into its array of `root`.
+    fn resolve(&self, root: &mut DeviceArrayData, span: &DeviceBuffer, offsets: &[i64]) -> Result<()> {
+        let size = count(offsets[self.read], "last offset")?;
+        let mut array = root;
+        for &c in &self.path {
+            array = &mut array.children[c];
         }
+        array.buffers[self.buffer] = view(span, self.ptr, size)?;
+        Ok(())
+    }
+}
+
+/// The device array of `node` (at `path` from the root), its buffers views of `span`; the
+/// buffers whose sizes are being read are noted in `late` and left empty.
+fn build(
+    node: Node,
+    span: &DeviceBuffer,
+    path: &mut smallvec::SmallVec<[usize; 4]>,
+    late: &mut Vec<Late>,
+) -> Result<DeviceArrayData> {
+    let mut buffers = Buffers::with_capacity(node.buffers.len());
+    for (i, b) in node.buffers.into_iter().enumerate() {
+        buffers.push(match b.size {
+            Size::Bytes(size) => view(span, b.ptr, size)?,
+            Size::LastOffset(read) => {
+                late.push(Late {
+                    path: path.clone(),
+                    buffer: i,
+                    ptr: b.ptr,
+                    read,
+                });
+                span.slice(0, 0)?
+            }
+        });
+    }
+    let nulls = match node.nulls {
+        Some(Buf {
+            ptr,
+            size: Size::Bytes(size),
+        }) => Some(view(span, ptr, size)?),
+        Some(_) => return Err(invalid("a validity bitmap of unknown size")),
+        None => None,
     };
+    let mut children = Vec::with_capacity(node.children.len());
+    for (i, c) in node.children.into_iter().enumerate() {
+        path.push(i);
+        children.push(build(c, span, path, late)?);
+        path.pop();
+    }
     Ok(DeviceArrayData {
         data_type: node.data_type,
         len: node.len,
         offset: node.offset,
         null_count: node.null_count,
-        nulls: node.nulls.map(buffer).transpose()?,
-        buffers: node.buffers.into_iter().map(buffer).collect::<Result<_>>()?,
-        children: node
-            .children
-            .into_iter()
-            .map(|c| build(c, span, offsets))
-            .collect::<Result<_>>()?,
+        nulls,
+        buffers,
+        children,
         trusted: false,
     })
 }
@@ -554,17 +587,27 @@ pub unsafe fn import_array(
     // SAFETY: valid per the caller.
     let node = unsafe { walker.node(&array.array, data_type, 0)? };
     laps.lap("import.walk");
-    // SAFETY: the reads are elements of offsets buffers, valid per the caller.
-    let offsets = unsafe { read_offsets(&walker.reads, device, &stream)? };
-    laps.lap("import.offsets");
-    let (lo, hi) = extent(&node, &offsets)?.unwrap_or((ALIGNMENT as u64, ALIGNMENT as u64));
+    // The span runs from the lowest buffer to the end of the address space: the sizes of string
+    // data are not known yet, and only views of buffers are handed out.
+    let lo = lowest(&node).unwrap_or(ALIGNMENT as u64);
     // SAFETY: the producer guarantees each buffer's bytes on `device` until release, which the
-    // span's owner defers until the last view drops; only views of buffers are handed out.
+    // span's owner defers until the last view drops.
     let span = DeviceBuffer::from_allocation(unsafe {
-        Allocation::spanning(lo, (hi - lo) as usize, device, Box::new(Imported(array)))
+        Allocation::spanning(lo, (u64::MAX - lo) as usize, device, Box::new(Imported(array)))
     });
-    let data = build(node, &span, &offsets)?;
+    // The sizes of string data are read while the arrays are built. Declared after `span`: if
+    // this returns early, the read is waited for before the producer is released.
+    // SAFETY: the reads are elements of offsets buffers, valid per the caller until `span` drops.
+    let offsets = unsafe { start_reading(&walker.reads, device, &stream)? };
+    let mut late = Vec::new();
+    let mut data = build(node, &span, &mut smallvec::SmallVec::new(), &mut late)?;
     laps.lap("import.build");
+    let offsets = offsets.wait()?;
+    laps.lap("import.offsets");
+    for l in &late {
+        l.resolve(&mut data, &span, &offsets)?;
+    }
+    laps.lap("import.sizes");
     Ok((data, ready))
 }
 

@@ -32,25 +32,106 @@ const WIDE: u64 = 1 << 63;
 /// # Safety
 /// Each address is an offset of its width in `device`'s memory, valid until the stream's work ends.
 pub(crate) unsafe fn read_offsets(reads: &[(u64, usize)], device: Device, stream: &Stream) -> Result<Vec<i64>> {
+    // SAFETY: forwarded from the caller; the read is waited for here.
+    unsafe { start_reading(reads, device, stream) }?.wait()
+}
+
+/// Starts [`read_offsets`]'s work and returns without waiting for it: the caller goes on with
+/// other work and then [`OffsetsRead::wait`]s.
+///
+/// # Safety
+/// As for [`read_offsets`], until the result is waited for or dropped.
+pub(crate) unsafe fn start_reading(reads: &[(u64, usize)], device: Device, stream: &Stream) -> Result<OffsetsRead> {
     if reads.is_empty() {
-        return Ok(vec![]);
+        return Ok(OffsetsRead::done(vec![]));
     }
     if device.is_host_accessible() {
         // SAFETY: each address is an offset of `w` bytes in host-accessible memory (caller).
-        return Ok(reads
-            .iter()
-            .map(|&(p, w)| decode(unsafe { std::slice::from_raw_parts(p as *const u8, w) }))
-            .collect());
+        return Ok(OffsetsRead::done(
+            reads
+                .iter()
+                .map(|&(p, w)| decode(unsafe { std::slice::from_raw_parts(p as *const u8, w) }))
+                .collect(),
+        ));
     }
     let kernel = match stream.device() == device {
         true => gather_kernel(device)?,
         false => None,
     };
-    match kernel {
+    let issued = match kernel {
         // SAFETY: as for this function.
         Some(f) => unsafe { gather(&f, reads, device, stream) },
         // SAFETY: as above.
         None => unsafe { copy_offsets(reads, device, stream) },
+    };
+    if issued.is_err() {
+        // Part of the work may be on its way: the block it writes goes back to the pool on return.
+        let _ = stream.synchronize();
+    }
+    issued
+}
+
+/// Offsets read from device memory (see [`start_reading`]).
+pub(crate) struct OffsetsRead {
+    /// Their values, once read.
+    values: Vec<i64>,
+    /// The work that reads them, until it is waited for.
+    pending: Option<Pending>,
+}
+
+/// Offsets on their way into `block` from byte `at`, eight bytes each (of which `widths` hold the
+/// value: all eight, sign-extended, when `widths` is empty), in the order of `stream`.
+struct Pending {
+    block: DeviceBuffer,
+    at: usize,
+    widths: Vec<usize>,
+    stream: Stream,
+}
+
+impl OffsetsRead {
+    fn done(values: Vec<i64>) -> Self {
+        OffsetsRead { values, pending: None }
+    }
+
+    fn pending(block: DeviceBuffer, at: usize, widths: Vec<usize>, stream: &Stream) -> Self {
+        let stream = stream.clone();
+        OffsetsRead {
+            values: vec![],
+            pending: Some(Pending {
+                block,
+                at,
+                widths,
+                stream,
+            }),
+        }
+    }
+
+    /// Waits for the offsets and returns their values, in the order they were asked for.
+    pub(crate) fn wait(mut self) -> Result<Vec<i64>> {
+        let Some(pending) = &self.pending else {
+            return Ok(std::mem::take(&mut self.values));
+        };
+        pending.stream.synchronize()?;
+        // Waited for: nothing to wait for when `self` drops.
+        let Pending { block, at, widths, .. } = self.pending.take().expect("pending above");
+        let bytes = block
+            .host_slice()
+            .ok_or_else(|| Error::Unsupported("pinned staging block is not host memory".into()))?;
+        let values = bytes[at..].chunks_exact(8);
+        Ok(match widths.is_empty() {
+            true => values.map(decode).collect(),
+            false => values.zip(widths).map(|(v, w)| decode(&v[..w])).collect(),
+        })
+    }
+}
+
+impl Drop for OffsetsRead {
+    /// Unread offsets are waited for: the block they land in goes back to the pool, and the
+    /// memory they are read from may be freed, once this returns.
+    fn drop(&mut self) {
+        if let Some(pending) = &self.pending {
+            let _ = pending.stream.synchronize();
+        }
     }
 }
 
@@ -78,8 +159,8 @@ fn gather_kernel(device: Device) -> Result<Option<CudaFunction>> {
 /// come back, through one block of mapped pinned memory.
 ///
 /// # Safety
-/// As for [`read_offsets`].
-unsafe fn gather(f: &CudaFunction, reads: &[(u64, usize)], device: Device, stream: &Stream) -> Result<Vec<i64>> {
+/// As for [`start_reading`].
+unsafe fn gather(f: &CudaFunction, reads: &[(u64, usize)], device: Device, stream: &Stream) -> Result<OffsetsRead> {
     let n = reads.len();
     let cuda = stream
         .cuda()
@@ -93,8 +174,8 @@ unsafe fn gather(f: &CudaFunction, reads: &[(u64, usize)], device: Device, strea
     }
     let addresses = block.device_pointer()?;
     let values = addresses + 8 * n as u64;
-    // `gather_offsets` reads the `n` addresses and writes the `n` values of `block` (mapped, alive
-    // until the synchronisation below), and reads each offset, valid per the caller, a byte at a
+    // `gather_offsets` reads the `n` addresses and writes the `n` values of `block` (mapped, kept
+    // until the read is waited for), and reads each offset, valid per the caller, a byte at a
     // time.
     driver::launch(
         cuda,
@@ -103,20 +184,16 @@ unsafe fn gather(f: &CudaFunction, reads: &[(u64, usize)], device: Device, strea
         BLOCK,
         &[addresses, values, n as u64],
     )?;
-    stream.synchronize()?;
-    let bytes = block
-        .host_slice_mut()
-        .ok_or_else(|| Error::Unsupported("pinned staging block is shared".into()))?;
-    Ok(bytes[8 * n..].chunks_exact(8).map(decode).collect())
+    Ok(OffsetsRead::pending(block, 8 * n, vec![], stream))
 }
 
 /// The offsets read into pinned memory with one batched copy (one copy each where the driver has
 /// no batched copies).
 ///
 /// # Safety
-/// As for [`read_offsets`].
-unsafe fn copy_offsets(reads: &[(u64, usize)], device: Device, stream: &Stream) -> Result<Vec<i64>> {
-    let mut out = pinned(device, reads.len() * 8)?;
+/// As for [`start_reading`].
+unsafe fn copy_offsets(reads: &[(u64, usize)], device: Device, stream: &Stream) -> Result<OffsetsRead> {
+    let out = pinned(device, reads.len() * 8)?;
     if driver::memcpy_batch_available() {
         let dsts: Vec<u64> = (0..reads.len()).map(|i| out.address() + (i * 8) as u64).collect();
         let srcs: Vec<u64> = reads.iter().map(|&(p, _)| p).collect();
@@ -124,24 +201,21 @@ unsafe fn copy_offsets(reads: &[(u64, usize)], device: Device, stream: &Stream) 
         let raw = stream.bind()?;
         // SAFETY: the batch call exists (checked); the slices have one non-zero length; each
         // source is an offsets element on the device (valid per the caller) and each destination
-        // a slot of `out`, read only after the synchronisation below; `raw` is a created stream.
+        // a slot of `out`, kept until the read is waited for; `raw` is a created stream.
         unsafe { driver::memcpy_batch_async(&dsts, &srcs, &sizes, raw)? };
     } else {
         for (i, &(p, w)) in reads.iter().enumerate() {
             // SAFETY: the source is an offsets element on the device (valid per the caller) and
-            // the destination a slot of `out`, which is read only after the synchronisation below.
+            // the destination a slot of `out`, kept until the read is waited for.
             unsafe { copy(out.address() + (i * 8) as u64, out.device(), p, device, w, stream)? };
         }
     }
-    stream.synchronize()?;
-    let bytes = out
-        .host_slice_mut()
-        .ok_or_else(|| Error::Unsupported("pinned staging block is shared".into()))?;
-    Ok(reads
-        .iter()
-        .enumerate()
-        .map(|(i, &(_, w))| decode(&bytes[i * 8..i * 8 + w]))
-        .collect())
+    Ok(OffsetsRead::pending(
+        out,
+        0,
+        reads.iter().map(|&(_, w)| w).collect(),
+        stream,
+    ))
 }
 
 #[cfg(test)]
@@ -258,8 +332,8 @@ mod tests {
         // SAFETY: each read is an element of an offsets buffer of `arrays_on_device`.
         let (gathered, copied, dispatched) = unsafe {
             (
-                gather(&kernel, &reads, device, &stream).unwrap(),
-                copy_offsets(&reads, device, &stream).unwrap(),
+                gather(&kernel, &reads, device, &stream).unwrap().wait().unwrap(),
+                copy_offsets(&reads, device, &stream).unwrap().wait().unwrap(),
                 read_offsets(&reads, device, &stream).unwrap(),
             )
         };
@@ -290,7 +364,10 @@ mod tests {
         }
         assert!(expected.iter().any(|v| *v < 0));
         // SAFETY: every read lies in `on_device`'s values, which live to the end.
-        let gathered = unsafe { gather(&kernel, &reads, device, &stream) }.unwrap();
+        let gathered = unsafe { gather(&kernel, &reads, device, &stream) }
+            .unwrap()
+            .wait()
+            .unwrap();
         assert_eq!(gathered, expected);
     }
 }
