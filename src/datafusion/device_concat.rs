@@ -73,7 +73,13 @@ pub(crate) fn concat_batches(
         .map(|c| batches.iter().map(|b| b.columns()[c].clone()).collect())
         .collect();
     // The first and last offsets of every column that has them, in one read.
-    let mut ends = concat.ends(schema.fields().iter().map(|f| f.data_type()).zip(&columns))?;
+    let arrays: Vec<_> = schema
+        .fields()
+        .iter()
+        .map(|f| f.data_type())
+        .zip(columns.iter().map(Vec::as_slice))
+        .collect();
+    let mut ends = concat.ends(&arrays)?;
     let columns = schema
         .fields()
         .iter()
@@ -131,10 +137,9 @@ impl<'s> Concat<'s> {
     }
 
     /// The [`Ends`] of each array whose parts are given, read from the device at once.
-    fn ends<'a>(&self, arrays: impl Iterator<Item = (&'a DataType, &'a Vec<DeviceArrayData>)>) -> Result<Vec<Ends>> {
+    fn ends(&self, arrays: &[(&DataType, &[DeviceArrayData])]) -> Result<Vec<Ends>> {
         let mut reads = Vec::new();
-        let arrays: Vec<_> = arrays.collect();
-        for (dt, parts) in &arrays {
+        for (dt, parts) in arrays {
             let Some(width) = offset_width(dt) else {
                 continue;
             };
@@ -215,9 +220,8 @@ impl<'s> Concat<'s> {
             }
             DataType::Utf8View | DataType::BinaryView => (self.views(parts, rows)?, vec![]),
             DataType::Utf8 | DataType::LargeUtf8 | DataType::Binary | DataType::LargeBinary => {
-                let ends = self.ends_of(dt, parts, ends)?;
-                let mut data = self.alloc(spanned(dt, &ends)?)?;
-                let offsets = self.offsets(dt, parts, &ends, rows)?;
+                let (ends, bytes, offsets) = self.offsets(dt, parts, ends, rows)?;
+                let mut data = self.alloc(bytes)?;
                 let mut at = 0;
                 for (p, &(first, last)) in parts.iter().zip(&ends) {
                     let len = (last - first) as usize;
@@ -235,9 +239,7 @@ impl<'s> Concat<'s> {
                 (vec![offsets, data], vec![])
             }
             DataType::List(f) | DataType::LargeList(f) | DataType::Map(f, _) => {
-                let ends = self.ends_of(dt, parts, ends)?;
-                spanned(dt, &ends)?;
-                let offsets = self.offsets(dt, parts, &ends, rows)?;
+                let (ends, _, offsets) = self.offsets(dt, parts, ends, rows)?;
                 let values = parts
                     .iter()
                     .zip(&ends)
@@ -276,15 +278,6 @@ impl<'s> Concat<'s> {
         Ok(array)
     }
 
-    /// `ends` if read already, else the [`Ends`] of `parts` (arrays of `dt`) read now.
-    fn ends_of(&self, dt: &DataType, parts: &[DeviceArrayData], ends: Ends) -> Result<Ends> {
-        if ends.len() == parts.len() {
-            return Ok(ends);
-        }
-        let parts = parts.to_vec();
-        Ok(self.ends(std::iter::once((dt, &parts)))?.remove(0))
-    }
-
     /// A new bitmap of `rows` bits holding each span's bits (`(bitmap, offset, len)`, all ones
     /// for no bitmap), one after another.
     fn pack_bits(&self, rows: usize, spans: &[(Option<&DeviceBuffer>, usize, usize)]) -> Result<DeviceBuffer> {
@@ -307,20 +300,27 @@ impl<'s> Concat<'s> {
         Ok(out)
     }
 
-    /// The offsets of `parts` (arrays of `dt`, whose [`Ends`] are `ends`) one after another in a
-    /// new buffer of `rows + 1` offsets, each part's rebased to start where the previous ended.
+    /// The offsets of `parts` (arrays of `dt`) one after another in a new buffer of `rows + 1`
+    /// offsets, each part's rebased to start where the previous ended; with the parts' [`Ends`]
+    /// (`ends` when read already, else read now) and the values they span in all (see
+    /// [`spanned`]).
     fn offsets(
         &self,
         dt: &DataType,
         parts: &[DeviceArrayData],
-        ends: &[(i64, i64)],
+        ends: Ends,
         rows: usize,
-    ) -> Result<DeviceBuffer> {
+    ) -> Result<(Ends, usize, DeviceBuffer)> {
+        let ends = match ends.len() == parts.len() {
+            true => ends,
+            false => self.ends(&[(dt, parts)])?.remove(0),
+        };
+        let spanned = spanned(dt, &ends)?;
         let width = offset_width(dt).ok_or_else(|| Error::Unsupported(format!("offsets of {dt}")))?;
         let out = DeviceBuffer::zeroed(self.resource, (rows + 1) * width, self.stream)?;
         let kernel = if width == 4 { &self.offsets32 } else { &self.offsets64 };
         let (mut at, mut base) = (0usize, 0i64);
-        for (p, &(first, last)) in parts.iter().zip(ends) {
+        for (p, &(first, last)) in parts.iter().zip(&ends) {
             if !p.is_empty() {
                 // `ends` checked that the part's offsets lie in its buffer.
                 let src = p.buffers()[0].address() + (p.offset() * width) as u64;
@@ -332,7 +332,7 @@ impl<'s> Concat<'s> {
             at += p.len();
             base += last - first;
         }
-        Ok(out)
+        Ok((ends, spanned, out))
     }
 
     /// The values (`width` bytes each) of `parts`, one after another in a new buffer.
