@@ -341,11 +341,7 @@ fn export_tree(
 /// lent and no longer keeps ([`DeviceArrayData::check_readable`]); memory that process lets go
 /// after the export is beyond reach: the consumer holds the pointers.
 pub fn export_array(array: &DeviceArrayData, ready: &Event, stream: &Stream) -> Result<FFI_ArrowDeviceArray> {
-    // An array this crate laid out from an arrow array (an upload, a concatenation) was checked
-    // then.
-    if !array.trusted {
-        array.check()?;
-    }
+    array.check()?;
     array.check_readable()?;
     let owner = Owner::Array(array.clone());
     export_tree(&NodeRef::of(array), owner, array.device(), ready, stream)
@@ -357,12 +353,7 @@ pub fn export_batch(batch: &DeviceRecordBatch, stream: &Stream) -> Result<(FFI_A
     let mut laps = Laps::start();
     let schema = export_schema(batch.schema())?;
     laps.lap("export.schema");
-    // As in `export_array`.
-    batch
-        .columns()
-        .iter()
-        .filter(|c| !c.trusted)
-        .try_for_each(DeviceArrayData::check)?;
+    batch.columns().iter().try_for_each(DeviceArrayData::check)?;
     batch.check_readable()?;
     laps.lap("export.check");
     let data_type = DataType::Struct(batch.schema().fields().clone());
