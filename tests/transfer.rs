@@ -612,9 +612,10 @@ fn mid_columns(n: usize, rows: usize) -> Vec<(String, ArrayRef)> {
         .collect()
 }
 
-/// Batches that take every road of an upload: a few MiB of mid-sized columns (packed by pool
-/// threads part by part while the batch is planned), the same followed by a column too large for
-/// that (packed in chunks after it), and that column in pinned memory (copied straight from it).
+/// Batches that take every road of an upload: a couple of hundred KiB of mid-sized columns
+/// (packed on the calling thread, in pieces sent one by one), a few MiB of them (packed by pool threads part by
+/// part while the batch is planned), the same followed by a column too large for that (packed in
+/// chunks after it), and that column in pinned memory (copied straight from it).
 #[test]
 fn uploads_in_parts_and_chunks_round_trip() {
     const ROWS: usize = 6_000;
@@ -624,6 +625,14 @@ fn uploads_in_parts_and_chunks_round_trip() {
     let big =
         |values: arrow_buffer::Buffer| -> ArrayRef { Arc::new(FixedSizeBinaryArray::new(WIDTH as i32, values, None)) };
     let parts = RecordBatch::try_from_iter(mid.clone()).unwrap();
+    let pieces = RecordBatch::try_from_iter(mid_columns(8, ROWS / 2)).unwrap();
+    let bytes_of = |b: &RecordBatch| b.get_array_memory_size();
+    assert!(
+        (128 << 10..256 << 10).contains(&bytes_of(&pieces)),
+        "{}",
+        bytes_of(&pieces)
+    );
+    assert!(bytes_of(&parts) > 2 << 20, "{}", bytes_of(&parts));
     let with_big = |values: arrow_buffer::Buffer| {
         let mut columns = mid.clone();
         columns.push(("big".into(), big(values)));
@@ -632,6 +641,8 @@ fn uploads_in_parts_and_chunks_round_trip() {
     };
     let mixed = with_big(arrow_buffer::Buffer::from(bytes.clone()));
     each_device(|device, stream| {
+        let back = dtoh(&htod(&pieces, device, stream).unwrap(), stream).unwrap();
+        check_batch("pieces", &back, &pieces);
         let back = dtoh(&htod(&parts, device, stream).unwrap(), stream).unwrap();
         check_batch("parts", &back, &parts);
         let back = dtoh(&htod(&mixed, device, stream).unwrap(), stream).unwrap();
@@ -647,11 +658,11 @@ fn uploads_in_parts_and_chunks_round_trip() {
 }
 
 /// A column that cannot be planned (offsets that run backwards), after megabytes that pool threads
-/// are already packing: the upload fails with an error, and returns.
+/// are already packing, or after a small batch's other columns: the upload fails with an error,
+/// and returns.
 #[test]
 fn a_column_that_cannot_be_planned_fails_the_upload() {
     const ROWS: usize = 6_000;
-    let mut columns = mid_columns(60, ROWS);
     let mut offsets = vec![5i32; ROWS + 1];
     offsets[ROWS] = 2;
     // SAFETY: deliberately invalid offsets; the array is only handed to the upload, which checks
@@ -663,12 +674,19 @@ fn a_column_that_cannot_be_planned_fails_the_upload() {
             None,
         )
     };
-    columns.push(("bad".into(), Arc::new(bad)));
-    let batch = RecordBatch::try_from_iter(columns).unwrap();
-    each_device(|device, stream| {
-        let e = htod(&batch, device, stream).unwrap_err();
-        assert!(e.to_string().contains("offsets run from 5 to 2"), "{device}: {e}");
-    });
+    let bad: ArrayRef = Arc::new(bad);
+    for before in [60, 3] {
+        let mut columns = mid_columns(before, ROWS);
+        columns.push(("bad".into(), bad.clone()));
+        let batch = RecordBatch::try_from_iter(columns).unwrap();
+        each_device(|device, stream| {
+            let e = htod(&batch, device, stream).unwrap_err();
+            assert!(
+                e.to_string().contains("offsets run from 5 to 2"),
+                "{device}: {before}: {e}"
+            );
+        });
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

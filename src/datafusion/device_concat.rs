@@ -22,7 +22,7 @@ use crate::array::{DeviceArrayData, DeviceRecordBatch};
 use crate::device::{Device, Stream};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, MemoryResource};
-use crate::transfer::offsets::read_offsets;
+use crate::transfer::offsets::start_reading;
 
 /// Whether [`concat_batches`] takes columns of this type: every type but dictionaries, unions,
 /// list views and run-end encoded arrays (and nestings of them).
@@ -168,7 +168,9 @@ impl<'s> Concat<'s> {
         }
         // SAFETY: every read is an offset inside an offsets buffer of `arrays` (checked above),
         // which the caller keeps until the read has synchronised.
-        let mut values = unsafe { read_offsets(&reads, self.device, self.stream)? }.into_iter();
+        let mut values = unsafe { start_reading(&reads, self.device, self.stream)? }
+            .wait()?
+            .into_iter();
         let mut out = Vec::with_capacity(arrays.len());
         for (dt, parts) in arrays {
             out.push(match offset_width(dt) {

@@ -227,6 +227,7 @@
 #[cfg(test)]
 mod cuda_as_cpp;
 mod device_concat;
+mod device_extremes;
 mod device_filter;
 mod error;
 mod files;

@@ -15,6 +15,7 @@ use arrow_data::ArrayData;
 use arrow_schema::{DataType, SchemaRef};
 
 use super::device_concat::{concat_batches, concatenable};
+use super::device_extremes::{self, Finding};
 use super::error::DfResult;
 use super::lanes::DeviceLane;
 use super::options::{LoadOptions, MAX_GATHERED_BYTES, Progress, ProgressFn};
@@ -128,9 +129,10 @@ pub(crate) fn compact(batch: &RecordBatch, scans: &[Option<ViewScan>]) -> DfResu
     ))
 }
 
-/// The [`scan_views`] of each column of `batch`.
-fn scans(batch: &RecordBatch) -> Vec<Option<ViewScan>> {
-    batch.columns().iter().map(scan_views).collect()
+/// The [`scan_views`] of each column of `batch`, with the extremes unless they are left to the
+/// device (`defer`).
+fn scans(batch: &RecordBatch, defer: bool) -> Vec<Option<ViewScan>> {
+    batch.columns().iter().map(|c| scan_views(c, !defer)).collect()
 }
 
 /// A device batch's worth of host data (or a piece of one, see [`Place`]), ready to copy: one
@@ -219,13 +221,16 @@ impl Drop for Reservation {
 }
 
 /// Makes one device batch's worth of `batches` (all of `schema`; or a piece of one, see
-/// [`Place`]): concatenated when there are several, view columns compacted, statistics computed
-/// while the data is at hand (but the extremes `known` gives).
+/// [`Place`]) for `device`: concatenated when there are several, view columns compacted,
+/// statistics computed while the data is at hand (but the extremes `known` gives, and those a GPU
+/// finds once the batch is there: see [`device_extremes`]).
 pub(crate) fn prepare(
     schema: &SchemaRef,
     batches: Vec<RecordBatch>,
     known: Option<&KnownExtremes>,
+    device: Device,
 ) -> DfResult<Prepared> {
+    let defer = device_extremes::on_device(device);
     if let Some(b) = batches.iter().find(|b| b.schema().fields() != schema.fields()) {
         return Err(DataFusionError::Plan(format!(
             "batch schema {:?} does not match the table schema {:?}",
@@ -236,14 +241,14 @@ pub(crate) fn prepare(
     let inputs = batches.len() as u64;
     let (batch, bytes, scans) = match batches.as_slice() {
         [one] => {
-            let scans = scans(one);
+            let scans = scans(one, defer);
             let (batch, bytes) = compact(one, &scans)?;
             (batch, bytes, scans)
         }
         many => {
             let compacted = many
                 .iter()
-                .map(|b| compact(b, &scans(b)))
+                .map(|b| compact(b, &scans(b, defer)))
                 .collect::<DfResult<Vec<_>>>()?;
             let batch = arrow_select::concat::concat_batches(schema, compacted.iter().map(|(b, _)| b))?;
             let bytes = host_bytes(&batch);
@@ -252,7 +257,7 @@ pub(crate) fn prepare(
         }
     };
     let mut stats = StatsBuilder::new(schema);
-    stats.update(&batch, &scans, known);
+    stats.update(&batch, &scans, known, defer);
     Ok(Prepared {
         bytes,
         rows: batch.num_rows(),
@@ -417,7 +422,9 @@ pub(crate) fn stage_parallel<U: Send>(
                     let device = device_for(devices, place.partition);
                     let prepared = timed(times, StagingStep::Decode, || make(unit))
                         .and_then(|(b, known)| {
-                            timed(times, StagingStep::Prepare, || prepare(schema, b, known.as_ref()))
+                            timed(times, StagingStep::Prepare, || {
+                                prepare(schema, b, known.as_ref(), device)
+                            })
                         })
                         .and_then(|p| match device {
                             Device::Cuda(ordinal) => p.pack(ordinal, budget, times),
@@ -486,6 +493,8 @@ pub(crate) struct Stager {
     /// partition and place in its order.
     gathering: HashMap<(usize, usize), Vec<Option<DeviceRecordBatch>>>,
     partition_stats: Vec<StatsBuilder>,
+    /// The extremes being found on the device, by partition (see [`device_extremes`]).
+    findings: Vec<Vec<Finding>>,
     progress: Option<ProgressFn>,
     done: Progress,
     streams_per_device: usize,
@@ -540,6 +549,7 @@ impl Stager {
             partitions: vec![Vec::new(); partitions.max(1)],
             gathering: HashMap::new(),
             partition_stats: (0..partitions.max(1)).map(|_| StatsBuilder::new(&schema)).collect(),
+            findings: (0..partitions.max(1)).map(|_| Vec::new()).collect(),
             schema,
             devices,
             streams,
@@ -667,6 +677,13 @@ impl Stager {
                 staged.num_rows(),
                 staged.ready().clone(),
             )?;
+            let deferred = self.partition_stats[partition].deferred_columns();
+            if !deferred.is_empty() {
+                let finding = timed(self.times.as_deref(), StagingStep::Extremes, || {
+                    device_extremes::start(&staged, &deferred, &self.streams[&device])
+                })?;
+                self.findings[partition].push(finding);
+            }
             self.partitions[partition].push((place.order, staged));
         }
         Ok(batch)
@@ -723,7 +740,7 @@ impl Stager {
     }
 
     /// [`Stager::finish`]'s work.
-    fn build(self) -> DfResult<GpuTable> {
+    fn build(mut self) -> DfResult<GpuTable> {
         if let Some((partition, order)) = self.gathering.keys().next() {
             return Err(DataFusionError::Internal(format!(
                 "device batch {order} of partition {partition} is missing pieces"
@@ -737,6 +754,14 @@ impl Stager {
                 timed(self.times.as_deref(), StagingStep::Wait, || b.ready().synchronize())?;
             }
             partitions.push(p.into_iter().map(|(_, b)| b).collect::<Vec<_>>());
+        }
+        for (stats, findings) in self.partition_stats.iter_mut().zip(&self.findings) {
+            let found = timed(self.times.as_deref(), StagingStep::Wait, || {
+                device_extremes::finish(findings)
+            })?;
+            for (column, least, greatest) in found.into_iter().flatten() {
+                stats.take_extremes(column, least, greatest);
+            }
         }
         let mut lanes = HashMap::new();
         for &d in &self.devices {

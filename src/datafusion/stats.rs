@@ -9,6 +9,8 @@ use std::sync::Arc;
 use arrow_array::{Array, ArrayRef, RecordBatch};
 use arrow_schema::{DataType, Schema};
 
+use super::device_extremes;
+
 /// Running statistics of one column. Minimum and maximum use DataFusion's own `MIN` / `MAX`
 /// accumulators, so the statistics agree with what those aggregates compute; a type they do
 /// not handle, and a nested type (list, struct, map), gets no minimum or maximum.
@@ -22,6 +24,22 @@ struct ColumnStats {
     max_bytes: Option<usize>,
     /// The host memory of the column's arrays (`get_array_memory_size`), as `MemTable` counts it.
     bytes: usize,
+    /// Whether the extremes of some of its rows were left to the device they were staged on
+    /// (see [`StatsBuilder::take_extremes`]).
+    deferred: bool,
+}
+
+impl ColumnStats {
+    /// Feeds candidates for the least and the greatest value to the accumulators; one that fails
+    /// leaves no extreme.
+    fn take_extremes(&mut self, least: ArrayRef, greatest: ArrayRef) {
+        if self.min.as_mut().is_some_and(|m| m.update_batch(&[least]).is_err()) {
+            self.min = None;
+        }
+        if self.max.as_mut().is_some_and(|m| m.update_batch(&[greatest]).is_err()) {
+            self.max = None;
+        }
+    }
 }
 
 impl std::fmt::Debug for ColumnStats {
@@ -63,6 +81,7 @@ impl StatsBuilder {
                         .flatten(),
                     max_bytes: longest_string(&arrow_array::new_empty_array(f.data_type())),
                     bytes: 0,
+                    deferred: false,
                 })
                 .collect(),
         }
@@ -71,16 +90,34 @@ impl StatsBuilder {
     /// Takes in the values of `batch`, one column after the other (batches are prepared on every
     /// core at once), given the [`scan_views`] of each of its view columns (`scans`, column by
     /// column; found here where missing); the extremes of the columns `known` gives are taken
-    /// from there rather than found in the values.
-    pub(crate) fn update(&mut self, batch: &RecordBatch, scans: &[Option<ViewScan>], known: Option<&KnownExtremes>) {
+    /// from there rather than found in the values. With `defer`, the extremes of the other
+    /// columns of a type the device orders ([`device_extremes::supported`]) are not looked for
+    /// here but left to the device the batch is staged on (the scans need not have them).
+    pub(crate) fn update(
+        &mut self,
+        batch: &RecordBatch,
+        scans: &[Option<ViewScan>],
+        known: Option<&KnownExtremes>,
+        defer: bool,
+    ) {
         self.rows += batch.num_rows();
         for (i, (c, a)) in self.columns.iter_mut().zip(batch.columns()).enumerate() {
             let nulls = a.logical_nulls().map_or(0, |n| n.null_count());
             c.nulls += nulls;
             c.non_null += a.len() - nulls;
-            let scan = scans.get(i).copied().flatten().or_else(|| scan_views(a));
+            let scan = scans.get(i).copied().flatten().or_else(|| scan_views(a, !defer));
+            let longest = match (a.data_type(), scan) {
+                (DataType::Utf8View, Some(scan)) => Some(scan.longest),
+                _ => longest_string(a),
+            };
+            c.max_bytes = c.max_bytes.max(longest);
+            c.bytes += a.get_array_memory_size();
             // A view column's extremes are fed to the accumulators alone.
             let known = known.and_then(|k| k.get(i)).and_then(Option::as_ref);
+            if defer && known.is_none() && device_extremes::supported(a.data_type()) {
+                c.deferred = true;
+                continue;
+            }
             let (least, greatest) = match (known, scan.map(|s| s.extremes)) {
                 (Some((least, greatest)), _) => (least.clone(), greatest.clone()),
                 (None, Some(Some((least, greatest)))) => (a.slice(least, 1), a.slice(greatest, 1)),
@@ -91,18 +128,21 @@ impl StatsBuilder {
                     None => (a.clone(), a.clone()),
                 },
             };
-            if c.min.as_mut().is_some_and(|m| m.update_batch(&[least]).is_err()) {
-                c.min = None;
-            }
-            if c.max.as_mut().is_some_and(|m| m.update_batch(&[greatest]).is_err()) {
-                c.max = None;
-            }
-            let longest = match (a.data_type(), scan) {
-                (DataType::Utf8View, Some(scan)) => Some(scan.longest),
-                _ => longest_string(a),
-            };
-            c.max_bytes = c.max_bytes.max(longest);
-            c.bytes += a.get_array_memory_size();
+            c.take_extremes(least, greatest);
+        }
+    }
+
+    /// The columns whose extremes were left to the device for some rows (see
+    /// [`StatsBuilder::update`]).
+    pub(crate) fn deferred_columns(&self) -> Vec<usize> {
+        (0..self.columns.len()).filter(|&i| self.columns[i].deferred).collect()
+    }
+
+    /// Takes in the extremes the device found for some rows of `column`: arrays of candidates
+    /// whose least and greatest values are those rows'.
+    pub(crate) fn take_extremes(&mut self, column: usize, least: ArrayRef, greatest: ArrayRef) {
+        if let Some(c) = self.columns.get_mut(column) {
+            c.take_extremes(least, greatest);
         }
     }
 
@@ -113,6 +153,7 @@ impl StatsBuilder {
             c.nulls += o.nulls;
             c.bytes += o.bytes;
             c.max_bytes = c.max_bytes.max(o.max_bytes);
+            c.deferred |= o.deferred;
             if o.non_null == 0 {
                 continue;
             }
@@ -245,7 +286,7 @@ fn primitive_extremes(a: &ArrayRef) -> Option<Option<(ArrayRef, ArrayRef)>> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct ViewScan {
     /// The places of its least and greatest values, in the byte order of DataFusion's `MIN` and
-    /// `MAX` (arrow's); `None` when every value is null.
+    /// `MAX` (arrow's); `None` when every value is null or they were not looked for.
     pub(crate) extremes: Option<(usize, usize)>,
     /// Its longest value in bytes, null slots included (an upper bound).
     pub(crate) longest: usize,
@@ -254,8 +295,9 @@ pub(crate) struct ViewScan {
     pub(crate) referenced: usize,
 }
 
-/// One pass over the views of `a`, when it is a view array (see [`ViewScan`]).
-pub(crate) fn scan_views(a: &ArrayRef) -> Option<ViewScan> {
+/// One pass over the views of `a`, when it is a view array (see [`ViewScan`]); its extremes only
+/// when asked for (they take most of the time).
+pub(crate) fn scan_views(a: &ArrayRef, extremes: bool) -> Option<ViewScan> {
     use arrow_array::GenericByteViewArray;
     use arrow_array::cast::AsArray;
     use arrow_array::types::ByteViewType;
@@ -313,17 +355,34 @@ pub(crate) fn scan_views(a: &ArrayRef) -> Option<ViewScan> {
             referenced,
         }
     }
-    fn of<T: ByteViewType + ?Sized>(a: &GenericByteViewArray<T>) -> ViewScan {
-        match a.nulls().filter(|n| n.null_count() > 0) {
-            Some(nulls) => scan(a, |i| nulls.is_valid(i)),
-            None => scan(a, |_| true),
+    /// The sizes alone.
+    fn sizes(views: &[u128]) -> ViewScan {
+        let (mut longest, mut referenced) = (0u32, 0usize);
+        for &view in views {
+            let len = view as u32;
+            longest = longest.max(len);
+            referenced += if len > 12 { len as usize } else { 0 };
+        }
+        ViewScan {
+            extremes: None,
+            longest: longest as usize,
+            referenced,
         }
     }
-    match a.data_type() {
-        DataType::Utf8View => Some(of(a.as_string_view())),
-        DataType::BinaryView => Some(of(a.as_binary_view())),
-        _ => None,
-    }
+    let of = |a: &dyn Array| -> ViewScan {
+        fn typed<T: ByteViewType + ?Sized>(a: &GenericByteViewArray<T>, extremes: bool) -> ViewScan {
+            match (extremes, a.nulls().filter(|n| n.null_count() > 0)) {
+                (false, _) => sizes(a.views()),
+                (true, Some(nulls)) => scan(a, |i| nulls.is_valid(i)),
+                (true, None) => scan(a, |_| true),
+            }
+        }
+        match a.data_type() {
+            DataType::Utf8View => typed(a.as_string_view(), extremes),
+            _ => typed(a.as_binary_view(), extremes),
+        }
+    };
+    matches!(a.data_type(), DataType::Utf8View | DataType::BinaryView).then(|| of(a.as_ref()))
 }
 
 /// Feeds `other`'s extreme to `mine`; a missing one (or one that fails) leaves none.
@@ -367,7 +426,8 @@ mod tests {
     use super::{primitive_extremes, scan_views};
 
     /// Long and short values sharing prefixes, nulls first, between and last: one pass finds
-    /// arrow's minimum and maximum, the longest value and the bytes the long views reference.
+    /// arrow's minimum and maximum, the longest value and the bytes the long views reference (the
+    /// sizes alone when the extremes are not asked for).
     #[test]
     fn a_scan_of_the_views_finds_arrows_min_max_and_sizes() {
         let words = [
@@ -390,23 +450,28 @@ mod tests {
                 let a: ArrayRef = Arc::new(strings.clone());
                 let expected = arrow_arith::aggregate::min_string_view(&strings)
                     .zip(arrow_arith::aggregate::max_string_view(&strings));
-                let scan = scan_views(&a).expect("a view array");
+                let scan = scan_views(&a, true).expect("a view array");
                 let got = scan.extremes.map(|(lo, hi)| (strings.value(lo), strings.value(hi)));
                 assert_eq!(got, expected, "{:?}", &words[start..n]);
                 assert_eq!(scan.referenced, strings.total_buffer_bytes_used());
                 let longest = strings.views().iter().map(|&v| v as u32 as usize).max().unwrap_or(0);
                 assert_eq!(scan.longest, longest);
+                let sizes = scan_views(&a, false).expect("a view array");
+                assert_eq!(
+                    (sizes.extremes, sizes.longest, sizes.referenced),
+                    (None, longest, scan.referenced)
+                );
 
                 let bytes = BinaryViewArray::from_iter(words[start..n].iter().map(|w| w.map(str::as_bytes)));
                 let b: ArrayRef = Arc::new(bytes.clone());
-                let got = scan_views(&b)
+                let got = scan_views(&b, true)
                     .expect("a view array")
                     .extremes
                     .map(|(lo, hi)| (bytes.value(lo), bytes.value(hi)));
                 assert_eq!(got, expected.map(|(lo, hi)| (lo.as_bytes(), hi.as_bytes())));
             }
         }
-        assert!(scan_views(&(Arc::new(arrow_array::Int32Array::from(vec![1])) as ArrayRef)).is_none());
+        assert!(scan_views(&(Arc::new(arrow_array::Int32Array::from(vec![1])) as ArrayRef), true).is_none());
     }
 
     /// One pass finds what arrow's `min` and `max` find: integers with nulls, floats with NaN of

@@ -169,7 +169,10 @@ impl GpuTable {
         let mut put = |stager: &mut Stager, partition: usize, run: Vec<(RecordBatch, u64)>| {
             order += 1;
             for (place, unit) in stager.units(partition, order, batches(run)) {
-                let prepared = timed(times.as_deref(), StagingStep::Prepare, || prepare(&schema, unit, None))?;
+                let device = stager.device_of(place.partition);
+                let prepared = timed(times.as_deref(), StagingStep::Prepare, || {
+                    prepare(&schema, unit, None, device)
+                })?;
                 stager.decoded(prepared.bytes());
                 stager.put(place, prepared)?;
             }

@@ -25,22 +25,14 @@ const BLOCK: u32 = 256;
 /// every platform CUDA runs on).
 const WIDE: u64 = 1 << 63;
 
-/// Reads the offsets at `(address, width)` in `device`'s memory (4 or 8 bytes, little-endian,
-/// signed): directly for host-accessible memory, else in the order of `stream` (after what it waits
-/// on) with one synchronisation.
+/// Starts reading the offsets at `(address, width)` in `device`'s memory (4 or 8 bytes,
+/// little-endian, signed): directly for host-accessible memory, else in the order of `stream`
+/// (after what it waits on) into pinned memory, with one synchronisation once the caller
+/// [`OffsetsRead::wait`]s (having done other work meanwhile).
 ///
 /// # Safety
-/// Each address is an offset of its width in `device`'s memory, valid until the stream's work ends.
-pub(crate) unsafe fn read_offsets(reads: &[(u64, usize)], device: Device, stream: &Stream) -> Result<Vec<i64>> {
-    // SAFETY: forwarded from the caller; the read is waited for here.
-    unsafe { start_reading(reads, device, stream) }?.wait()
-}
-
-/// Starts [`read_offsets`]'s work and returns without waiting for it: the caller goes on with
-/// other work and then [`OffsetsRead::wait`]s.
-///
-/// # Safety
-/// As for [`read_offsets`], until the result is waited for or dropped.
+/// Each address is an offset of its width in `device`'s memory, valid until the result is waited
+/// for or dropped.
 pub(crate) unsafe fn start_reading(reads: &[(u64, usize)], device: Device, stream: &Stream) -> Result<OffsetsRead> {
     if reads.is_empty() {
         return Ok(OffsetsRead::done(vec![]));
@@ -334,13 +326,19 @@ mod tests {
             (
                 gather(&kernel, &reads, device, &stream).unwrap().wait().unwrap(),
                 copy_offsets(&reads, device, &stream).unwrap().wait().unwrap(),
-                read_offsets(&reads, device, &stream).unwrap(),
+                start_reading(&reads, device, &stream).unwrap().wait().unwrap(),
             )
         };
         assert_eq!(gathered, copied);
         assert_eq!(dispatched, copied);
         // SAFETY: nothing to read.
-        assert!(unsafe { read_offsets(&[], device, &stream) }.unwrap().is_empty());
+        assert!(
+            unsafe { start_reading(&[], device, &stream) }
+                .unwrap()
+                .wait()
+                .unwrap()
+                .is_empty()
+        );
     }
 
     /// Offsets of both widths at every byte position, negative ones included, read as their bytes

@@ -422,6 +422,35 @@ pub(crate) fn is_flat(data_type: &DataType) -> bool {
         )
 }
 
+/// About the bytes a plan of `array` copies, without planning it: those of the slice of a [flat
+/// type](is_flat) (its bitmap, its values or offsets, and the bytes its offsets reach), all its
+/// buffers' for other types (an upper bound for slices).
+pub(crate) fn estimated_size(array: &dyn Array) -> usize {
+    fn bytes<O: OffsetSizeTrait>(offsets: &[O]) -> usize {
+        let reach = match (offsets.first(), offsets.last()) {
+            (Some(first), Some(last)) => {
+                let at = |o: &O| o.to_usize().unwrap_or(0);
+                at(last).saturating_sub(at(first))
+            }
+            _ => 0,
+        };
+        std::mem::size_of_val(offsets) + reach
+    }
+    let nulls = array.nulls().map_or(0, |n| n.len().div_ceil(8));
+    nulls
+        + match array.data_type() {
+            DataType::Boolean => array.len().div_ceil(8),
+            DataType::Utf8 => bytes(array.as_string::<i32>().value_offsets()),
+            DataType::LargeUtf8 => bytes(array.as_string::<i64>().value_offsets()),
+            DataType::Binary => bytes(array.as_binary::<i32>().value_offsets()),
+            DataType::LargeBinary => bytes(array.as_binary::<i64>().value_offsets()),
+            _ => downcast_primitive_array!(
+                array => array.values().inner().len(),
+                _ => array.get_buffer_memory_size(),
+            ),
+        }
+}
+
 /// The `ArrayData` [`Plan::column`] needs for each of `arrays`: none for a [flat type](is_flat).
 pub(crate) fn column_data(arrays: &[&dyn Array]) -> Vec<Option<ArrayData>> {
     arrays

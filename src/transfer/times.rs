@@ -37,6 +37,9 @@ pub enum StagingStep {
     /// Concatenating a device batch's host batches on the device once they are copied, with the
     /// wait for their copies.
     Gather,
+    /// Starting the search for a device batch's column extremes on its GPU, once it is there
+    /// (the kernels run meanwhile; their results are read as the load finishes).
+    Extremes,
     /// Freeing host batches once they are on the device (on a thread of their own).
     Release,
     /// After the last copy was issued: waiting for the copies and building the table.
@@ -45,7 +48,7 @@ pub enum StagingStep {
 
 impl StagingStep {
     /// Every step, in the order above.
-    pub const ALL: [StagingStep; 13] = [
+    pub const ALL: [StagingStep; 14] = [
         StagingStep::Setup,
         StagingStep::Decode,
         StagingStep::Prepare,
@@ -57,6 +60,7 @@ impl StagingStep {
         StagingStep::Copy,
         StagingStep::Wait,
         StagingStep::Gather,
+        StagingStep::Extremes,
         StagingStep::Release,
         StagingStep::Finish,
     ];
@@ -75,6 +79,7 @@ impl StagingStep {
             StagingStep::Copy => "staging.copy",
             StagingStep::Wait => "staging.wait",
             StagingStep::Gather => "staging.gather",
+            StagingStep::Extremes => "staging.extremes",
             StagingStep::Release => "staging.release",
             StagingStep::Finish => "staging.finish",
         }
@@ -94,6 +99,7 @@ impl StagingStep {
             StagingStep::Copy => "copy",
             StagingStep::Wait => "wait",
             StagingStep::Gather => "gather",
+            StagingStep::Extremes => "extremes",
             StagingStep::Release => "release",
             StagingStep::Finish => "finish",
         }
