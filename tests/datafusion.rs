@@ -424,38 +424,54 @@ fn several_gpus_share_a_table() {
     }
 }
 
-/// Statistics are exact and agree with what DataFusion computes.
+/// `table`'s statistics are exact and agree with what DataFusion computes over `data`.
+fn assert_exact_statistics(table: &GpuTable, data: &Data) -> datafusion::common::Statistics {
+    let stats = table.statistics().expect("statistics");
+    assert_eq!(stats.num_rows, Precision::Exact(data.rows()));
+    let ctx = session();
+    ctx.register_table("t", Arc::new(mem_table(data))).expect("register");
+    for (i, f) in data.schema.fields().iter().enumerate() {
+        let name = f.name();
+        let nulls = query(&ctx, &format!("select count(*) - count({name}) from t"));
+        let nulls = nulls[0]
+            .column(0)
+            .as_any()
+            .downcast_ref::<Int64Array>()
+            .unwrap()
+            .value(0) as usize;
+        let cs = &stats.column_statistics[i];
+        assert_eq!(cs.null_count, Precision::Exact(nulls), "null count of {name}");
+        let mm = query(&ctx, &format!("select min({name}), max({name}) from t"));
+        let min = ScalarValue::try_from_array(mm[0].column(0), 0).unwrap();
+        let max = ScalarValue::try_from_array(mm[0].column(1), 0).unwrap();
+        match (&cs.min_value, &cs.max_value) {
+            (Precision::Exact(a), Precision::Exact(b)) => {
+                assert_eq!(a, &min, "min of {name}");
+                assert_eq!(b, &max, "max of {name}");
+            }
+            other => panic!("min/max of {name} not exact: {other:?}"),
+        }
+    }
+    stats
+}
+
+/// Statistics are exact and agree with what DataFusion computes, whether a partition's extremes
+/// come from a few device batches or from more than the stager keeps in flight (batch by batch).
 #[test]
 fn statistics_values() {
     common::each_device(|device, _| {
+        let many = random_data(40_000, 8);
+        let table = GpuTable::try_new(
+            many.schema.clone(),
+            many.partitions.clone(),
+            &LoadOptions::new().with_device(device).with_batch_rows(1),
+        )
+        .expect("stage batch by batch");
+        assert!(table.partitions().iter().map(Vec::len).sum::<usize>() > 64);
+        assert_exact_statistics(&table, &many);
         let data = random_data(2000, 7);
         let table = gpu_table(&data, device);
-        let stats = table.statistics().expect("statistics");
-        assert_eq!(stats.num_rows, Precision::Exact(data.rows()));
-        let ctx = session();
-        ctx.register_table("t", Arc::new(mem_table(&data))).expect("register");
-        for (i, f) in data.schema.fields().iter().enumerate() {
-            let name = f.name();
-            let nulls = query(&ctx, &format!("select count(*) - count({name}) from t"));
-            let nulls = nulls[0]
-                .column(0)
-                .as_any()
-                .downcast_ref::<Int64Array>()
-                .unwrap()
-                .value(0) as usize;
-            let cs = &stats.column_statistics[i];
-            assert_eq!(cs.null_count, Precision::Exact(nulls), "null count of {name}");
-            let mm = query(&ctx, &format!("select min({name}), max({name}) from t"));
-            let min = ScalarValue::try_from_array(mm[0].column(0), 0).unwrap();
-            let max = ScalarValue::try_from_array(mm[0].column(1), 0).unwrap();
-            match (&cs.min_value, &cs.max_value) {
-                (Precision::Exact(a), Precision::Exact(b)) => {
-                    assert_eq!(a, &min, "min of {name}");
-                    assert_eq!(b, &max, "max of {name}");
-                }
-                other => panic!("min/max of {name} not exact: {other:?}"),
-            }
-        }
+        let stats = assert_exact_statistics(&table, &data);
         // The scan reports the same statistics, projected.
         let scan = table
             .scan_source()

@@ -20,7 +20,7 @@ use arrow_schema::DataType;
 
 use super::nvrtc::{BLOCK, cuda_stream, function, launch};
 use crate::array::DeviceRecordBatch;
-use crate::device::{Device, Stream};
+use crate::device::{Device, Event, Stream};
 use crate::error::{Error, Result};
 use crate::memory::pinned::PinnedPool;
 use crate::memory::{DeviceBuffer, MemoryResource, copy};
@@ -119,12 +119,18 @@ pub(crate) struct Finding {
     /// and the first pass's candidates.
     _scratch: DeviceBuffer,
     stream: Stream,
+    /// Recorded after the kernels once they are launched.
+    done: Option<Event>,
 }
 
 impl Drop for Finding {
-    /// The kernels write `pinned` and read the rest: they are waited for before those can go.
+    /// The kernels write `pinned` and read the rest: they are waited for before those can go
+    /// (the whole stream, when launching failed part of the way).
     fn drop(&mut self) {
-        let _ = self.stream.synchronize();
+        let _ = match &self.done {
+            Some(done) => done.synchronize(),
+            None => self.stream.synchronize(),
+        };
     }
 }
 
@@ -209,12 +215,13 @@ pub(crate) fn start(batch: &DeviceRecordBatch, columns: &[usize], stream: &Strea
         .ok_or_else(|| Error::Unsupported("pinned block is not host memory".into()))?;
     put(out, n * record, &described_columns);
     put(out, n * record + n * std::mem::size_of::<Column>(), &tables);
-    let finding = Finding {
+    let mut finding = Finding {
         batch: batch.clone(),
         columns: columns.to_vec(),
         pinned,
         _scratch: scratch,
         stream: stream.clone(),
+        done: None,
     };
     stream.wait(batch.ready())?;
     let found = finding.pinned.address();
@@ -243,6 +250,7 @@ pub(crate) fn start(batch: &DeviceRecordBatch, columns: &[usize], stream: &Strea
         BLOCK,
         &[descriptions, per, candidates, found],
     )?;
+    finding.done = Some(stream.record()?);
     Ok(finding)
 }
 
@@ -251,7 +259,14 @@ pub(crate) fn start(batch: &DeviceRecordBatch, columns: &[usize], stream: &Strea
 /// value (none when it has none).
 pub(crate) fn finish(findings: &[Finding]) -> Result<Vec<Vec<(usize, ArrayRef, ArrayRef)>>> {
     for f in findings {
-        f.stream.synchronize()?;
+        match &f.done {
+            Some(done) => done.synchronize()?,
+            None => {
+                return Err(Error::InvalidArgument(
+                    "extremes whose kernels were not launched".into(),
+                ));
+            }
+        }
     }
     let record = std::mem::size_of::<Found>();
     let mut found = Vec::with_capacity(findings.len());
@@ -437,7 +452,7 @@ mod tests {
             ("i8", column!(Int8Array, |i| ints(i) as i8)),
             ("i16", column!(Int16Array, |i| ints(i) as i16)),
             ("i32", column!(Int32Array, |i| ints(i) as i32)),
-            ("i64", column!(Int64Array, |i| ints(i))),
+            ("i64", column!(Int64Array, &ints)),
             ("u8", column!(UInt8Array, |i| ints(i) as u8)),
             ("u16", column!(UInt16Array, |i| ints(i) as u16)),
             ("u32", column!(UInt32Array, |i| ints(i) as u32)),

@@ -458,6 +458,18 @@ pub(crate) fn stage_parallel<U: Send>(
     })
 }
 
+/// Reads the extremes of `findings` (waiting for them) into their partitions' statistics.
+fn take_extremes(stats: &mut [StatsBuilder], findings: Vec<(usize, Finding)>) -> DfResult<()> {
+    let (partitions, findings): (Vec<usize>, Vec<Finding>) = findings.into_iter().unzip();
+    let found = device_extremes::finish(&findings)?;
+    for (partition, columns) in partitions.into_iter().zip(found) {
+        for (column, least, greatest) in columns {
+            stats[partition].take_extremes(column, least, greatest);
+        }
+    }
+    Ok(())
+}
+
 /// The device of `partition` of a table staged on `devices`: partitions go round-robin.
 fn device_for(devices: &[Device], partition: usize) -> Device {
     devices[partition % devices.len()]
@@ -493,8 +505,9 @@ pub(crate) struct Stager {
     /// partition and place in its order.
     gathering: HashMap<(usize, usize), Vec<Option<DeviceRecordBatch>>>,
     partition_stats: Vec<StatsBuilder>,
-    /// The extremes being found on the device, by partition (see [`device_extremes`]).
-    findings: Vec<Vec<Finding>>,
+    /// The extremes being found on the device, with their partitions, oldest first (see
+    /// [`device_extremes`]); at most [`Stager::FINDINGS`].
+    findings: std::collections::VecDeque<(usize, Finding)>,
     progress: Option<ProgressFn>,
     done: Progress,
     streams_per_device: usize,
@@ -549,7 +562,7 @@ impl Stager {
             partitions: vec![Vec::new(); partitions.max(1)],
             gathering: HashMap::new(),
             partition_stats: (0..partitions.max(1)).map(|_| StatsBuilder::new(&schema)).collect(),
-            findings: (0..partitions.max(1)).map(|_| Vec::new()).collect(),
+            findings: Default::default(),
             schema,
             devices,
             streams,
@@ -682,7 +695,14 @@ impl Stager {
                 let finding = timed(self.times.as_deref(), StagingStep::Extremes, || {
                     device_extremes::start(&staged, &deferred, &self.streams[&device])
                 })?;
-                self.findings[partition].push(finding);
+                self.findings.push_back((partition, finding));
+                if self.findings.len() > Self::FINDINGS {
+                    // Long done, most likely: its kernels ran before the copies queued since.
+                    let oldest = self.findings.pop_front().into_iter().collect();
+                    timed(self.times.as_deref(), StagingStep::Extremes, || {
+                        take_extremes(&mut self.partition_stats, oldest)
+                    })?;
+                }
             }
             self.partitions[partition].push((place.order, staged));
         }
@@ -739,6 +759,10 @@ impl Stager {
         timed(times.as_deref(), StagingStep::Finish, || self.build())
     }
 
+    /// Findings of extremes in flight at most: each holds a little pinned and device memory
+    /// until it is read.
+    const FINDINGS: usize = 64;
+
     /// [`Stager::finish`]'s work.
     fn build(mut self) -> DfResult<GpuTable> {
         if let Some((partition, order)) = self.gathering.keys().next() {
@@ -755,14 +779,10 @@ impl Stager {
             }
             partitions.push(p.into_iter().map(|(_, b)| b).collect::<Vec<_>>());
         }
-        for (stats, findings) in self.partition_stats.iter_mut().zip(&self.findings) {
-            let found = timed(self.times.as_deref(), StagingStep::Wait, || {
-                device_extremes::finish(findings)
-            })?;
-            for (column, least, greatest) in found.into_iter().flatten() {
-                stats.take_extremes(column, least, greatest);
-            }
-        }
+        let findings = std::mem::take(&mut self.findings).into();
+        timed(self.times.as_deref(), StagingStep::Wait, || {
+            take_extremes(&mut self.partition_stats, findings)
+        })?;
         let mut lanes = HashMap::new();
         for &d in &self.devices {
             lanes.insert(d, Arc::new(DeviceLane::new(d, self.streams_per_device)?));

@@ -332,13 +332,8 @@ mod tests {
         assert_eq!(gathered, copied);
         assert_eq!(dispatched, copied);
         // SAFETY: nothing to read.
-        assert!(
-            unsafe { start_reading(&[], device, &stream) }
-                .unwrap()
-                .wait()
-                .unwrap()
-                .is_empty()
-        );
+        let nothing = unsafe { start_reading(&[], device, &stream) };
+        assert!(nothing.unwrap().wait().unwrap().is_empty());
     }
 
     /// Offsets of both widths at every byte position, negative ones included, read as their bytes
