@@ -35,7 +35,7 @@ pub fn dtoh_async(batch: &DeviceRecordBatch, stream: &Stream) -> Result<PendingB
             _source: batch.clone(),
         }),
         layouts: gathered.layouts,
-        pieces: gathered.pieces,
+        first_half: gathered.first_half,
         event: gathered.event,
     })
 }
@@ -56,8 +56,8 @@ pub struct PendingBatch {
     /// `None` only once `wait` has taken it.
     copy: Option<InFlight>,
     layouts: Vec<Layout>,
-    /// The bytes of the host block below each offset are in place when its event completes.
-    pieces: Vec<(usize, Event)>,
+    /// The bytes of the host block below this offset are in place when the event completes.
+    first_half: Option<(usize, Event)>,
     event: Event,
 }
 
@@ -103,26 +103,24 @@ impl PendingBatch {
         let build = |l: &Layout| l.to_host_array(&memory);
         // Validation reads every string: untrusted columns are validated on every core. Trusted
         // ones only need their arrays built, which threads would slow down (they would all count
-        // references to the one host block); each is built once the piece of the copy that holds
-        // its bytes has landed, while the next pieces are on their way.
+        // references to the one host block); those whose bytes came with the first half of the
+        // copy are built while the second half is on its way.
         let columns = if self.layouts.iter().all(|l| l.trusted) {
-            let mut pieces = self.pieces.iter();
-            let mut landed = 0;
+            let mut landed = match &self.first_half {
+                Some((end, first)) => {
+                    first.synchronize()?;
+                    *end
+                }
+                None => 0,
+            };
+            laps.lap("dtoh.synchronize");
             let mut columns = Vec::with_capacity(self.layouts.len());
             for layout in &self.layouts {
-                while layout.end() > landed {
+                if layout.end() > landed {
                     laps.lap("dtoh.arrays");
-                    landed = match pieces.next() {
-                        Some((end, event)) => {
-                            event.synchronize()?;
-                            *end
-                        }
-                        None => {
-                            self.event.synchronize()?;
-                            usize::MAX
-                        }
-                    };
+                    self.event.synchronize()?;
                     laps.lap("dtoh.synchronize");
+                    landed = usize::MAX;
                 }
                 columns.push(build(layout)?);
             }

@@ -29,18 +29,15 @@ pub(crate) struct Gathered {
     pub memory: DeviceBuffer,
     /// Where each array's buffers land in it.
     pub layouts: Vec<Layout>,
-    /// For a large enough copy: where each of its pieces but the last ends, in order, with the
-    /// event that completes when the bytes below that end have landed.
-    pub pieces: Vec<(usize, Event)>,
+    /// For a large enough copy: where its first half ends, and the event that completes with it.
+    pub first_half: Option<(usize, Event)>,
     /// The event of the last copy.
     pub event: Event,
 }
 
-/// Copies of at least this many bytes are sent in [`PIECES`] pieces, so that the arrays of each
-/// can be built while the next are on their way, and few are left to build once the last lands.
-const PIECES_MIN: usize = 256 << 10;
-/// The pieces of such a copy.
-const PIECES: usize = 4;
+/// Copies of at least this many bytes are sent in two halves, so that arrays in the first can be
+/// built while the second is on its way.
+const HALVES_MIN: usize = 256 << 10;
 
 /// Copies every buffer of `arrays` into one host block, once their memory is found readable
 /// ([`DeviceArrayData::check_readable`]).
@@ -60,16 +57,12 @@ pub(crate) fn gather(
     laps.lap("dtoh.wait_ready");
     // Group buffers by allocation, in address order; nearby buffers of one allocation share a span.
     let all: Vec<&DeviceBuffer> = arrays.iter().flat_map(|a| a.all_buffers()).collect();
-    let addresses: Vec<u64> = all.iter().map(|b| b.address()).collect();
     let mut order: Vec<usize> = (0..all.len()).collect();
-    // An upload's buffers lie in address order already.
-    if !addresses.is_sorted() {
-        order.sort_by_key(|&i| addresses[i]);
-    }
+    order.sort_by_key(|&i| all[i].address());
     let buffers: Vec<&DeviceBuffer> = order.iter().map(|&i| all[i]).collect();
     let (spans, span_of, size) = plan_spans(&buffers);
     laps.lap("dtoh.spans");
-    let mut pieces = Vec::new();
+    let mut first_half = None;
     let mut memory = match device {
         Device::Cpu => DeviceBuffer::alloc(MemoryResource::Host, size, &stream)?,
         _ => {
@@ -85,7 +78,7 @@ pub(crate) fn gather(
                 .ok_or_else(|| Error::Unsupported("host block is not host memory".into()))?;
             copy_spans_on_host(&spans, out);
         }
-        Some(_) => pieces = copy_spans_on_device(&spans, size, &memory, device, &stream)?,
+        Some(_) => first_half = copy_spans_on_device(&spans, size, &memory, device, &stream)?,
     }
     let event = stream.record()?;
     laps.lap("dtoh.copy");
@@ -102,7 +95,7 @@ pub(crate) fn gather(
     Ok(Gathered {
         memory,
         layouts,
-        pieces,
+        first_half,
         event,
     })
 }
@@ -140,53 +133,46 @@ fn plan_spans(buffers: &[&DeviceBuffer]) -> (Vec<Span>, Vec<usize>, usize) {
 }
 
 /// Issues the copies of `spans` from `device` into `memory` (a host block of `size` bytes) on
-/// `stream`, a CUDA stream. A copy of at least [`PIECES_MIN`] bytes is cut into [`PIECES`] pieces
-/// of about equal size, an event recorded after each but the last; returns where those pieces end,
-/// with their events.
+/// `stream`, a CUDA stream. A copy of at least [`HALVES_MIN`] bytes records an event where its
+/// first half ends; returns that end and event.
 fn copy_spans_on_device(
     spans: &[Span],
     size: usize,
     memory: &DeviceBuffer,
     device: Device,
     stream: &Stream,
-) -> Result<Vec<(usize, Event)>> {
-    let cuts: Vec<usize> = match size >= PIECES_MIN {
-        true => (1..PIECES).map(|k| size / PIECES * k).collect(),
-        false => Vec::new(),
-    };
-    let mut pieces = Vec::with_capacity(cuts.len());
-    let mut next = 0;
-    // Spans lie in the block in order; a cut inside one splits its copy.
+) -> Result<Option<(usize, Event)>> {
+    let mut first_half = None;
+    let half = (size >= HALVES_MIN).then_some(size / 2);
     for s in spans {
-        let (mut at, end) = (s.dst, s.dst + s.len);
-        while at < end {
-            let stop = match cuts.get(next) {
-                Some(&c) if c > at && c < end => c,
-                _ => end,
-            };
-            // SAFETY: each span lies inside one live allocation (its buffers are views of it) and
-            // inside `memory`; `memory` is not read until the event recorded after the piece
-            // completes.
+        // A span across the middle is sent in two pieces, an event between them.
+        let cut = match half {
+            Some(h) if s.dst < h && h < s.dst + s.len => h - s.dst,
+            _ => s.len,
+        };
+        for (from, len) in [(0, cut), (cut, s.len - cut)] {
+            if len == 0 {
+                continue;
+            }
+            // SAFETY: each span lies inside one live allocation (its buffers are views of
+            // it) and inside `memory`; `memory` is not read until the event recorded after
+            // the piece completes.
             unsafe {
                 copy(
-                    memory.address() + at as u64,
+                    memory.address() + (s.dst + from) as u64,
                     memory.device(),
-                    s.src + (at - s.dst) as u64,
+                    s.src + from as u64,
                     device,
-                    stop - at,
+                    len,
                     stream,
                 )?
             };
-            at = stop;
-            if cuts.get(next).is_some_and(|&c| c <= at) {
-                pieces.push((at, stream.record()?));
-                while cuts.get(next).is_some_and(|&c| c <= at) {
-                    next += 1;
-                }
+            if half == Some(s.dst + from + len) {
+                first_half = Some((s.dst + from + len, stream.record()?));
             }
         }
     }
-    Ok(pieces)
+    Ok(first_half)
 }
 
 fn copy_spans_on_host(spans: &[Span], out: &mut [u8]) {

@@ -37,10 +37,6 @@ const SEGMENT: usize = 128 << 10;
 const PACKERS: usize = 4;
 /// Chunks whose DMA may be in flight while the next is packed.
 const IN_FLIGHT: usize = 4;
-/// While the calling thread packs what the pool threads have not, what is packed is sent once it
-/// is at least this many bytes: a copy call costs a few microseconds, and the link moves this much
-/// in about as long.
-const SEND_LEAST: usize = 2 * SEGMENT;
 /// Batches of up to about this many bytes ([`estimated_size`]) are packed by the calling thread
 /// alone (see [`upload_solo`]): waking pool threads costs more than they would save. (On the H100
 /// and H200 machines one thread packs about 10 GB/s: a 1.3 MB batch took 120 µs alone, against
@@ -202,23 +198,22 @@ fn upload_staged(
             DeviceBuffer::alloc(resource, plan.size(), stream)
         })?;
         laps.lap("htod.alloc");
-        // Sends the parts packed since the last call, in one copy, when they are at least `least`
-        // bytes.
+        // Sends the parts packed since the last call, in one copy.
         let mut sent = 0;
-        let send_packed = |sent: &mut usize, least: usize| {
+        let send_packed = |sent: &mut usize| {
             let packed = parts
                 .iter()
                 .skip_while(|p| p.range().end <= *sent)
                 .take_while(|p| p.is_packed())
                 .last()
                 .map_or(*sent, |p| p.range().end);
-            if packed > *sent && packed - *sent >= least {
+            if packed > *sent {
                 send_early(&memory, *sent..packed)?;
                 *sent = packed;
             }
             Ok::<_, Error>(())
         };
-        send_packed(&mut sent, 0)?;
+        send_packed(&mut sent)?;
         let sink = Sink {
             memory: &memory,
             pool: &pool,
@@ -233,18 +228,14 @@ fn upload_staged(
         for (i, layout) in layouts.iter().enumerate() {
             columns.push(layout.to_device(&memory)?);
             if i % 32 == 31 {
-                send_packed(&mut sent, 0)?;
+                send_packed(&mut sent)?;
             }
         }
         laps.lap("htod.arrays");
-        // Parts no pool thread has started on are packed here, so nothing waits on an idle pool;
-        // what is packed goes on its way every few parts, while the rest is packed.
-        for p in &parts {
-            p.pack();
-            send_packed(&mut sent, SEND_LEAST)?;
-        }
+        // Parts no pool thread has started on are packed here, so nothing waits on an idle pool.
+        parts.iter().for_each(|p| p.pack());
         laps.lap("htod.pack");
-        send_packed(&mut sent, 0)?;
+        send_packed(&mut sent)?;
         let done = timed(times, StagingStep::Copy, || stream.record())?;
         laps.lap("htod.last_copy");
         Ok((columns, done))
