@@ -333,26 +333,36 @@ fn long_values(findings: &[Finding], found: &[Vec<Found>]) -> Result<Vec<Vec<u8>
     let device = first.batch.device();
     let pool = PinnedPool::shared(MemoryResource::PinnedHost(device.ordinal().unwrap_or(0)))?;
     let block = pool.take(size)?;
-    let stream = &first.stream;
+    // Each value is copied in the order of its batch's stream; every such stream is waited for
+    // before the block is read (or goes back to the pool, on an error).
+    let mut issued = Ok(());
     for &(f, at, len, dst) in &copies {
         // SAFETY: `at..at + len` is a value's bytes in a buffer of `f.batch` (the kernel found it
         // there), alive while `findings` are; the block is not read before the synchronisation.
-        let issued = unsafe {
+        issued = unsafe {
             copy(
                 block.address() + dst as u64,
                 block.device(),
                 at,
                 f.batch.device(),
                 len,
-                stream,
+                &f.stream,
             )
         };
-        if let Err(e) = issued {
-            let _ = stream.synchronize();
-            return Err(e);
+        if issued.is_err() {
+            break;
         }
     }
-    stream.synchronize()?;
+    // Copies come finding by finding: each finding's stream once (waiting again costs little).
+    let mut last: Option<&Finding> = None;
+    for &(f, ..) in &copies {
+        if !last.is_some_and(|l| std::ptr::eq(l, f)) {
+            let synchronized = f.stream.synchronize();
+            issued = issued.and(synchronized);
+            last = Some(f);
+        }
+    }
+    issued?;
     let landed = block
         .host_slice()
         .ok_or_else(|| Error::Unsupported("pinned block is not host memory".into()))?;
