@@ -42,11 +42,14 @@ enum Size {
     LastOffset(usize),
 }
 
+#[derive(Clone, Copy)]
 struct Buf {
     ptr: u64,
     size: Size,
 }
 
+/// An array as the walk finds it, built where it ends up (a parent's list of children): nodes are
+/// large, and a batch has hundreds.
 struct Node {
     data_type: DataType,
     len: usize,
@@ -55,6 +58,21 @@ struct Node {
     nulls: Option<Buf>,
     buffers: smallvec::SmallVec<[Buf; 3]>,
     children: Vec<Node>,
+}
+
+impl Node {
+    /// A node to be filled in by [`Walker::node`].
+    fn blank() -> Node {
+        Node {
+            data_type: DataType::Null,
+            len: 0,
+            offset: 0,
+            null_count: None,
+            nulls: None,
+            buffers: Default::default(),
+            children: Vec::new(),
+        }
+    }
 }
 
 /// Walks a producer's struct, checking it and noting which offsets must be read.
@@ -100,12 +118,12 @@ struct Parts<'a> {
 }
 
 impl<'a> Parts<'a> {
-    /// Checks `a`'s counts and takes its buffer and child pointers, and starts its node (no
-    /// buffers or children yet; the validity bitmap where the type has one).
+    /// Checks `a`'s counts and takes its buffer and child pointers, and starts its `node` (a
+    /// [`Node::blank`]: no buffers or children yet; the validity bitmap where the type has one).
     ///
     /// # Safety
     /// `a` must be a valid, unreleased `ArrowArray` whose pointers are valid per the spec.
-    unsafe fn of(a: &'a FFI_ArrowArray, dt: &'a DataType, depth: usize) -> Result<(Parts<'a>, Node)> {
+    unsafe fn of(a: &'a FFI_ArrowArray, dt: &'a DataType, depth: usize, node: &mut Node) -> Result<Parts<'a>> {
         if depth > MAX_DEPTH {
             return Err(invalid(format!("nesting deeper than {MAX_DEPTH}")));
         }
@@ -149,17 +167,12 @@ impl<'a> Parts<'a> {
             kids,
             depth,
         };
-        let mut node = Node {
-            data_type: dt.clone(),
-            len,
-            offset,
-            null_count,
-            nulls: None,
-            buffers: Default::default(),
-            children: vec![],
-        };
-        parts.validity(&mut node)?;
-        Ok((parts, node))
+        node.data_type = dt.clone();
+        node.len = len;
+        node.offset = offset;
+        node.null_count = null_count;
+        parts.validity(node)?;
+        Ok(parts)
     }
 
     /// Takes the validity bitmap into `node`, for types that have a validity slot.
@@ -214,9 +227,9 @@ impl<'a> Parts<'a> {
 impl Walker {
     /// # Safety
     /// `a` must be a valid, unreleased `ArrowArray` whose pointers are valid per the spec.
-    unsafe fn node(&mut self, a: &FFI_ArrowArray, dt: &DataType, depth: usize) -> Result<Node> {
+    unsafe fn node(&mut self, a: &FFI_ArrowArray, dt: &DataType, depth: usize, node: &mut Node) -> Result<()> {
         // SAFETY: `a` is valid per the caller.
-        let (p, mut node) = unsafe { Parts::of(a, dt, depth)? };
+        let p = unsafe { Parts::of(a, dt, depth, node)? };
         match dt {
             DataType::List(_)
             | DataType::LargeList(_)
@@ -225,31 +238,44 @@ impl Walker {
             | DataType::LargeListView(_)
             | DataType::FixedSizeList(..) => {
                 // SAFETY: `p` is `a`'s, valid per the caller.
-                unsafe { self.list(&p, &mut node)? }
+                unsafe { self.list(&p, node) }
             }
             DataType::Struct(_) | DataType::Union(..) | DataType::Dictionary(..) | DataType::RunEndEncoded(..) => {
                 // SAFETY: as above.
-                unsafe { self.composite(&p, &mut node)? }
+                unsafe { self.composite(&p, node) }
             }
             _ => {
                 // SAFETY: as above.
-                unsafe { self.leaf(&p, &mut node)? }
+                unsafe { self.leaf(&p, node) }
             }
         }
-        Ok(node)
     }
 
-    /// Child `i` of `p`'s array, of type `dt`.
+    /// Walks `a` (of type `dt`, at `depth`) into a new last child of `parent`; returns the child's
+    /// length.
+    ///
+    /// # Safety
+    /// As for [`Walker::node`].
+    unsafe fn push_node(&mut self, a: &FFI_ArrowArray, dt: &DataType, depth: usize, parent: &mut Node) -> Result<usize> {
+        parent.children.push(Node::blank());
+        let slot = parent.children.last_mut().expect("a child was pushed");
+        // SAFETY: forwarded from the caller.
+        unsafe { self.node(a, dt, depth, slot)? };
+        Ok(slot.len)
+    }
+
+    /// Walks child `i` of `p`'s array, of type `dt`, into a new last child of `node`; returns
+    /// its length.
     ///
     /// # Safety
     /// `p` must come from a valid array ([`Parts::of`]).
-    unsafe fn child(&mut self, p: &Parts<'_>, i: usize, dt: &DataType) -> Result<Node> {
+    unsafe fn child(&mut self, p: &Parts<'_>, i: usize, dt: &DataType, node: &mut Node) -> Result<usize> {
         let c = p.kids[i];
         if c.is_null() {
             return Err(invalid(format!("child {i} is null")));
         }
         // SAFETY: a non-null child of a valid array is valid per the caller.
-        unsafe { self.node(&*c, dt, p.depth + 1) }
+        unsafe { self.push_node(&*c, dt, p.depth + 1, node) }
     }
 
     /// The buffers of an array without children.
@@ -339,7 +365,7 @@ impl Walker {
                     }),
                 });
                 // SAFETY: `p` is valid per the caller.
-                node.children.push(unsafe { self.child(p, 0, f.data_type())? });
+                unsafe { self.child(p, 0, f.data_type(), node)? };
             }
             DataType::ListView(f) | DataType::LargeListView(f) => {
                 p.expect(3, 1)?;
@@ -347,24 +373,22 @@ impl Walker {
                 node.buffers.push(p.values(1, w)?);
                 node.buffers.push(p.values(2, w)?);
                 // SAFETY: as above.
-                node.children.push(unsafe { self.child(p, 0, f.data_type())? });
+                unsafe { self.child(p, 0, f.data_type(), node)? };
             }
             DataType::FixedSizeList(f, size) => {
                 p.expect(1, 1)?;
                 // SAFETY: as above.
-                let c = unsafe { self.child(p, 0, f.data_type())? };
+                let len = unsafe { self.child(p, 0, f.data_type(), node)? };
                 // Not negative: `import_array` checked the type.
                 let needed = end
                     .checked_mul(*size as usize)
                     .ok_or_else(|| invalid("fixed-size list too long"))?;
                 // Counted from the child's own offset, as a struct's children are.
-                if c.len < needed {
+                if len < needed {
                     return Err(invalid(format!(
-                        "fixed-size list child has {} elements, {needed} needed",
-                        c.len
+                        "fixed-size list child has {len} elements, {needed} needed"
                     )));
                 }
-                node.children.push(c);
             }
             _ => unreachable!("`node` passes list types only"),
         }
@@ -384,15 +408,13 @@ impl Walker {
                 node.children.reserve_exact(fields.len());
                 for (i, f) in fields.iter().enumerate() {
                     // SAFETY: `p` is valid per the caller.
-                    let c = unsafe { self.child(p, i, f.data_type())? };
-                    if c.len < end {
+                    let len = unsafe { self.child(p, i, f.data_type(), node)? };
+                    if len < end {
                         return Err(invalid(format!(
-                            "struct child {} has {} elements, {end} needed",
-                            f.name(),
-                            c.len
+                            "struct child {} has {len} elements, {end} needed",
+                            f.name()
                         )));
                     }
-                    node.children.push(c);
                 }
             }
             DataType::Union(fields, mode) => {
@@ -405,14 +427,12 @@ impl Walker {
                 node.children.reserve_exact(fields.len());
                 for (i, (_, f)) in fields.iter().enumerate() {
                     // SAFETY: as above.
-                    let c = unsafe { self.child(p, i, f.data_type())? };
-                    if !dense && c.len < end {
+                    let len = unsafe { self.child(p, i, f.data_type(), node)? };
+                    if !dense && len < end {
                         return Err(invalid(format!(
-                            "sparse union child {i} has {} elements, {end} needed",
-                            c.len
+                            "sparse union child {i} has {len} elements, {end} needed"
                         )));
                     }
-                    node.children.push(c);
                 }
             }
             DataType::Dictionary(key, values) => {
@@ -427,15 +447,14 @@ impl Walker {
                     return Err(invalid("dictionary array without a dictionary"));
                 }
                 // SAFETY: a non-null dictionary of a valid array is valid per the caller.
-                node.children
-                    .push(unsafe { self.node(&*dictionary, values, p.depth + 1)? });
+                unsafe { self.push_node(&*dictionary, values, p.depth + 1, node)? };
             }
             DataType::RunEndEncoded(run_ends, values) => {
                 p.expect(0, 2)?;
                 // SAFETY: as above.
-                node.children.push(unsafe { self.child(p, 0, run_ends.data_type())? });
+                unsafe { self.child(p, 0, run_ends.data_type(), node)? };
                 // SAFETY: as above.
-                node.children.push(unsafe { self.child(p, 1, values.data_type())? });
+                unsafe { self.child(p, 1, values.data_type(), node)? };
             }
             _ => unreachable!("`node` passes structs, unions, dictionaries and run-end encoded types only"),
         }
@@ -514,13 +533,13 @@ impl Late {
 /// The device array of `node` (at `path` from the root), its buffers views of `span`; the
 /// buffers whose sizes are being read are noted in `late` and left empty.
 fn build(
-    node: Node,
+    node: &Node,
     span: &DeviceBuffer,
     path: &mut smallvec::SmallVec<[usize; 4]>,
     late: &mut Vec<Late>,
 ) -> Result<DeviceArrayData> {
     let mut buffers = Buffers::with_capacity(node.buffers.len());
-    for (i, b) in node.buffers.into_iter().enumerate() {
+    for (i, b) in node.buffers.iter().enumerate() {
         buffers.push(match b.size {
             Size::Bytes(size) => view(span, b.ptr, size)?,
             Size::LastOffset(read) => {
@@ -543,13 +562,13 @@ fn build(
         None => None,
     };
     let mut children = Vec::with_capacity(node.children.len());
-    for (i, c) in node.children.into_iter().enumerate() {
+    for (i, c) in node.children.iter().enumerate() {
         path.push(i);
         children.push(build(c, span, path, late)?);
         path.pop();
     }
     Ok(DeviceArrayData {
-        data_type: node.data_type,
+        data_type: node.data_type.clone(),
         len: node.len,
         offset: node.offset,
         null_count: node.null_count,
@@ -584,8 +603,9 @@ pub unsafe fn import_array(
     let ready = wait_for_producer(&array, device, &stream)?;
     laps.lap("import.wait");
     let mut walker = Walker { reads: vec![] };
+    let mut node = Node::blank();
     // SAFETY: valid per the caller.
-    let node = unsafe { walker.node(&array.array, data_type, 0)? };
+    unsafe { walker.node(&array.array, data_type, 0, &mut node)? };
     laps.lap("import.walk");
     // The span runs from the lowest buffer to the end of the address space: the sizes of string
     // data are not known yet, and only views of buffers are handed out.
@@ -600,7 +620,7 @@ pub unsafe fn import_array(
     // SAFETY: the reads are elements of offsets buffers, valid per the caller until `span` drops.
     let offsets = unsafe { start_reading(&walker.reads, device, &stream)? };
     let mut late = Vec::new();
-    let mut data = build(node, &span, &mut smallvec::SmallVec::new(), &mut late)?;
+    let mut data = build(&node, &span, &mut smallvec::SmallVec::new(), &mut late)?;
     laps.lap("import.build");
     let offsets = offsets.wait()?;
     laps.lap("import.offsets");
