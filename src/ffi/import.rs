@@ -256,7 +256,13 @@ impl Walker {
     ///
     /// # Safety
     /// As for [`Walker::node`].
-    unsafe fn push_node(&mut self, a: &FFI_ArrowArray, dt: &DataType, depth: usize, parent: &mut Node) -> Result<usize> {
+    unsafe fn push_node(
+        &mut self,
+        a: &FFI_ArrowArray,
+        dt: &DataType,
+        depth: usize,
+        parent: &mut Node,
+    ) -> Result<usize> {
         parent.children.push(Node::blank());
         let slot = parent.children.last_mut().expect("a child was pushed");
         // SAFETY: forwarded from the caller.
