@@ -780,7 +780,7 @@ impl Stager {
             partitions.push(p.into_iter().map(|(_, b)| b).collect::<Vec<_>>());
         }
         let findings = std::mem::take(&mut self.findings).into();
-        timed(self.times.as_deref(), StagingStep::Wait, || {
+        timed(self.times.as_deref(), StagingStep::Extremes, || {
             take_extremes(&mut self.partition_stats, findings)
         })?;
         let mut lanes = HashMap::new();

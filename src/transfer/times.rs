@@ -37,8 +37,9 @@ pub enum StagingStep {
     /// Concatenating a device batch's host batches on the device once they are copied, with the
     /// wait for their copies.
     Gather,
-    /// Starting the search for a device batch's column extremes on its GPU, once it is there
-    /// (the kernels run meanwhile; their results are read as the load finishes).
+    /// Finding the column extremes of device batches on their GPU: starting the kernels once a
+    /// batch is there, and reading their results (the oldest as more are started, the rest at
+    /// the end of the load).
     Extremes,
     /// Freeing host batches once they are on the device (on a thread of their own).
     Release,
