@@ -42,18 +42,14 @@ enum Kind {
 /// (booleans, intervals, dictionaries, nested types...), whose extremes the host finds.
 fn kind(dt: &DataType) -> Option<(Kind, u64)> {
     use DataType::*;
+    let width = dt.primitive_width().unwrap_or(0) as u64;
     Some(match dt {
-        Int8 | UInt8 => (if dt.is_signed_integer() { Kind::Int } else { Kind::UInt }, 1),
-        Int16 | UInt16 => (if dt.is_signed_integer() { Kind::Int } else { Kind::UInt }, 2),
-        Int32 | UInt32 => (if dt.is_signed_integer() { Kind::Int } else { Kind::UInt }, 4),
-        Int64 | UInt64 => (if dt.is_signed_integer() { Kind::Int } else { Kind::UInt }, 8),
-        Float16 => (Kind::Float, 2),
-        Float32 => (Kind::Float, 4),
-        Float64 => (Kind::Float, 8),
-        Date32 | Time32(_) | Decimal32(..) => (Kind::Int, 4),
-        Date64 | Time64(_) | Timestamp(..) | Duration(_) | Decimal64(..) => (Kind::Int, 8),
-        Decimal128(..) => (Kind::Int, 16),
-        Decimal256(..) => (Kind::Int, 32),
+        UInt8 | UInt16 | UInt32 | UInt64 => (Kind::UInt, width),
+        Float16 | Float32 | Float64 => (Kind::Float, width),
+        Int8 | Int16 | Int32 | Int64 | Date32 | Date64 | Time32(_) | Time64(_) | Timestamp(..) | Duration(_) => {
+            (Kind::Int, width)
+        }
+        Decimal32(..) | Decimal64(..) | Decimal128(..) | Decimal256(..) => (Kind::Int, width),
         Utf8 | Binary => (Kind::Bytes32, 0),
         LargeUtf8 | LargeBinary => (Kind::Bytes64, 0),
         Utf8View | BinaryView => (Kind::View, 0),
@@ -61,7 +57,7 @@ fn kind(dt: &DataType) -> Option<(Kind, u64)> {
     })
 }
 
-/// Whether the device finds the extremes of columns of `dt` (see [`find`]).
+/// Whether the device finds the extremes of columns of `dt` (see [`start`]).
 pub(crate) fn supported(dt: &DataType) -> bool {
     kind(dt).is_some()
 }
@@ -76,18 +72,16 @@ pub(crate) fn on_device(device: Device) -> bool {
 /// longer ones from the device.
 const INLINE: usize = 128;
 
-/// What `extremes_final` writes (`Found` in `kernels/extremes.cu`).
+/// What `extremes_final` writes (`Found` in `kernels/extremes.cu`), for the least value (`[0]`)
+/// and the greatest (`[1]`): its place (-1 when there is no valid value), the address and length
+/// of its bytes, and its first [`INLINE`] bytes.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct Found {
-    least: i64,
-    greatest: i64,
-    least_at: u64,
-    greatest_at: u64,
-    least_len: u64,
-    greatest_len: u64,
-    least_value: [u8; INLINE],
-    greatest_value: [u8; INLINE],
+    place: [i64; 2],
+    at: [u64; 2],
+    len: [u64; 2],
+    value: [[u8; INLINE]; 2],
 }
 
 /// How the kernels see a column (`Column` in `kernels/extremes.cu`).
@@ -300,8 +294,8 @@ pub(crate) fn finish(findings: &[Finding]) -> Result<Vec<Vec<(usize, ArrayRef, A
                 .zip(records)
                 .map(|(&c, r)| {
                     let dt = f.batch.schema().field(c).data_type().clone();
-                    let least = value(r.least, &r.least_value, r.least_len);
-                    let greatest = value(r.greatest, &r.greatest_value, r.greatest_len);
+                    let least = value(r.place[0], &r.value[0], r.len[0]);
+                    let greatest = value(r.place[1], &r.value[1], r.len[1]);
                     Ok((c, array_of(&dt, least)?, array_of(&dt, greatest)?))
                 })
                 .collect()
@@ -316,13 +310,11 @@ fn long_values(findings: &[Finding], found: &[Vec<Found>]) -> Result<Vec<Vec<u8>
     let mut size = 0usize;
     for (f, records) in findings.iter().zip(found) {
         for r in records {
-            for (place, at, len) in [
-                (r.least, r.least_at, r.least_len),
-                (r.greatest, r.greatest_at, r.greatest_len),
-            ] {
-                if place >= 0 && len as usize > INLINE {
-                    copies.push((f, at, len as usize, size));
-                    size += len as usize;
+            for w in 0..2 {
+                let len = r.len[w] as usize;
+                if r.place[w] >= 0 && len > INLINE {
+                    copies.push((f, r.at[w], len, size));
+                    size += len;
                 }
             }
         }

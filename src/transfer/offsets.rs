@@ -71,8 +71,8 @@ pub(crate) struct OffsetsRead {
     pending: Option<Pending>,
 }
 
-/// Offsets on their way into `block` from byte `at`, eight bytes each (of which `widths` hold the
-/// value: all eight, sign-extended, when `widths` is empty), in the order of `stream`.
+/// Offsets on their way into `block` from byte `at`, eight bytes each, of which the first of
+/// `widths` hold the value, in the order of `stream`.
 struct Pending {
     block: DeviceBuffer,
     at: usize,
@@ -109,11 +109,11 @@ impl OffsetsRead {
         let bytes = block
             .host_slice()
             .ok_or_else(|| Error::Unsupported("pinned staging block is not host memory".into()))?;
-        let values = bytes[at..].chunks_exact(8);
-        Ok(match widths.is_empty() {
-            true => values.map(decode).collect(),
-            false => values.zip(widths).map(|(v, w)| decode(&v[..w])).collect(),
-        })
+        Ok(bytes[at..]
+            .chunks_exact(8)
+            .zip(widths)
+            .map(|(v, w)| decode(&v[..w]))
+            .collect())
     }
 }
 
@@ -176,7 +176,8 @@ unsafe fn gather(f: &CudaFunction, reads: &[(u64, usize)], device: Device, strea
         BLOCK,
         &[addresses, values, n as u64],
     )?;
-    Ok(OffsetsRead::pending(block, 8 * n, vec![], stream))
+    // The kernel writes each value sign-extended to eight bytes.
+    Ok(OffsetsRead::pending(block, 8 * n, vec![8; n], stream))
 }
 
 /// The offsets read into pinned memory with one batched copy (one copy each where the driver has

@@ -35,12 +35,13 @@ struct Column {
 /* The bytes of a value `Found` holds itself; the host copies longer ones from their address. */
 #define INLINE 128
 
-/* What `extremes_final` writes: the places of the least and the greatest valid value (-1 when
-   there is none), the addresses and lengths of their bytes, and their first INLINE bytes. */
+/* What `extremes_final` writes, for the least value ([0]) and the greatest ([1]): its place (-1
+   when there is no valid value), the address and length of its bytes, and its first INLINE
+   bytes. */
 struct Found {
-    i64 least, greatest;
-    u64 least_at, greatest_at, least_len, greatest_len;
-    unsigned char least_value[INLINE], greatest_value[INLINE];
+    i64 place[2];
+    u64 at[2], len[2];
+    unsigned char value[2][INLINE];
 };
 
 __device__ bool valid(const Column& c, u64 i) {
@@ -170,9 +171,8 @@ __device__ void block_reduce(const Column& c, i64* least, i64* greatest) {
     for (int s = BLOCK / 2; s > 0; s >>= 1) {
         if (threadIdx.x < s) {
             i64 l = lo[threadIdx.x], g = hi[threadIdx.x];
-            i64 ol = lo[threadIdx.x + s], og = hi[threadIdx.x + s];
-            if (ol >= 0 && (l < 0 || compare(c, (u64)ol, (u64)l) < 0)) l = ol;
-            if (og >= 0 && (g < 0 || compare(c, (u64)og, (u64)g) > 0)) g = og;
+            take(c, lo[threadIdx.x + s], &l, &g);
+            take(c, hi[threadIdx.x + s], &l, &g);
             lo[threadIdx.x] = l;
             hi[threadIdx.x] = g;
         }
@@ -207,23 +207,16 @@ extern "C" __global__ void extremes_final(const Column* columns, u64 per, const 
     for (u64 k = threadIdx.x; k < 2 * per; k += BLOCK) take(c, mine[k], &least, &greatest);
     block_reduce(c, &least, &greatest);
     if (threadIdx.x != 0) return;
-    found += blockIdx.x;
-    found->least = least;
-    found->greatest = greatest;
-    const unsigned char* at;
-    u64 len;
-    i64 places[2] = {least, greatest};
+    Found* f = found + blockIdx.x;
+    f->place[0] = least;
+    f->place[1] = greatest;
     for (int w = 0; w < 2; ++w) {
-        if (places[w] < 0) continue;
-        bytes_of(c, (u64)places[w], &at, &len);
-        unsigned char* value = w == 0 ? found->least_value : found->greatest_value;
-        if (w == 0) {
-            found->least_at = (u64)at;
-            found->least_len = len;
-        } else {
-            found->greatest_at = (u64)at;
-            found->greatest_len = len;
-        }
-        for (u64 b = 0; b < len && b < INLINE; ++b) value[b] = at[b];
+        if (f->place[w] < 0) continue;
+        const unsigned char* at;
+        u64 len;
+        bytes_of(c, (u64)f->place[w], &at, &len);
+        f->at[w] = (u64)at;
+        f->len[w] = len;
+        for (u64 b = 0; b < len && b < INLINE; ++b) f->value[w][b] = at[b];
     }
 }
