@@ -1,6 +1,7 @@
 //! Parquet files staged run of row groups by run of row groups: each run decoded on a core of its
-//! own straight into one batch (the reader's batches span row groups), prepared there, and copied
-//! to its device while other runs are still being decoded (see `staging::stage_parallel`).
+//! own (the reader's batches span row groups), in pieces of [`PIECE_ROWS`] rows where its device
+//! gathers them (else straight into one batch), each piece prepared there and copied to its device
+//! while other runs and pieces are still being decoded (see `staging::stage_parallel`).
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -20,11 +21,20 @@ use super::stats::KnownExtremes;
 use super::table::GpuTable;
 use crate::transfer::times::StagingStep;
 
+/// The rows of the pieces a run is decoded in where its device gathers them: the reader's buffers
+/// stay small enough for the allocator to reuse them (a run decoded whole into one batch takes
+/// fresh memory from the system for every buffer, and faulting it in costs more than decoding),
+/// and each piece is copied as soon as it is made.
+const PIECE_ROWS: usize = 1 << 17;
+
 /// Consecutive row groups of one file, decoded as one device batch.
 struct Run {
     file: usize,
     row_groups: Vec<usize>,
     rows: usize,
+    /// The rows of each batch the reader makes: [`PIECE_ROWS`] (or a test's), or the whole run
+    /// (set once the stager knows the run's device).
+    batch_rows: usize,
 }
 
 /// Stages the Parquet `files` as a table of `schema` (the types DataFusion reads them as): runs of
@@ -41,6 +51,17 @@ pub(crate) fn stage(
     schema: SchemaRef,
     options: &LoadOptions,
     share: Option<&[usize]>,
+) -> DfResult<GpuTable> {
+    stage_in_pieces(files, schema, options, share, PIECE_ROWS)
+}
+
+/// [`stage`], decoding runs in pieces of `piece_rows` rows where their device gathers them.
+fn stage_in_pieces(
+    files: &[PathBuf],
+    schema: SchemaRef,
+    options: &LoadOptions,
+    share: Option<&[usize]>,
+    piece_rows: usize,
 ) -> DfResult<GpuTable> {
     let setup = std::time::Instant::now();
     let reader_options = ArrowReaderOptions::new().with_schema(schema.clone());
@@ -72,7 +93,7 @@ pub(crate) fn stage(
     let runs = runs(&metadata, rows);
     let partitions = options.partitions.unwrap_or(cores.min(runs.len())).max(1);
     let n = runs.len();
-    let units: Vec<(Place, Run)> = runs
+    let mut units: Vec<(Place, Run)> = runs
         .into_iter()
         .enumerate()
         .map(|(i, run)| (Place::whole(i * partitions / n, i), run))
@@ -80,6 +101,14 @@ pub(crate) fn stage(
         .collect();
     let staged_rows = units.iter().map(|(_, run)| run.rows as u64).sum();
     let mut stager = Stager::new(schema.clone(), partitions, options, Some(staged_rows), None)?;
+    for (place, run) in &mut units {
+        run.batch_rows = if stager.gathers(place.partition) {
+            place.pieces = run.rows.div_ceil(piece_rows);
+            piece_rows
+        } else {
+            run.rows
+        };
+    }
     if let Some(times) = &options.staging_times {
         times.add(StagingStep::Setup, setup.elapsed());
     }
@@ -88,19 +117,19 @@ pub(crate) fn stage(
         let known = known_extremes(&schema, &metadata[run.file], &run.row_groups);
         let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(open(path)?, metadata[run.file].clone())
             .with_row_groups(run.row_groups)
-            .with_batch_size(run.rows)
+            .with_batch_size(run.batch_rows)
             .build()
             .map_err(|e| in_file(path, e))?;
         let batch_options = |b: &RecordBatch| RecordBatchOptions::new().with_row_count(Some(b.num_rows()));
-        let batches = reader
-            .map(|b| {
-                let b = b.map_err(|e| in_file(path, e))?;
-                // The table's schema, with its metadata, on every batch.
-                RecordBatch::try_new_with_options(schema.clone(), b.columns().to_vec(), &batch_options(&b))
-                    .map_err(|e| in_file(path, e))
-            })
-            .collect::<DfResult<Vec<_>>>()?;
-        Ok((batches, Some(known)))
+        let schema = schema.clone();
+        let pieces = reader.map(move |b| {
+            let b = b.map_err(|e| in_file(path, e))?;
+            // The table's schema, with its metadata, on every batch.
+            RecordBatch::try_new_with_options(schema.clone(), b.columns().to_vec(), &batch_options(&b))
+                .map(|b| vec![b])
+                .map_err(|e| in_file(path, e))
+        });
+        Ok((pieces, Some(known)))
     })?;
     stager.finish()
 }
@@ -114,6 +143,7 @@ fn runs(metadata: &[ArrowReaderMetadata], rows: usize) -> Vec<Run> {
             file,
             row_groups: Vec::new(),
             rows: 0,
+            batch_rows: 0,
         };
         let (mut run, mut bytes) = (empty(), 0u64);
         for (i, rg) in m.metadata().row_groups().iter().enumerate() {
@@ -247,6 +277,101 @@ mod tests {
         w.write(&batch).unwrap();
         w.close().unwrap();
         batch
+    }
+
+    /// Runs decoded in pieces (where the device gathers them; whole on the CPU device) stage
+    /// every value in file order, with the statistics of the same rows staged from host batches.
+    #[test]
+    fn runs_decoded_in_pieces_keep_values_and_statistics() {
+        use arrow_array::types::Int32Type;
+        use arrow_array::{Decimal128Array, ListArray, StructArray, TimestampMicrosecondArray};
+        let dir = std::env::temp_dir().join(format!("arrow-cuda-pieces-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let rows = 2500;
+        let strings = StringViewArray::from_iter(
+            (0..rows).map(|i| (i % 11 != 3).then(|| format!("{}{}", "long value ".repeat(i % 5), i))),
+        );
+        let list = ListArray::from_iter_primitive::<Int32Type, _, _>(
+            (0..rows as i32).map(|i| (i % 9 != 0).then(|| (0..i % 4).map(Some).collect::<Vec<_>>())),
+        );
+        let st = StructArray::from(vec![
+            (
+                Arc::new(Field::new("n", DataType::Int64, true)),
+                Arc::new(Int64Array::from_iter(
+                    (0..rows as i64).map(|i| (i % 6 != 0).then_some(-i)),
+                )) as ArrayRef,
+            ),
+            (
+                Arc::new(Field::new("s", DataType::Utf8View, true)),
+                Arc::new(strings.clone()) as ArrayRef,
+            ),
+        ]);
+        let batch = RecordBatch::try_from_iter([
+            (
+                "i",
+                Arc::new(Int64Array::from_iter(
+                    (0..rows as i64).map(|i| (i % 7 != 0).then_some(i * 31 % 977)),
+                )) as ArrayRef,
+            ),
+            ("s", Arc::new(strings) as ArrayRef),
+            (
+                "f",
+                Arc::new(Float64Array::from_iter_values((0..rows).map(|i| i as f64 / 3.0))),
+            ),
+            (
+                "d",
+                Arc::new(
+                    Decimal128Array::from_iter((0..rows as i128).map(|i| (i % 5 != 0).then_some(i * 1_000_003 - 7)))
+                        .with_precision_and_scale(20, 2)
+                        .unwrap(),
+                ),
+            ),
+            (
+                "t",
+                Arc::new(TimestampMicrosecondArray::from_iter_values(
+                    (0..rows as i64).map(|i| i * 86_400_000_001),
+                )),
+            ),
+            ("l", Arc::new(list)),
+            ("st", Arc::new(st)),
+        ])
+        .unwrap();
+        let path = dir.join("pieces.parquet");
+        let props = WriterProperties::builder()
+            .set_max_row_group_row_count(Some(1000))
+            .build();
+        let mut w = ArrowWriter::try_new(File::create(&path).unwrap(), batch.schema(), Some(props)).unwrap();
+        w.write(&batch).unwrap();
+        w.close().unwrap();
+        let schema = batch.schema();
+        let mut devices = vec![crate::device::Device::Cpu];
+        if crate::device::cuda_available() {
+            devices.push(crate::device::Device::Cuda(0));
+        }
+        for device in devices {
+            // Runs of one 1,000-row group (500 on the last), decoded in pieces of 300 rows.
+            let options = LoadOptions::new().with_device(device).with_batch_rows(1000);
+            let table = stage_in_pieces(std::slice::from_ref(&path), schema.clone(), &options, None, 300).unwrap();
+            assert_eq!(table.partitions().iter().flatten().count(), 3, "{device}");
+            let back: Vec<RecordBatch> = table
+                .partitions()
+                .iter()
+                .flatten()
+                .map(|b| b.to_record_batch().unwrap())
+                .collect();
+            let back = arrow_select::concat::concat_batches(&schema, &back).unwrap();
+            assert_eq!(back, batch, "{device}");
+            let host = GpuTable::try_new(
+                schema.clone(),
+                vec![vec![batch.clone()]],
+                &LoadOptions::new().with_device(device),
+            )
+            .unwrap();
+            let (ours, theirs) = (table.statistics_ref(), host.statistics_ref());
+            assert_eq!(ours.num_rows, theirs.num_rows, "{device}");
+            assert_eq!(ours.column_statistics, theirs.column_statistics, "{device}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     fn metadata(path: &Path, schema: &SchemaRef) -> ArrowReaderMetadata {

@@ -377,15 +377,17 @@ pub(crate) fn batches(run: Vec<(RecordBatch, u64)>) -> Vec<RecordBatch> {
 /// (`make`: decode a file's row groups, say, with the extremes their metadata knows) and
 /// [`prepare`] them, while this thread copies each
 /// prepared batch to its device as soon as it is ready, so that decoding, preparing and copying
-/// overlap. A unit is its [`Place`] and what `make` takes.
+/// overlap. A unit is its [`Place`] and what `make` takes; `make` gives the host batches of the
+/// unit's pieces one piece after the other, from the place's piece on (a device batch that its
+/// device gathers can be decoded in pieces, each prepared and copied as soon as it is made).
 ///
 /// At most a few prepared batches wait for their copy: workers wait while the queue is full, so
 /// host memory holds a few device batches per core, never the whole table. The first error stops
 /// the workers and is returned.
-pub(crate) fn stage_parallel<U: Send>(
+pub(crate) fn stage_parallel<U: Send, P: Iterator<Item = DfResult<Vec<RecordBatch>>>>(
     stager: &mut Stager,
     units: Vec<(Place, U)>,
-    make: impl Fn(U) -> DfResult<(Vec<RecordBatch>, Option<KnownExtremes>)> + Sync,
+    make: impl Fn(U) -> DfResult<(P, Option<KnownExtremes>)> + Sync,
 ) -> DfResult<()> {
     let workers = std::thread::available_parallelism()
         .map_or(4, |n| n.get())
@@ -420,23 +422,40 @@ pub(crate) fn stage_parallel<U: Send>(
                         return;
                     };
                     let device = device_for(devices, place.partition);
-                    let prepared = timed(times, StagingStep::Decode, || make(unit))
-                        .and_then(|(b, known)| {
-                            timed(times, StagingStep::Prepare, || {
-                                prepare(schema, b, known.as_ref(), device)
+                    let (mut pieces, known) = match timed(times, StagingStep::Decode, || make(unit)) {
+                        Ok(made) => made,
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    let mut piece = place.piece;
+                    while let Some(batches) = timed(times, StagingStep::Decode, || pieces.next()) {
+                        let prepared = batches
+                            .and_then(|b| {
+                                if piece >= place.pieces {
+                                    return Err(DataFusionError::Internal(format!(
+                                        "device batch {} of partition {} has more than {} pieces",
+                                        place.order, place.partition, place.pieces
+                                    )));
+                                }
+                                timed(times, StagingStep::Prepare, || {
+                                    prepare(schema, b, known.as_ref(), device)
+                                })
                             })
-                        })
-                        .and_then(|p| match device {
-                            Device::Cuda(ordinal) => p.pack(ordinal, budget, times),
-                            _ => Ok(p),
+                            .and_then(|p| match device {
+                                Device::Cuda(ordinal) => p.pack(ordinal, budget, times),
+                                _ => Ok(p),
+                            });
+                        let failed = prepared.is_err();
+                        let closed = timed(times, StagingStep::Handoff, || {
+                            tx.send(prepared.map(|p| (Place { piece, ..place }, p))).is_err()
                         });
-                    let failed = prepared.is_err();
-                    let closed = timed(times, StagingStep::Handoff, || {
-                        tx.send(prepared.map(|p| (place, p))).is_err()
-                    });
-                    // A closed queue means the stager stopped on an error: stop too.
-                    if closed || failed {
-                        return;
+                        // A closed queue means the stager stopped on an error: stop too.
+                        if closed || failed {
+                            return;
+                        }
+                        piece += 1;
                     }
                 }
             });
@@ -740,8 +759,13 @@ impl Stager {
         order: usize,
         run: Vec<RecordBatch>,
     ) -> Vec<(Place, Vec<RecordBatch>)> {
-        let on_device = device_concatenable(&self.schema, self.device_of(partition));
-        Place::units(partition, order, run, on_device)
+        Place::units(partition, order, run, self.gathers(partition))
+    }
+
+    /// Whether the device of `partition` gathers device batches from pieces copied one by one
+    /// (see [`device_concatenable`]).
+    pub(crate) fn gathers(&self, partition: usize) -> bool {
+        device_concatenable(&self.schema, self.device_of(partition))
     }
 
     /// The error of a copy (or concatenation) to `device` of `bytes` more that failed with `e`:

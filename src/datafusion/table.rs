@@ -80,7 +80,7 @@ impl GpuTable {
         let (mut stager, units) = timed(times.as_deref(), StagingStep::Setup, || {
             Self::units(schema, partitions, options)
         })?;
-        stage_parallel(&mut stager, units, |batches| Ok((batches, None)))?;
+        stage_parallel(&mut stager, units, |batches| Ok((std::iter::once(Ok(batches)), None)))?;
         stager.finish()
     }
 
