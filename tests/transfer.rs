@@ -613,9 +613,9 @@ fn mid_columns(n: usize, rows: usize) -> Vec<(String, ArrayRef)> {
 }
 
 /// Batches that take every road of an upload: a couple of hundred KiB of mid-sized columns
-/// (packed on the calling thread, in pieces sent one by one), a few MiB of them (packed by pool threads part by
-/// part while the batch is planned), the same followed by a column too large for that (packed in
-/// chunks after it), and that column in pinned memory (copied straight from it).
+/// (packed on the calling thread, in pieces sent one by one), a few MiB of them (packed by pool
+/// threads part by part while the batch is planned), the same followed by a column too large for
+/// that (packed in chunks after it), and that column in pinned memory (copied straight from it).
 #[test]
 fn uploads_in_parts_and_chunks_round_trip() {
     const ROWS: usize = 6_000;

@@ -505,7 +505,7 @@ mod tests {
     use arrow_schema::{DataType, Field, Fields, Schema};
 
     use super::{concat_batches, concatenable};
-    use crate::device::{Device, Stream, cuda_available};
+    use crate::device::{Stream, cuda_for_tests};
 
     /// A batch of every concatenable kind, `seed` varying its values: view strings long and
     /// short in several data buffers, offset strings and binaries of both widths, lists, maps,
@@ -594,11 +594,9 @@ mod tests {
     /// buffers: the device's concatenation equals arrow's and holds none of their memory.
     #[test]
     fn concatenation_on_the_device_matches_arrow() {
-        if !cuda_available() {
-            eprintln!("skipped: no CUDA device");
+        let Some(device) = cuda_for_tests() else {
             return;
-        }
-        let device = Device::Cuda(0);
+        };
         let stream = Stream::new(device).unwrap();
         let hosts = [
             batch(200, 6).slice(50, 0),

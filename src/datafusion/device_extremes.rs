@@ -406,7 +406,7 @@ mod tests {
     use half::f16;
 
     use super::{finish, start, supported};
-    use crate::device::{Device, Stream, cuda_available};
+    use crate::device::{Stream, cuda_for_tests};
     use crate::transfer::htod;
 
     /// Every type the device orders, with nulls (first, between, last) and `rows` values that
@@ -531,11 +531,7 @@ mod tests {
     /// DataFusion's `MIN` and `MAX` find in the host batches, bit for bit.
     #[test]
     fn the_extremes_found_on_the_device_are_datafusions() {
-        if !cuda_available() {
-            eprintln!("skipped: no CUDA device");
-            return;
-        }
-        let device = Device::Cuda(0);
+        let Some(device) = cuda_for_tests() else { return };
         let stream = Stream::new(device).unwrap();
         let all_null = {
             let b = batch(8, 1);

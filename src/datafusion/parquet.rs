@@ -344,11 +344,8 @@ mod tests {
         w.write(&batch).unwrap();
         w.close().unwrap();
         let schema = batch.schema();
-        let mut devices = vec![crate::device::Device::Cpu];
-        if crate::device::cuda_available() {
-            devices.push(crate::device::Device::Cuda(0));
-        }
-        for device in devices {
+        let devices = [Some(crate::device::Device::Cpu), crate::device::cuda_for_tests()];
+        for device in devices.into_iter().flatten() {
             // Runs of one 1,000-row group (500 on the last), decoded in pieces of 300 rows.
             let options = LoadOptions::new().with_device(device).with_batch_rows(1000);
             let table = stage_in_pieces(std::slice::from_ref(&path), schema.clone(), &options, None, 300).unwrap();

@@ -369,20 +369,18 @@ pub(crate) fn scan_views(a: &ArrayRef, extremes: bool) -> Option<ViewScan> {
             referenced,
         }
     }
-    let of = |a: &dyn Array| -> ViewScan {
-        fn typed<T: ByteViewType + ?Sized>(a: &GenericByteViewArray<T>, extremes: bool) -> ViewScan {
-            match (extremes, a.nulls().filter(|n| n.null_count() > 0)) {
-                (false, _) => sizes(a.views()),
-                (true, Some(nulls)) => scan(a, |i| nulls.is_valid(i)),
-                (true, None) => scan(a, |_| true),
-            }
+    fn of<T: ByteViewType + ?Sized>(a: &GenericByteViewArray<T>, extremes: bool) -> ViewScan {
+        match (extremes, a.nulls().filter(|n| n.null_count() > 0)) {
+            (false, _) => sizes(a.views()),
+            (true, Some(nulls)) => scan(a, |i| nulls.is_valid(i)),
+            (true, None) => scan(a, |_| true),
         }
-        match a.data_type() {
-            DataType::Utf8View => typed(a.as_string_view(), extremes),
-            _ => typed(a.as_binary_view(), extremes),
-        }
-    };
-    matches!(a.data_type(), DataType::Utf8View | DataType::BinaryView).then(|| of(a.as_ref()))
+    }
+    match a.data_type() {
+        DataType::Utf8View => Some(of(a.as_string_view(), extremes)),
+        DataType::BinaryView => Some(of(a.as_binary_view(), extremes)),
+        _ => None,
+    }
 }
 
 /// Feeds `other`'s extreme to `mine`; a missing one (or one that fails) leaves none.
