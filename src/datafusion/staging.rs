@@ -171,13 +171,11 @@ impl Prepared {
     }
 
     /// Packs the batch into pinned staging for CUDA device `ordinal` on this thread, when
-    /// `budget` has room for it or soon will (see [`PackingBudget::wait_for`]), and frees the
-    /// host batch; otherwise leaves it for the copying thread to pack.
+    /// `budget` has room for it (see [`PackingBudget`]), and frees the host batch; otherwise
+    /// leaves it for the copying thread to pack.
     fn pack(mut self, ordinal: usize, budget: &Arc<PackingBudget>, times: Option<&StagingTimes>) -> DfResult<Prepared> {
         if let HostData::Batch(batch) = &self.data
-            && let Some(reserved) = timed(times, StagingStep::Alloc, || {
-                PackingBudget::wait_for(budget, self.bytes)
-            })
+            && let Some(reserved) = PackingBudget::reserve(budget, self.bytes)
         {
             let packed = Packed::new(batch, ordinal, Box::new(reserved), times)?;
             let batch = std::mem::replace(&mut self.data, HostData::Packed(packed));
@@ -188,9 +186,9 @@ impl Prepared {
 }
 
 /// The pinned staging that threads preparing batches may fill at once: 1 GiB, in batches of at
-/// most 32 MiB. A larger batch, or one that finds no room in time, is packed by the copying
-/// thread (in chunks, through a few blocks of staging it reuses): pinning memory costs about as
-/// much as copying it, so a block must serve many batches to pay off.
+/// most 32 MiB. A larger batch, or one that finds no room, is packed by the copying thread (in
+/// chunks, through a few blocks of staging it reuses): pinning memory costs about as much as
+/// copying it, so a block must serve many batches to pay off.
 pub(crate) struct PackingBudget {
     left: AtomicU64,
 }
@@ -203,30 +201,6 @@ impl PackingBudget {
         Arc::new(PackingBudget {
             left: AtomicU64::new(Self::BYTES),
         })
-    }
-
-    /// The longest a thread waits for room in the budget.
-    const PATIENCE: std::time::Duration = std::time::Duration::from_millis(50);
-
-    /// [`Self::reserve`], waiting up to [`Self::PATIENCE`] for room while the budget is short:
-    /// the staging of copies in flight comes back as they finish. When threads prepare batches
-    /// faster than the link takes them, they wait for it here; a batch left to the copying thread
-    /// would instead be packed there, between copies, and the link would wait for that.
-    fn wait_for(budget: &Arc<PackingBudget>, bytes: u64) -> Option<Reservation> {
-        if bytes > Self::LARGEST {
-            return None;
-        }
-        let start = std::time::Instant::now();
-        loop {
-            if let Some(reserved) = Self::reserve(budget, bytes) {
-                return Some(reserved);
-            }
-            if start.elapsed() > Self::PATIENCE {
-                return None;
-            }
-            crate::transfer::release_finished();
-            std::thread::sleep(std::time::Duration::from_micros(100));
-        }
     }
 
     /// Takes `bytes` of the budget, if it has them and they are at most [`Self::LARGEST`], until
@@ -874,32 +848,6 @@ mod tests {
         assert!(PackingBudget::reserve(&budget, 1).is_none());
         drop(all);
         assert_eq!(budget.left.load(Ordering::Acquire), PackingBudget::BYTES);
-    }
-
-    /// A thread that finds the budget short waits for room: it gets the bytes another thread
-    /// gives back meanwhile, and none when nothing comes back.
-    #[test]
-    fn a_thread_waits_for_room_in_the_packing_budget() {
-        let budget = PackingBudget::new();
-        let largest = PackingBudget::LARGEST;
-        let n = (PackingBudget::BYTES / largest) as usize;
-        let mut all: Vec<_> = (0..n)
-            .map(|_| PackingBudget::reserve(&budget, largest).expect("fits"))
-            .collect();
-        assert!(PackingBudget::wait_for(&budget, 1).is_none(), "nothing came back");
-        let last = all.pop().expect("reserved");
-        let waited = std::thread::scope(|s| {
-            let waiting = s.spawn(|| PackingBudget::wait_for(&budget, largest));
-            std::thread::sleep(std::time::Duration::from_millis(5));
-            drop(last);
-            waiting.join().expect("the waiting thread")
-        });
-        assert!(waited.is_some(), "the bytes given back are taken");
-        assert_eq!(budget.left.load(Ordering::Acquire), 0);
-        assert!(
-            PackingBudget::wait_for(&budget, largest + 1).is_none(),
-            "larger than a batch may be"
-        );
     }
 
     /// A run gathered on the device is one unit per batch, each knowing its piece of the device

@@ -32,8 +32,6 @@ mod plan;
 pub(crate) mod times;
 mod upload;
 
-#[cfg(feature = "datafusion")]
-pub(crate) use deferred::release_finished;
 pub use download::{PendingBatch, dtoh, dtoh_array, dtoh_async};
 #[cfg(feature = "datafusion")]
 pub(crate) use packed::Packed;
