@@ -39,39 +39,14 @@ pub(crate) fn redistribute(partitions: Vec<Vec<RecordBatch>>, n: Option<usize>) 
     out
 }
 
-/// A host batch with what one pass over it finds: the bytes staging copies of it (the used
-/// ranges of its buffers, each 64-byte aligned, and the data buffers of its view arrays as
-/// [`compact`] leaves them) and the sizes of its view columns ([`scan_views`] without the
-/// extremes), which [`prepare`] uses again.
-pub(crate) struct Measured {
-    pub(crate) batch: RecordBatch,
-    pub(crate) bytes: u64,
-    scans: Vec<Option<ViewScan>>,
+/// The bytes of a batch that staging copies: the used ranges of its buffers, each 64-byte aligned,
+/// and the data buffers of its view arrays as [`compact`] leaves them.
+pub(crate) fn host_bytes(batch: &RecordBatch) -> u64 {
+    batch.columns().iter().map(|c| column_bytes(c, view_bytes(c))).sum()
 }
 
-impl Measured {
-    /// Measures `batch`: a pass over the views of its view columns, none over other data.
-    pub(crate) fn new(batch: RecordBatch) -> Measured {
-        let scans = scans(&batch, false);
-        let bytes = batch
-            .columns()
-            .iter()
-            .zip(&scans)
-            .map(|(c, scan)| column_bytes(c, scan.map(|s| (held_bytes(c), s.referenced))))
-            .sum();
-        Measured { batch, bytes, scans }
-    }
-}
-
-impl From<RecordBatch> for Measured {
-    fn from(batch: RecordBatch) -> Measured {
-        Measured::new(batch)
-    }
-}
-
-/// The bytes staging copies of one column, given the bytes the data buffers of a view column
-/// hold and those its views reference (those of the column before [`compact`] made it:
-/// compacting keeps the bytes its views reference).
+/// [`host_bytes`] of one column, given its [`view_bytes`] (those of the column before [`compact`]
+/// made it: compacting keeps the bytes its views reference).
 fn column_bytes(column: &ArrayRef, views: Option<(usize, usize)>) -> u64 {
     let d = column.to_data();
     // The slice size of a view array counts its views, not its data buffers.
@@ -94,6 +69,18 @@ fn nested_view_data(data: &ArrayData) -> usize {
     own + data.child_data().iter().map(nested_view_data).sum::<usize>()
 }
 
+/// The bytes the data buffers of a view column hold (each buffer as often as the column lists it:
+/// staging copies every one whole) and the bytes its views reference (the values too long to be
+/// inlined); `None` for a column of another type.
+fn view_bytes(column: &ArrayRef) -> Option<(usize, usize)> {
+    let referenced = match column.data_type() {
+        DataType::Utf8View => column.as_string_view().total_buffer_bytes_used(),
+        DataType::BinaryView => column.as_binary_view().total_buffer_bytes_used(),
+        _ => return None,
+    };
+    Some((held_bytes(column), referenced))
+}
+
 /// The bytes the data buffers of a view column hold (each buffer as often as the column lists
 /// it); 0 for a column of another type.
 fn held_bytes(column: &ArrayRef) -> usize {
@@ -106,7 +93,7 @@ fn held_bytes(column: &ArrayRef) -> usize {
 
 /// `batch` with each view column whose data buffers hold more bytes than its views reference
 /// compacted: its long values copied into new buffers of just their size (arrow's `gc`); and
-/// the bytes staging copies of it (see [`Measured`]). `scans` are the [`scan_views`] of its columns, which say what the views
+/// its [`host_bytes`]. `scans` are the [`scan_views`] of its columns, which say what the views
 /// reference.
 ///
 /// DataFusion's Parquet reader hands out string views into the decoded pages and dictionaries of a
@@ -142,9 +129,10 @@ pub(crate) fn compact(batch: &RecordBatch, scans: &[Option<ViewScan>]) -> DfResu
     ))
 }
 
-/// The [`scan_views`] of each column of `batch`, with the `extremes` or without.
-fn scans(batch: &RecordBatch, extremes: bool) -> Vec<Option<ViewScan>> {
-    batch.columns().iter().map(|c| scan_views(c, extremes)).collect()
+/// The [`scan_views`] of each column of `batch`, with the extremes unless they are left to the
+/// device (`defer`).
+fn scans(batch: &RecordBatch, defer: bool) -> Vec<Option<ViewScan>> {
+    batch.columns().iter().map(|c| scan_views(c, !defer)).collect()
 }
 
 /// A device batch's worth of host data (or a piece of one, see [`Place`]), ready to copy: one
@@ -165,7 +153,7 @@ enum HostData {
 }
 
 impl Prepared {
-    /// The bytes staging copies of it (see [`Measured`]).
+    /// The bytes staging copies of it (see [`host_bytes`]).
     pub(crate) fn bytes(&self) -> u64 {
         self.bytes
     }
@@ -235,43 +223,37 @@ impl Drop for Reservation {
 /// Makes one device batch's worth of `batches` (all of `schema`; or a piece of one, see
 /// [`Place`]) for `device`: concatenated when there are several, view columns compacted,
 /// statistics computed while the data is at hand (but the extremes `known` gives, and those a GPU
-/// finds once the batch is there: see [`device_extremes`]). A single batch's view columns are not
-/// scanned again where the GPU finds their extremes: its [`Measured`] sizes serve.
+/// finds once the batch is there: see [`device_extremes`]).
 pub(crate) fn prepare(
     schema: &SchemaRef,
-    batches: Vec<Measured>,
+    batches: Vec<RecordBatch>,
     known: Option<&KnownExtremes>,
     device: Device,
 ) -> DfResult<Prepared> {
     let defer = device_extremes::on_device(device);
-    if let Some(m) = batches.iter().find(|m| m.batch.schema().fields() != schema.fields()) {
+    if let Some(b) = batches.iter().find(|b| b.schema().fields() != schema.fields()) {
         return Err(DataFusionError::Plan(format!(
             "batch schema {:?} does not match the table schema {:?}",
-            m.batch.schema(),
+            b.schema(),
             schema
         )));
     }
     let inputs = batches.len() as u64;
     let (batch, bytes, scans) = match batches.as_slice() {
         [one] => {
-            let scans = if defer {
-                one.scans.clone()
-            } else {
-                scans(&one.batch, true)
-            };
-            let (batch, bytes) = compact(&one.batch, &scans)?;
+            let scans = scans(one, defer);
+            let (batch, bytes) = compact(one, &scans)?;
             (batch, bytes, scans)
         }
         many => {
             let compacted = many
                 .iter()
-                .map(|m| compact(&m.batch, &m.scans))
+                .map(|b| compact(b, &scans(b, defer)))
                 .collect::<DfResult<Vec<_>>>()?;
             let batch = arrow_select::concat::concat_batches(schema, compacted.iter().map(|(b, _)| b))?;
-            let measured = Measured::new(batch);
-            // Without the GPU, the statistics scan the concatenation's views for their extremes.
-            let scans = if defer { measured.scans } else { Vec::new() };
-            (measured.batch, measured.bytes, scans)
+            let bytes = host_bytes(&batch);
+            // The statistics scan the concatenation's views.
+            (batch, bytes, Vec::new())
         }
     };
     let mut stats = StatsBuilder::new(schema);
@@ -310,7 +292,12 @@ impl Place {
 
     /// The units of a run of host batches that makes the device batch at `order` of
     /// `partition`: its batches one by one where `on_device` gathers them, else all at once.
-    pub(crate) fn units<B>(partition: usize, order: usize, run: Vec<B>, on_device: bool) -> Vec<(Place, Vec<B>)> {
+    pub(crate) fn units(
+        partition: usize,
+        order: usize,
+        run: Vec<RecordBatch>,
+        on_device: bool,
+    ) -> Vec<(Place, Vec<RecordBatch>)> {
         if !on_device || run.len() < 2 {
             return vec![(Place::whole(partition, order), run)];
         }
@@ -338,31 +325,38 @@ fn device_concatenable(schema: &SchemaRef, device: Device) -> bool {
     device.ordinal().is_some() && schema.fields().iter().all(|f| concatenable(f.data_type()))
 }
 
-/// Each batch [`Measured`], on every core.
-pub(crate) fn measured(partitions: Vec<Vec<RecordBatch>>) -> Vec<Vec<Measured>> {
+/// Each batch with its [`host_bytes`], computed on every core (a view column's bytes take a pass
+/// over its views).
+pub(crate) fn sized(partitions: Vec<Vec<RecordBatch>>) -> Vec<Vec<(RecordBatch, u64)>> {
     use rayon::prelude::*;
     partitions
         .into_par_iter()
-        .map(|p| p.into_par_iter().map(Measured::new).collect())
+        .map(|p| {
+            p.into_par_iter()
+                .map(|b| {
+                    let bytes = host_bytes(&b);
+                    (b, bytes)
+                })
+                .collect()
+        })
         .collect()
 }
 
-/// Splits the batches of a partition into runs of consecutive batches, each a device batch: a run
-/// takes whole batches while they fit in `rows` rows and [`MAX_GATHERED_BYTES`] (a larger batch
-/// stays whole).
-pub(crate) fn gather(batches: Vec<Measured>, rows: usize) -> Vec<Vec<Measured>> {
+/// Splits the batches of a partition (each with its [`host_bytes`]) into runs of consecutive
+/// batches, each a device batch: a run takes whole batches while they fit in `rows` rows and
+/// [`MAX_GATHERED_BYTES`] (a larger batch stays whole).
+pub(crate) fn gather(batches: Vec<(RecordBatch, u64)>, rows: usize) -> Vec<Vec<(RecordBatch, u64)>> {
     let mut runs = Vec::new();
     let mut run = Vec::new();
     let (mut run_rows, mut run_bytes) = (0, 0);
-    for m in batches.into_iter().filter(|m| m.batch.num_rows() > 0) {
-        let n = m.batch.num_rows();
-        if run_rows > 0 && (run_rows + n > rows || run_bytes + m.bytes > MAX_GATHERED_BYTES) {
+    for (b, bytes) in batches.into_iter().filter(|(b, _)| b.num_rows() > 0) {
+        if run_rows > 0 && (run_rows + b.num_rows() > rows || run_bytes + bytes > MAX_GATHERED_BYTES) {
             runs.push(std::mem::take(&mut run));
             (run_rows, run_bytes) = (0, 0);
         }
-        run_rows += n;
-        run_bytes += m.bytes;
-        run.push(m);
+        run_rows += b.num_rows();
+        run_bytes += bytes;
+        run.push((b, bytes));
         if run_rows >= rows {
             runs.push(std::mem::take(&mut run));
             (run_rows, run_bytes) = (0, 0);
@@ -372,6 +366,11 @@ pub(crate) fn gather(batches: Vec<Measured>, rows: usize) -> Vec<Vec<Measured>> 
         runs.push(run);
     }
     runs
+}
+
+/// The batches of a run of [`gather`], without their sizes.
+pub(crate) fn batches(run: Vec<(RecordBatch, u64)>) -> Vec<RecordBatch> {
+    run.into_iter().map(|(b, _)| b).collect()
 }
 
 /// Stages `units` through `stager` on every core: worker threads make each unit's host batches
@@ -385,7 +384,7 @@ pub(crate) fn gather(batches: Vec<Measured>, rows: usize) -> Vec<Vec<Measured>> 
 /// At most a few prepared batches wait for their copy: workers wait while the queue is full, so
 /// host memory holds a few device batches per core, never the whole table. The first error stops
 /// the workers and is returned.
-pub(crate) fn stage_parallel<U: Send, B: Into<Measured>, P: Iterator<Item = DfResult<Vec<B>>>>(
+pub(crate) fn stage_parallel<U: Send, P: Iterator<Item = DfResult<Vec<RecordBatch>>>>(
     stager: &mut Stager,
     units: Vec<(Place, U)>,
     make: impl Fn(U) -> DfResult<(P, Option<KnownExtremes>)> + Sync,
@@ -441,7 +440,7 @@ pub(crate) fn stage_parallel<U: Send, B: Into<Measured>, P: Iterator<Item = DfRe
                                     )));
                                 }
                                 timed(times, StagingStep::Prepare, || {
-                                    prepare(schema, b.into_iter().map(Into::into).collect(), known.as_ref(), device)
+                                    prepare(schema, b, known.as_ref(), device)
                                 })
                             })
                             .and_then(|p| match device {
@@ -754,7 +753,12 @@ impl Stager {
 
     /// The units of a run of host batches that makes the device batch at `order` of `partition`
     /// (see [`Place::units`]): its batches one by one where its device gathers them.
-    pub(crate) fn units(&self, partition: usize, order: usize, run: Vec<Measured>) -> Vec<(Place, Vec<Measured>)> {
+    pub(crate) fn units(
+        &self,
+        partition: usize,
+        order: usize,
+        run: Vec<RecordBatch>,
+    ) -> Vec<(Place, Vec<RecordBatch>)> {
         Place::units(partition, order, run, self.gathers(partition))
     }
 

@@ -23,7 +23,7 @@ use super::options::LoadOptions;
 use super::options::{DEFAULT_BATCH_ROWS, MAX_GATHERED_BYTES};
 use super::predicate::{Predicate, supports_filter};
 use super::source::GpuScan;
-use super::staging::{Measured, Place, Stager, gather, measured, prepare, redistribute, stage_parallel};
+use super::staging::{Place, Stager, batches, gather, host_bytes, prepare, redistribute, sized, stage_parallel};
 use crate::array::DeviceRecordBatch;
 use crate::device::Device;
 use crate::transfer::times::{StagingStep, timed};
@@ -91,15 +91,15 @@ impl GpuTable {
         schema: SchemaRef,
         partitions: Vec<Vec<RecordBatch>>,
         options: &LoadOptions,
-    ) -> DfResult<(Stager, Vec<(Place, Vec<Measured>)>)> {
-        let partitions = measured(redistribute(partitions, options.partitions));
-        let total_rows = partitions.iter().flatten().map(|m| m.batch.num_rows() as u64).sum();
-        let total_bytes = partitions.iter().flatten().map(|m| m.bytes).sum();
+    ) -> DfResult<(Stager, Vec<(Place, Vec<RecordBatch>)>)> {
+        let partitions = sized(redistribute(partitions, options.partitions));
+        let total_rows = partitions.iter().flatten().map(|(b, _)| b.num_rows() as u64).sum();
+        let total_bytes = partitions.iter().flatten().map(|(_, bytes)| bytes).sum();
         let stager = Stager::new(schema, partitions.len(), options, Some(total_rows), Some(total_bytes))?;
         // Check each device's share before copying anything.
         let mut need: HashMap<Device, u64> = HashMap::new();
         for (i, p) in partitions.iter().enumerate() {
-            *need.entry(stager.device_of(i)).or_default() += p.iter().map(|m| m.bytes).sum::<u64>();
+            *need.entry(stager.device_of(i)).or_default() += p.iter().map(|(_, bytes)| bytes).sum::<u64>();
         }
         for (device, bytes) in need {
             stager.check_room(device, bytes)?;
@@ -108,7 +108,7 @@ impl GpuTable {
         let mut units = Vec::new();
         for (i, p) in partitions.into_iter().enumerate() {
             for run in gather(p, rows) {
-                units.extend(stager.units(i, units.len(), run));
+                units.extend(stager.units(i, units.len(), batches(run)));
             }
         }
         Ok((stager, units))
@@ -162,13 +162,13 @@ impl GpuTable {
         let rows = options.batch_rows.unwrap_or(DEFAULT_BATCH_ROWS);
         let mut stager = Stager::new(schema.clone(), n_out, options, None, None)?;
         // Each partition's batches not staged yet (with their sizes), and their bytes.
-        let mut pending: Vec<Vec<Measured>> = (0..n_out).map(|_| Vec::new()).collect();
+        let mut pending: Vec<Vec<(RecordBatch, u64)>> = vec![Vec::new(); n_out];
         let mut pending_bytes = vec![0u64; n_out];
         let mut order = 0;
         let times = options.staging_times.clone();
-        let mut put = |stager: &mut Stager, partition: usize, run: Vec<Measured>| {
+        let mut put = |stager: &mut Stager, partition: usize, run: Vec<(RecordBatch, u64)>| {
             order += 1;
-            for (place, unit) in stager.units(partition, order, run) {
+            for (place, unit) in stager.units(partition, order, batches(run)) {
                 let device = stager.device_of(place.partition);
                 let prepared = timed(times.as_deref(), StagingStep::Prepare, || {
                     prepare(&schema, unit, None, device)
@@ -199,18 +199,18 @@ impl GpuTable {
                         (next - 1) % n
                     }
                 };
-                let batch = Measured::new(batch);
-                pending_bytes[target] += batch.bytes;
-                pending[target].push(batch);
-                let held = pending[target].iter().map(|m| m.batch.num_rows()).sum::<usize>();
+                let bytes = host_bytes(&batch);
+                pending[target].push((batch, bytes));
+                pending_bytes[target] += bytes;
+                let held = pending[target].iter().map(|(b, _)| b.num_rows()).sum::<usize>();
                 if held < rows && pending_bytes[target] < MAX_GATHERED_BYTES {
                     continue;
                 }
                 // Full runs are staged; the last, if it has room left, waits for more batches.
                 let mut runs = gather(std::mem::take(&mut pending[target]), rows);
                 pending_bytes[target] = 0;
-                if let Some(last) = runs.pop_if(|r| r.iter().map(|m| m.batch.num_rows()).sum::<usize>() < rows) {
-                    pending_bytes[target] = last.iter().map(|m| m.bytes).sum();
+                if let Some(last) = runs.pop_if(|r| r.iter().map(|(b, _)| b.num_rows()).sum::<usize>() < rows) {
+                    pending_bytes[target] = last.iter().map(|(_, bytes)| bytes).sum();
                     pending[target] = last;
                 }
                 for run in runs {
