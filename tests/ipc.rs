@@ -1351,6 +1351,26 @@ fn cross_processes(role: &str) {
     });
 }
 
+/// An upload of [`stream_batch`] 0 into memory the channel lends, still queued on `stream` behind
+/// 8 GiB of copies (between `from` and `to`, two buffers of 1 GiB) when this returns.
+fn unfinished_upload(device: Device, stream: &Stream, from: &DeviceBuffer, to: &mut DeviceBuffer) -> DeviceRecordBatch {
+    // An upload first, so that the one below finds its staging in the pinned pool: allocating
+    // pinned memory can wait for the device, which would let the copies below finish.
+    drop(upload(&stream_batch(0), lendable(device), stream));
+    // Another test's device-wide synchronisation (freeing memory, say) can let them finish early:
+    // then the upload is done before it is sent, and this tries again.
+    (0..5)
+        .find_map(|_| {
+            for _ in 0..8 {
+                // SAFETY: both buffers outlive the copies (the caller synchronises the stream).
+                unsafe { to.copy_from_async(0, from, stream) }.unwrap();
+            }
+            let batch = htod_async(&stream_batch(0), lendable(device), stream).unwrap();
+            (!batch.ready().is_complete().unwrap()).then_some(batch)
+        })
+        .expect("an upload still queued behind the copies")
+}
+
 /// A batch the device is still writing when it is sent travels with an IPC event, which the
 /// receiver's reads wait on (a sender whose writes are done sends none).
 #[test]
@@ -1362,28 +1382,35 @@ fn batches_still_being_written_are_ordered_by_an_ipc_event() {
     let sender = Sender::bind(&path, corpus().schema(), SenderOptions::default()).unwrap();
     let peer = Peer::spawn("verify", &path, device, 1);
     sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
-    // An upload first, so that the one below finds its staging in the pinned pool: allocating
-    // pinned memory can wait for the device, which would let the copies below finish.
-    drop(upload(&stream_batch(0), lendable(device), &stream));
-    // Copies of 8 GiB ahead of the upload on its stream keep it unfinished for milliseconds.
     let busy = 1 << 30;
     let from = DeviceBuffer::alloc(MemoryResource::default_for(device), busy, &stream).unwrap();
     let mut to = DeviceBuffer::alloc(MemoryResource::default_for(device), busy, &stream).unwrap();
-    // Another test's device-wide synchronisation (freeing memory, say) can let them finish early:
-    // then the upload is done before it is sent, and this tries again.
-    let batch = (0..5)
-        .find_map(|_| {
-            for _ in 0..8 {
-                // SAFETY: both buffers outlive the copies (the stream is synchronised below).
-                unsafe { to.copy_from_async(0, &from, &stream) }.unwrap();
-            }
-            let batch = htod_async(&stream_batch(0), lendable(device), &stream).unwrap();
-            (!batch.ready().is_complete().unwrap()).then_some(batch)
-        })
-        .expect("an upload still queued behind the copies");
+    let batch = unfinished_upload(device, &stream, &from, &mut to);
     assert_ne!(sender.send(&batch).unwrap(), 0);
     sender.finish().unwrap();
     peer.passed();
+    stream.synchronize().unwrap();
+}
+
+/// A receiver in the sender's own process gets a batch still being written intact: CUDA opens no
+/// interprocess event in the process that made it, so the receiver waits for the device's work
+/// instead.
+#[test]
+fn a_receiver_in_the_senders_process_gets_batches_still_being_written() {
+    let _devices = using_devices();
+    let Some(device) = common::cuda() else { return };
+    let stream = Stream::new(device).unwrap();
+    let path = socket_path("unfinished-here");
+    let sender = Sender::bind(&path, corpus().schema(), SenderOptions::default()).unwrap();
+    let mut r = connected(&path);
+    sender.wait_for_receivers(1, Duration::from_secs(30)).unwrap();
+    let busy = 1 << 30;
+    let from = DeviceBuffer::alloc(MemoryResource::default_for(device), busy, &stream).unwrap();
+    let mut to = DeviceBuffer::alloc(MemoryResource::default_for(device), busy, &stream).unwrap();
+    let batch = unfinished_upload(device, &stream, &from, &mut to);
+    assert_ne!(sender.send(&batch).unwrap(), 0);
+    let got = r.recv().unwrap().unwrap();
+    check_batch("received", &dtoh(&got, &stream).unwrap(), &stream_batch(0));
     stream.synchronize().unwrap();
 }
 
@@ -2020,6 +2047,19 @@ fn connected(path: &std::path::Path) -> Receiver {
     .unwrap()
 }
 
+/// Batch `i` of [`messages_in_shared_device_memory_reuse_their_regions`]: its messages take more
+/// than 8 MiB, a region size that no other case of this binary makes (theirs take 2 MiB). Idle
+/// regions serve every sender of the process: other cases, running meanwhile, take the idle regions
+/// of their size, and would take that case's between two of its batches.
+fn reused_region_batch(i: usize) -> RecordBatch {
+    let n = 1 << 20;
+    let ints: ArrayRef = Arc::new(Int64Array::from_iter_values((0..n).map(|v| v * (i as i64 + 1))));
+    let strings: ArrayRef = Arc::new(StringArray::from_iter(
+        (0..n).map(|v| (v < 1000 && v % 7 != 0).then(|| format!("batch {i} value {v}"))),
+    ));
+    RecordBatch::try_from_iter([("ints", ints), ("strings", strings)]).unwrap()
+}
+
 /// On a GPU with shared device memory, the messages a sender copies batches into reuse the regions
 /// of acknowledged ones, and the receiver maps each region once: every batch arrives at the same
 /// address, intact. A batch that a receiver still holds keeps its region from being reused.
@@ -2033,12 +2073,12 @@ fn messages_in_shared_device_memory_reuse_their_regions() {
     }
     let stream = Stream::new(device).unwrap();
     let path = socket_path("shared-reuse");
-    let sender = Sender::bind(&path, corpus().schema(), SenderOptions::default()).unwrap();
+    let sender = Sender::bind(&path, reused_region_batch(0).schema(), SenderOptions::default()).unwrap();
     let mut r = connected(&path);
     sender.wait_for_receivers(1, Duration::from_secs(30)).unwrap();
     // In pool memory, which no other process can open: copied into a message each time.
     let batches: Vec<_> = (0..4)
-        .map(|i| upload(&stream_batch(i), MemoryResource::default_for(device), &stream))
+        .map(|i| upload(&reused_region_batch(i), MemoryResource::default_for(device), &stream))
         .collect();
     // Where the region behind a received batch starts in this process.
     let address = |b: &DeviceRecordBatch| {
@@ -2049,7 +2089,11 @@ fn messages_in_shared_device_memory_reuse_their_regions() {
     for (i, batch) in batches.iter().enumerate() {
         assert_ne!(sender.send(batch).unwrap(), 0);
         let got = r.recv().unwrap().unwrap();
-        check_batch(&format!("message {i}"), &dtoh(&got, &stream).unwrap(), &stream_batch(i));
+        check_batch(
+            &format!("message {i}"),
+            &dtoh(&got, &stream).unwrap(),
+            &reused_region_batch(i),
+        );
         addresses.push(address(&got));
         drop(got);
         sender.wait_idle(Duration::from_secs(30)).unwrap();
@@ -2064,8 +2108,8 @@ fn messages_in_shared_device_memory_reuse_their_regions() {
     sender.send(&batches[1]).unwrap();
     let next = r.recv().unwrap().unwrap();
     assert_ne!(address(&held), address(&next), "a held region is not reused");
-    check_batch("held", &dtoh(&held, &stream).unwrap(), &stream_batch(0));
-    check_batch("next", &dtoh(&next, &stream).unwrap(), &stream_batch(1));
+    check_batch("held", &dtoh(&held, &stream).unwrap(), &reused_region_batch(0));
+    check_batch("next", &dtoh(&next, &stream).unwrap(), &reused_region_batch(1));
 }
 
 /// A receiver's acknowledgements give its credit back: with one byte of credit, each batch waits

@@ -139,6 +139,9 @@ pub struct Receiver {
     /// its sender), and of CPU batches too once `fence_host` is set.
     lender: Arc<Lender>,
     fence_host: bool,
+    /// The sender runs in this process, where CUDA opens none of its interprocess events
+    /// (`cuIpcOpenEventHandle` refuses a handle of the process that made it).
+    local_sender: bool,
     /// Frames from the socket: the greeting, and frames the ring announces there.
     reader: FrameReader,
     ring: RingReader,
@@ -226,10 +229,12 @@ impl Receiver {
             }
             other => return Err(Error::InvalidData(format!("a ring expected, {other:?} sent"))),
         };
-        let name = match peer_pid(&socket) {
-            Ok(pid) => format!("at {} (pid {pid})", path.display()),
-            Err(_) => format!("at {}", path.display()),
+        let pid = peer_pid(&socket).ok();
+        let name = match pid {
+            Some(pid) => format!("at {} (pid {pid})", path.display()),
+            None => format!("at {}", path.display()),
         };
+        let local_sender = pid.is_some_and(|pid| u32::try_from(pid).is_ok_and(|pid| pid == std::process::id()));
         let link = Arc::new(Link::new(socket));
         Ok(Receiver {
             lender: Arc::new(Lender {
@@ -238,6 +243,7 @@ impl Receiver {
                 gone: AtomicBool::new(false),
             }),
             fence_host: false,
+            local_sender,
             link,
             reader,
             ring,
@@ -391,6 +397,15 @@ impl Receiver {
         };
         // Without an event the sender's writes had finished before it sent the batch.
         let ready = match (descriptor.device, event) {
+            // A sender of this process issued its writes to the context this process has for the
+            // device (one per device and process) before it sent the batch: the context's work so
+            // far includes them.
+            (Device::Cuda(o), Some(_)) if self.local_sender => {
+                let ctx = crate::device::context(o)?;
+                ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
+                ctx.synchronize().map_err(Error::driver("cuCtxSynchronize"))?;
+                Event::completed()
+            }
             (Device::Cuda(o), Some(h)) => {
                 let stream = self.stream(o)?;
                 self.event(&h, o)?.wait_on(&stream)?;
