@@ -5,7 +5,9 @@
 //! receiver finds its own ordinal of the device, whatever its `CUDA_VISIBLE_DEVICES`), its metadata, the
 //! handles of the memory regions its buffers lie in (CUDA IPC handles; memfds passed with
 //! `SCM_RIGHTS` for CPU batches, so the whole channel runs without a GPU) and, for CUDA batches, an
-//! IPC event to wait on; then the end of the stream, or an error. After the schema, a sender's
+//! IPC event to wait on (a receiver in the sender's own process, where CUDA opens none of its
+//! interprocess events, waits for the device's work instead); then the end of the stream, or an
+//! error. After the schema, a sender's
 //! frames reach each receiver through a ring in shared memory (`ring.rs`), which costs no system
 //! call when the receiver polls; acknowledgements go on the socket.
 //!
