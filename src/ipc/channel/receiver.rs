@@ -530,6 +530,16 @@ mod tests {
         out
     }
 
+    /// A receiver knows a sender of its own process (the kernel's credentials of the socket), whose
+    /// interprocess events it cannot open.
+    #[test]
+    fn a_sender_of_this_process_is_known_as_local() {
+        let (r, fake) = fake_sender("local", |_, _| {});
+        assert!(r.local_sender);
+        drop(r);
+        fake.join().unwrap();
+    }
+
     #[test]
     fn broken_streams_are_errors() {
         // Oversized: the receiver refuses it and is broken from then on.
