@@ -1352,8 +1352,12 @@ fn cross_processes(role: &str) {
 }
 
 /// An upload of [`stream_batch`] 0 into memory the channel lends, still queued on `stream` behind
-/// 8 GiB of copies (between `from` and `to`, two buffers of 1 GiB) when this returns.
-fn unfinished_upload(device: Device, stream: &Stream, from: &DeviceBuffer, to: &mut DeviceBuffer) -> DeviceRecordBatch {
+/// 8 GiB of copies when this returns, and the two buffers of 1 GiB those copies read and write:
+/// keep them until the stream is synchronised.
+fn unfinished_upload(device: Device, stream: &Stream) -> (DeviceRecordBatch, [DeviceBuffer; 2]) {
+    let busy = 1 << 30;
+    let from = DeviceBuffer::alloc(MemoryResource::default_for(device), busy, stream).unwrap();
+    let mut to = DeviceBuffer::alloc(MemoryResource::default_for(device), busy, stream).unwrap();
     // An upload first, so that the one below finds its staging in the pinned pool: allocating
     // pinned memory can wait for the device, which would let the copies below finish.
     drop(upload(&stream_batch(0), lendable(device), stream));
@@ -1363,11 +1367,12 @@ fn unfinished_upload(device: Device, stream: &Stream, from: &DeviceBuffer, to: &
         .find_map(|_| {
             for _ in 0..8 {
                 // SAFETY: both buffers outlive the copies (the caller synchronises the stream).
-                unsafe { to.copy_from_async(0, from, stream) }.unwrap();
+                unsafe { to.copy_from_async(0, &from, stream) }.unwrap();
             }
             let batch = htod_async(&stream_batch(0), lendable(device), stream).unwrap();
             (!batch.ready().is_complete().unwrap()).then_some(batch)
         })
+        .map(|batch| (batch, [from, to]))
         .expect("an upload still queued behind the copies")
 }
 
@@ -1382,10 +1387,7 @@ fn batches_still_being_written_are_ordered_by_an_ipc_event() {
     let sender = Sender::bind(&path, corpus().schema(), SenderOptions::default()).unwrap();
     let peer = Peer::spawn("verify", &path, device, 1);
     sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
-    let busy = 1 << 30;
-    let from = DeviceBuffer::alloc(MemoryResource::default_for(device), busy, &stream).unwrap();
-    let mut to = DeviceBuffer::alloc(MemoryResource::default_for(device), busy, &stream).unwrap();
-    let batch = unfinished_upload(device, &stream, &from, &mut to);
+    let (batch, _busy) = unfinished_upload(device, &stream);
     assert_ne!(sender.send(&batch).unwrap(), 0);
     sender.finish().unwrap();
     peer.passed();
@@ -1404,10 +1406,7 @@ fn a_receiver_in_the_senders_process_gets_batches_still_being_written() {
     let sender = Sender::bind(&path, corpus().schema(), SenderOptions::default()).unwrap();
     let mut r = connected(&path);
     sender.wait_for_receivers(1, Duration::from_secs(30)).unwrap();
-    let busy = 1 << 30;
-    let from = DeviceBuffer::alloc(MemoryResource::default_for(device), busy, &stream).unwrap();
-    let mut to = DeviceBuffer::alloc(MemoryResource::default_for(device), busy, &stream).unwrap();
-    let batch = unfinished_upload(device, &stream, &from, &mut to);
+    let (batch, _busy) = unfinished_upload(device, &stream);
     assert_ne!(sender.send(&batch).unwrap(), 0);
     let got = r.recv().unwrap().unwrap();
     check_batch("received", &dtoh(&got, &stream).unwrap(), &stream_batch(0));
