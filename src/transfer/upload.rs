@@ -33,9 +33,6 @@ const CHUNK: usize = 32 << 20;
 const EARLY: usize = 4 << 20;
 /// The bytes of that block handed to a pool thread at a time.
 const SEGMENT: usize = 128 << 10;
-/// While the calling thread packs the parts left to it, what is packed is sent every this many
-/// bytes.
-const SEND: usize = 2 * SEGMENT;
 /// Pool threads that pack those parts.
 const PACKERS: usize = 4;
 /// Chunks whose DMA may be in flight while the next is packed.
@@ -235,15 +232,8 @@ fn upload_staged(
             }
         }
         laps.lap("htod.arrays");
-        // Parts no pool thread has started on are packed here, so nothing waits on an idle pool;
-        // what is packed goes on its way every SEND bytes, so that the link carries it while the
-        // rest is packed.
-        for part in &parts {
-            part.pack();
-            if part.range().end >= sent + SEND {
-                send_packed(&mut sent)?;
-            }
-        }
+        // Parts no pool thread has started on are packed here, so nothing waits on an idle pool.
+        parts.iter().for_each(|p| p.pack());
         laps.lap("htod.pack");
         send_packed(&mut sent)?;
         let done = timed(times, StagingStep::Copy, || stream.record())?;
