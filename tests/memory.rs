@@ -629,7 +629,11 @@ fn a_petabyte_is_out_of_memory() {
     }
     let ordinal = gpu.ordinal().unwrap();
     let stream = Stream::new(gpu).unwrap();
-    for resource in [MemoryResource::Device(ordinal), MemoryResource::DevicePool(ordinal)] {
+    for resource in [
+        MemoryResource::Device(ordinal),
+        MemoryResource::DevicePool(ordinal),
+        MemoryResource::PinnedHost(ordinal),
+    ] {
         let err = DeviceBuffer::alloc(resource, 1 << 50, &stream).unwrap_err();
         assert!(
             matches!(err, Error::OutOfMemory { requested, .. } if requested == 1 << 50),
@@ -639,6 +643,26 @@ fn a_petabyte_is_out_of_memory() {
     // The device is still usable afterwards.
     let b = DeviceBuffer::from_host(&[1, 2, 3], MemoryResource::Device(ordinal), &stream).unwrap();
     assert_eq!(b.to_vec(&stream).unwrap(), [1, 2, 3]);
+}
+
+/// Pinned memory of every size (a page's worth and less, several pages, past a huge page) comes
+/// zeroed, mapped into the device's address space, and copies both ways.
+#[test]
+fn pinned_memory_comes_zeroed_and_mapped() {
+    let Some(gpu) = common::cuda() else { return };
+    let ordinal = gpu.ordinal().unwrap();
+    let stream = Stream::new(gpu).unwrap();
+    for len in [1, 4096, 12_345, (2 << 20) + 1, 5 << 20] {
+        let mut pinned = DeviceBuffer::alloc(MemoryResource::PinnedHost(ordinal), len, &stream).unwrap();
+        assert_eq!(pinned.len(), len);
+        assert!(pinned.host_slice().unwrap().iter().all(|&b| b == 0), "{len}");
+        assert!(pinned.device_pointer().is_ok(), "{len}");
+        let data = pattern(len, 7);
+        pinned.host_slice_mut().unwrap().copy_from_slice(&data);
+        let device = pinned.copy_to(MemoryResource::Device(ordinal), &stream).unwrap();
+        let back = device.copy_to(MemoryResource::PinnedHost(ordinal), &stream).unwrap();
+        assert_eq!(back.host_slice().unwrap(), &data[..], "{len}");
+    }
 }
 
 // --- strided views -----------------------------------------------------------------------------

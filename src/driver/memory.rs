@@ -49,18 +49,15 @@ driver_calls! {
         Ok(ptr)
     }
 
-    /// Allocates `size` bytes of page-locked host memory, portable and mapped into the device's
-    /// address space (`cuMemHostAlloc`), write-combined when asked (fast to upload from, very slow
-    /// for the CPU to read).
+    /// Allocates `size` bytes of write-combined page-locked host memory (fast to upload from, very
+    /// slow for the CPU to read), portable and mapped into the device's address space
+    /// (`cuMemHostAlloc`).
     ///
     /// # Safety
     /// A context is bound to the calling thread. The memory must be freed once, with
     /// [`mem_free_host`].
-    pub(crate) unsafe fn mem_host_alloc(size: usize, write_combined: bool) -> *mut c_void = cuMemHostAlloc {
-        let mut flags = CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP;
-        if write_combined {
-            flags |= CU_MEMHOSTALLOC_WRITECOMBINED;
-        }
+    pub(crate) unsafe fn mem_host_alloc_write_combined(size: usize) -> *mut c_void = cuMemHostAlloc {
+        let flags = CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_WRITECOMBINED;
         let mut ptr = std::ptr::null_mut();
         // SAFETY: a bound context (caller) and a valid out-parameter.
         unsafe { cuMemHostAlloc(&mut ptr, size, flags) }.result()?;
@@ -86,10 +83,10 @@ driver_calls! {
         unsafe { cuMemFreeAsync(ptr, stream) }.result()
     }
 
-    /// Frees page-locked host memory from [`mem_host_alloc`] (`cuMemFreeHost`).
+    /// Frees page-locked host memory from [`mem_host_alloc_write_combined`] (`cuMemFreeHost`).
     ///
     /// # Safety
-    /// `ptr` came from [`mem_host_alloc`] and is freed once; nothing uses it any more.
+    /// `ptr` came from [`mem_host_alloc_write_combined`] and is freed once; nothing uses it any more.
     pub(crate) unsafe fn mem_free_host(ptr: *mut c_void) -> () = cuMemFreeHost {
         // SAFETY: as the caller promises.
         unsafe { cuMemFreeHost(ptr) }.result()

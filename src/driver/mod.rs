@@ -71,9 +71,9 @@ pub(crate) use ipc::{
     ipc_open_mem_handle,
 };
 pub(crate) use memory::{
-    mem_alloc, mem_alloc_async, mem_alloc_managed, mem_free, mem_free_async, mem_free_host, mem_host_alloc,
-    mem_host_get_device_pointer, mem_host_register, mem_host_unregister, memcpy_2d_async, memcpy_async,
-    memset_d8_async,
+    mem_alloc, mem_alloc_async, mem_alloc_managed, mem_free, mem_free_async, mem_free_host,
+    mem_host_alloc_write_combined, mem_host_get_device_pointer, mem_host_register, mem_host_unregister,
+    memcpy_2d_async, memcpy_async, memset_d8_async,
 };
 #[cfg(feature = "datafusion")]
 pub(crate) use nvrtc::launch_shared;

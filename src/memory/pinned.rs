@@ -1,6 +1,7 @@
 //! Page-locked host memory: a reusable pool, so that pinning never happens on a hot path.
 //!
-//! Pinning costs about as much as copying the memory over the link, so blocks are kept and reused.
+//! Pinning costs more than copying the memory over the link (see
+//! [`MemoryResource::PinnedHost`]), so blocks are kept and reused.
 //! A block taken from a [`PinnedPool`] is a [`DeviceBuffer`]; when its last view drops (including
 //! arrow buffers made from it), the block goes back to the pool.
 
@@ -18,11 +19,16 @@ use crate::memory::resource::{Allocation, MemoryResource};
 /// keep 16 partitions of large batches in flight pinned memory over and over, and TPC-H at SF10 ran
 /// at half the speed.
 fn default_cache_limit() -> usize {
+    physical_memory().map_or(8 << 30, |bytes| bytes / 2)
+}
+
+/// The machine's physical memory in bytes, where the system says.
+pub(crate) fn physical_memory() -> Option<usize> {
     // SAFETY: `sysconf` only reads system configuration.
     let (pages, size) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
     match (usize::try_from(pages), usize::try_from(size)) {
-        (Ok(pages), Ok(size)) if pages > 0 && size > 0 => pages.saturating_mul(size) / 2,
-        _ => 8 << 30,
+        (Ok(pages), Ok(size)) if pages > 0 && size > 0 => Some(pages.saturating_mul(size)),
+        _ => None,
     }
 }
 

@@ -78,6 +78,113 @@ impl Drop for Registration {
     }
 }
 
+/// Fresh host memory, page-locked and mapped into a device's address space: what
+/// [`MemoryResource::PinnedHost`] allocates. Unregistered, then unmapped, on drop.
+///
+/// Made by mapping anonymous memory (aligned to huge pages and advised to use them, from 2 MiB
+/// on), writing one byte of each page on the allocating thread, and registering it
+/// (`cuMemHostRegister`). On the GPU machine that pins 1 GiB in 0.30 s on one thread and 0.06 s
+/// over 16 threads, against 0.55 s for `cuMemHostAlloc`, which pins one allocation at a time
+/// whatever the threads.
+pub(crate) struct PinnedRegion {
+    // Unregistered before it is unmapped (fields drop in order); the mapping is only dropped.
+    registration: Registration,
+    _mapping: Mapping,
+}
+
+impl PinnedRegion {
+    /// At least `len` (> 0) bytes of zeroed pinned memory for CUDA device `ordinal`.
+    pub(crate) fn create(ordinal: usize, len: usize) -> Result<PinnedRegion> {
+        let mapping = Mapping::new(ordinal, len)?;
+        let registration = Registration::new(mapping.address, mapping.len, ordinal)?;
+        Ok(PinnedRegion {
+            registration,
+            _mapping: mapping,
+        })
+    }
+
+    /// The address of the first byte.
+    pub(crate) fn address(&self) -> u64 {
+        self.registration.address as u64
+    }
+}
+
+/// An anonymous private mapping of its own, unmapped on drop.
+struct Mapping {
+    address: usize,
+    len: usize,
+}
+
+impl Mapping {
+    /// A mapping of at least `len` (> 0) zero bytes, every page faulted in.
+    fn new(ordinal: usize, len: usize) -> Result<Mapping> {
+        const HUGE: usize = 2 << 20;
+        const PAGE: usize = 4096;
+        let out_of_memory = || Error::OutOfMemory {
+            device: Device::CudaHost(ordinal),
+            requested: len,
+        };
+        // More than the machine has would be mapped (the kernel overcommits) and then killed
+        // while its pages are faulted in.
+        if crate::memory::pinned::physical_memory().is_some_and(|bytes| len > bytes) {
+            return Err(out_of_memory());
+        }
+        let align = if len >= HUGE { HUGE } else { PAGE };
+        let len = len.checked_next_multiple_of(align).ok_or_else(out_of_memory)?;
+        // The mapping starts on a page: mapping `align - PAGE` more bytes leaves room to align it.
+        let mapped = len.checked_add(align - PAGE).ok_or_else(out_of_memory)?;
+        // SAFETY: a new anonymous private mapping; no existing memory is touched.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                mapped,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(out_of_memory());
+        }
+        let base = base as usize;
+        let address = base.next_multiple_of(align);
+        let (head, tail) = (address - base, base + mapped - (address + len));
+        // SAFETY: both ranges lie in the mapping just made, outside the part kept; neither is used.
+        unsafe {
+            if head > 0 {
+                libc::munmap(base as *mut libc::c_void, head);
+            }
+            if tail > 0 {
+                libc::munmap((address + len) as *mut libc::c_void, tail);
+            }
+        }
+        let mapping = Mapping { address, len };
+        #[cfg(target_os = "linux")]
+        if align == HUGE {
+            // A hint: without transparent huge pages the mapping keeps small pages.
+            // SAFETY: the range is this mapping.
+            unsafe { libc::madvise(address as *mut libc::c_void, len, libc::MADV_HUGEPAGE) };
+        }
+        // Faulting the pages in here, on the allocating thread: threads that allocate at once fault
+        // theirs in at once (on the GPU machine 16 threads pin 5 times as fast as one).
+        for page in (0..len).step_by(PAGE) {
+            // SAFETY: the byte lies in the mapping, which nothing else uses yet; writing the zero it
+            // holds changes nothing but makes the kernel back the page.
+            unsafe { std::ptr::write_volatile((address + page) as *mut u8, 0) };
+        }
+        Ok(mapping)
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the range was mapped by `new`, is unmapped once, and nothing uses it any more
+        // (the allocation that owns it is gone, and it was unregistered first).
+        unsafe { libc::munmap(self.address as *mut libc::c_void, self.len) };
+    }
+}
+
 /// A shared host slice, page-locked and mapped into the device's address space until dropped.
 #[derive(Debug)]
 pub struct Registered<'a> {

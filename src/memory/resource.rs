@@ -36,10 +36,12 @@ pub enum MemoryResource {
     /// device's granularity (2 MiB on current GPUs). [`Error::Unsupported`] where the driver or
     /// GPU lacks it; [`MemoryResource::shared_for`] picks it where it is supported.
     SharedDevice(usize),
-    /// Page-locked host memory (`cuMemHostAlloc`, portable and mapped into the device's address
-    /// space): the fast target of device-to-host copies, readable by the CPU at full speed.
+    /// Page-locked host memory (fresh pages registered with `cuMemHostRegister`, portable and
+    /// mapped into the device's address space): the fast target of device-to-host copies, readable
+    /// by the CPU at full speed.
     PinnedHost(usize),
-    /// Write-combined page-locked host memory: fast for uploads, very slow for the CPU to read.
+    /// Write-combined page-locked host memory (`cuMemHostAlloc`): fast for uploads, very slow for
+    /// the CPU to read.
     WriteCombinedHost(usize),
     /// CUDA managed (unified) memory (`cuMemAllocManaged`), reachable from host and device.
     Managed(usize),
@@ -157,12 +159,16 @@ impl MemoryResource {
                 let p = unsafe { driver::mem_alloc(size) }.map_err(alloc_err)?;
                 (p, Release::Device(ctx))
             }
-            (MemoryResource::PinnedHost(_) | MemoryResource::WriteCombinedHost(_), Some(ctx)) => {
-                let write_combined = matches!(self, MemoryResource::WriteCombinedHost(_));
+            (MemoryResource::PinnedHost(o), Some(_)) => {
+                // The region (its mapping and registration) is owned by the allocation, freed when it drops.
+                let region = crate::memory::register::PinnedRegion::create(o, size)?;
+                (region.address(), Release::Owner(Box::new(region)))
+            }
+            (MemoryResource::WriteCombinedHost(_), Some(ctx)) => {
                 ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
                 // SAFETY: the context is bound to this thread.
-                let p = unsafe { driver::mem_host_alloc(size, write_combined) }.map_err(alloc_err)?;
-                (p as u64, Release::PinnedHost(ctx))
+                let p = unsafe { driver::mem_host_alloc_write_combined(size) }.map_err(alloc_err)?;
+                (p as u64, Release::WriteCombinedHost(ctx))
             }
             (MemoryResource::Managed(_), Some(ctx)) => {
                 ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
@@ -193,7 +199,7 @@ enum Release {
     Host(Layout),
     Device(Arc<CudaContext>),
     Pool(Stream),
-    PinnedHost(Arc<CudaContext>),
+    WriteCombinedHost(Arc<CudaContext>),
     Owner(#[allow(dead_code)] Box<dyn Any + Send + Sync>),
     /// The owner of several buffers at addresses of its own (every buffer of one imported array):
     /// the allocation spans them, and only the views of them are memory (see
@@ -382,7 +388,7 @@ impl Drop for Allocation {
                     let _ = unsafe { driver::mem_free_async(self.ptr, raw) };
                 }
             }
-            Release::PinnedHost(ctx) => {
+            Release::WriteCombinedHost(ctx) => {
                 if ctx.bind_to_thread().is_ok() {
                     // SAFETY: allocated by cuMemHostAlloc, freed once.
                     let _ = unsafe { driver::mem_free_host(self.ptr as *mut std::ffi::c_void) };
