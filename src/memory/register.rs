@@ -109,6 +109,18 @@ impl PinnedRegion {
     }
 }
 
+impl Drop for PinnedRegion {
+    fn drop(&mut self) {
+        // Unregistering does not wait for the device's work, as `cuMemFreeHost` (which made this
+        // memory before) does: a copy still reading or writing the region once it is unmapped
+        // would fault, and the context with it. Waiting here keeps that guarantee; blocks are
+        // kept by the pinned pool, so regions are seldom dropped.
+        if let Some(ctx) = &self.registration.ctx {
+            let _ = ctx.synchronize();
+        }
+    }
+}
+
 /// An anonymous private mapping of its own, unmapped on drop.
 struct Mapping {
     address: usize,
@@ -160,6 +172,13 @@ impl Mapping {
             }
         }
         let mapping = Mapping { address, len };
+        // Not inherited by child processes, as `cuMemHostAlloc`'s memory is not: Linux copies
+        // DMA-pinned pages into the child at fork, so every process spawned would copy the pool.
+        // SAFETY: the range is this mapping.
+        #[cfg(target_os = "linux")]
+        if unsafe { libc::madvise(address as *mut libc::c_void, len, libc::MADV_DONTFORK) } != 0 {
+            return Err(out_of_memory());
+        }
         #[cfg(target_os = "linux")]
         if align == HUGE {
             // A hint: without transparent huge pages the mapping keeps small pages.
