@@ -1054,3 +1054,33 @@ fn views_show_their_element_and_layout_and_clones_share_the_buffer() {
     assert_eq!(c_strides(&[], 8), Vec::<isize>::new());
     assert_eq!((<f64 as Element>::NAME, <f16 as Element>::NAME), ("f64", "f16"));
 }
+
+/// Pinned host memory is not inherited by a child process, as `cuMemHostAlloc`'s is not: a fork
+/// neither copies it into the child nor maps it there.
+#[test]
+fn pinned_memory_is_not_inherited_by_child_processes() {
+    let Some(gpu) = common::cuda() else { return };
+    let len = 4 << 20;
+    let block = DeviceBuffer::alloc(MemoryResource::PinnedHost(gpu.ordinal().unwrap()), len, &Stream::cpu())
+        .expect("pinned memory");
+    let address = block.address() as usize;
+    let mut pages = vec![0u8; len / 4096 + 1];
+    // SAFETY: the child makes system calls only (mincore, _exit), which may follow a fork of a
+    // process with other threads; `pages` was allocated before the fork.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        // SAFETY: as above; `pages` has a byte for every page of the range.
+        let mapped = unsafe { libc::mincore(address as *mut libc::c_void, len, pages.as_mut_ptr()) } == 0;
+        // SAFETY: ends the child without running anything of the parent's.
+        unsafe { libc::_exit(if mapped { 1 } else { 0 }) };
+    }
+    assert!(pid > 0, "fork failed");
+    let mut status = 0;
+    // SAFETY: waits for the child just made.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the child had the parent's pinned memory mapped (status {status})"
+    );
+    drop(block);
+}
