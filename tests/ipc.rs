@@ -1395,8 +1395,8 @@ fn batches_still_being_written_are_ordered_by_an_ipc_event() {
 }
 
 /// A receiver in the sender's own process gets a batch still being written intact: CUDA opens no
-/// interprocess event in the process that made it, so the receiver waits for the device's work
-/// instead.
+/// interprocess event in the process that made it, so the receiver's stream waits on the sender's
+/// event, found by its handle in the process.
 #[test]
 fn a_receiver_in_the_senders_process_gets_batches_still_being_written() {
     let _devices = using_devices();

@@ -10,7 +10,7 @@
 //! an event only after every receiver acknowledged the batch it was sent with).
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::CudaContext;
 
@@ -59,6 +59,28 @@ fn cuda_ordinal(device: Device) -> Result<usize> {
     }
 }
 
+/// The interprocess events of this process whose handles were taken, with their device ordinals:
+/// `cuIpcOpenEventHandle` refuses a handle in the process that made it, so a receiver there finds
+/// the event here. An event leaves the list, under its lock, before it is destroyed.
+static LOCAL: Mutex<Vec<([u8; HANDLE_BYTES], usize, usize)>> = Mutex::new(Vec::new());
+
+/// Makes work issued later to `stream` wait for the last record of this process's event whose
+/// handle is `handle`; false, waiting for nothing, when there is no such event on the stream's
+/// device (it was destroyed, or made elsewhere).
+pub(crate) fn wait_local(handle: &IpcEventHandle, stream: &Stream) -> Result<bool> {
+    let local = LOCAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let found = local
+        .iter()
+        .find(|(h, ordinal, _)| *h == handle.0 && stream.device() == Device::Cuda(*ordinal));
+    let Some(&(_, _, event)) = found else {
+        return Ok(false);
+    };
+    let raw = stream.bind()?;
+    // SAFETY: the event is live while it is listed, and the lock is held; a live stream.
+    unsafe { driver::stream_wait_event(raw, event as CUevent) }?;
+    Ok(true)
+}
+
 impl IpcEvent {
     /// A new interprocess event on `device` (a CUDA device), with nothing recorded.
     pub fn new(device: Device) -> Result<IpcEvent> {
@@ -89,6 +111,10 @@ impl IpcEvent {
         self.bind()?;
         // SAFETY: a live interprocess event of the bound context.
         let bytes = unsafe { driver::ipc_get_event_handle(self.event) }?;
+        let mut local = LOCAL.lock().unwrap_or_else(PoisonError::into_inner);
+        if !local.iter().any(|(h, ..)| *h == bytes) {
+            local.push((bytes, self.ordinal, self.event as usize));
+        }
         Ok(IpcEventHandle(bytes))
     }
 
@@ -137,6 +163,10 @@ impl IpcEvent {
 
 impl Drop for IpcEvent {
     fn drop(&mut self) {
+        LOCAL
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|&(_, _, event)| event != self.event as usize);
         // Errors cannot be reported from Drop; the driver keeps them for the next call.
         if self.ctx.bind_to_thread().is_ok() {
             // SAFETY: created or opened by this value, destroyed once.
@@ -152,5 +182,28 @@ mod tests {
     #[test]
     fn events_live_on_cuda_devices() {
         assert!(matches!(IpcEvent::new(Device::Cpu), Err(Error::Unsupported(_))));
+    }
+
+    /// A process finds its own events by their handles (which it cannot open) while they live, on
+    /// their own device only.
+    #[test]
+    fn waits_find_this_processs_events_by_handle() {
+        if !device::cuda_available() {
+            return;
+        }
+        let stream = Stream::new(Device::Cuda(0)).unwrap();
+        let event = IpcEvent::new(Device::Cuda(0)).unwrap();
+        event.record(&stream).unwrap();
+        let handle = event.handle().unwrap();
+        assert!(
+            IpcEvent::open(&handle, 0).is_err(),
+            "CUDA opened a handle of its own process"
+        );
+        let other = Stream::new(Device::Cuda(0)).unwrap();
+        assert!(wait_local(&handle, &other).unwrap());
+        assert!(!wait_local(&handle, &Stream::new(Device::Cpu).unwrap()).unwrap());
+        drop(event);
+        assert!(!wait_local(&handle, &other).unwrap());
+        other.synchronize().unwrap();
     }
 }

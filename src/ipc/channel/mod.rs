@@ -6,7 +6,7 @@
 //! handles of the memory regions its buffers lie in (CUDA IPC handles; memfds passed with
 //! `SCM_RIGHTS` for CPU batches, so the whole channel runs without a GPU) and, for CUDA batches, an
 //! IPC event to wait on (a receiver in the sender's own process, where CUDA opens none of its
-//! interprocess events, waits for the device's work instead); then the end of the stream, or an
+//! interprocess events, finds the event by its handle in the process); then the end of the stream, or an
 //! error. After the schema, a sender's
 //! frames reach each receiver through a ring in shared memory (`ring.rs`), which costs no system
 //! call when the receiver polls; acknowledgements go on the socket.

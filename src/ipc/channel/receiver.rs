@@ -18,7 +18,7 @@ use crate::ipc::channel::access::{check_peer, peer_pid};
 use crate::ipc::channel::protocol::{Frame, Link};
 use crate::ipc::channel::ring::{Entry, RingReader, Woken};
 use crate::ipc::descriptor::{BatchDescriptor, Mapping};
-use crate::ipc::event::{IpcEvent, IpcEventHandle};
+use crate::ipc::event::{IpcEvent, IpcEventHandle, wait_local};
 use crate::ipc::handle::HANDLE_BYTES;
 use crate::ipc::message::decode_schema;
 use crate::ipc::wire::{self, FrameReader, RecvError};
@@ -140,7 +140,8 @@ pub struct Receiver {
     lender: Arc<Lender>,
     fence_host: bool,
     /// The sender runs in this process, where CUDA opens none of its interprocess events
-    /// (`cuIpcOpenEventHandle` refuses a handle of the process that made it).
+    /// (`cuIpcOpenEventHandle` refuses a handle of the process that made it): its events are
+    /// found by their handles in the process's list.
     local_sender: bool,
     /// Frames from the socket: the greeting, and frames the ring announces there.
     reader: FrameReader,
@@ -397,18 +398,17 @@ impl Receiver {
         };
         // Without an event the sender's writes had finished before it sent the batch.
         let ready = match (descriptor.device, event) {
-            // A sender of this process issued its writes to the context this process has for the
-            // device (one per device and process) before it sent the batch: the context's work so
-            // far includes them.
-            (Device::Cuda(o), Some(_)) if self.local_sender => {
-                let ctx = crate::device::context(o)?;
-                ctx.bind_to_thread().map_err(Error::driver("cuCtxSetCurrent"))?;
-                ctx.synchronize().map_err(Error::driver("cuCtxSynchronize"))?;
-                Event::completed()
-            }
             (Device::Cuda(o), Some(h)) => {
                 let stream = self.stream(o)?;
-                self.event(&h, o)?.wait_on(&stream)?;
+                if !self.local_sender {
+                    self.event(&h, o)?.wait_on(&stream)?;
+                } else if !wait_local(&h, &stream)? {
+                    // The sender's event is gone (with its sender). It issued its writes to the
+                    // context this process has for the device (one per device and process) before
+                    // it sent the batch: the context's work so far includes them.
+                    let ctx = crate::device::context(o)?;
+                    ctx.synchronize().map_err(Error::driver("cuCtxSynchronize"))?;
+                }
                 stream.record()?
             }
             _ => Event::completed(),
