@@ -111,10 +111,10 @@ impl PinnedRegion {
 
 impl Drop for PinnedRegion {
     fn drop(&mut self) {
-        // Unregistering does not wait for the device's work, as `cuMemFreeHost` (which made this
-        // memory before) does: a copy still reading or writing the region once it is unmapped
-        // would fault, and the context with it. Waiting here keeps that guarantee; blocks are
-        // kept by the pinned pool, so regions are seldom dropped.
+        // Unregistering does not wait for the device's work (`cuMemFreeHost` does): a copy still
+        // reading or writing the region once it is unmapped would fault, and the context with it.
+        // Waiting here gives regions `cuMemFreeHost`'s guarantee; the pinned pool keeps its
+        // blocks, so regions are seldom dropped.
         if let Some(ctx) = &self.registration.ctx {
             let _ = ctx.synchronize();
         }
