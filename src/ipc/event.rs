@@ -188,18 +188,16 @@ mod tests {
     /// their own device only.
     #[test]
     fn waits_find_this_processs_events_by_handle() {
-        if !device::cuda_available() {
-            return;
-        }
-        let stream = Stream::new(Device::Cuda(0)).unwrap();
-        let event = IpcEvent::new(Device::Cuda(0)).unwrap();
+        let Some(gpu) = device::cuda_for_tests() else { return };
+        let stream = Stream::new(gpu).unwrap();
+        let event = IpcEvent::new(gpu).unwrap();
         event.record(&stream).unwrap();
         let handle = event.handle().unwrap();
         assert!(
-            IpcEvent::open(&handle, 0).is_err(),
+            IpcEvent::open(&handle, gpu.ordinal().unwrap()).is_err(),
             "CUDA opened a handle of its own process"
         );
-        let other = Stream::new(Device::Cuda(0)).unwrap();
+        let other = Stream::new(gpu).unwrap();
         assert!(wait_local(&handle, &other).unwrap());
         assert!(!wait_local(&handle, &Stream::new(Device::Cpu).unwrap()).unwrap());
         drop(event);
