@@ -193,10 +193,13 @@ mod tests {
         let event = IpcEvent::new(gpu).unwrap();
         event.record(&stream).unwrap();
         let handle = event.handle().unwrap();
-        assert!(
-            IpcEvent::open(&handle, gpu.ordinal().unwrap()).is_err(),
-            "CUDA opened a handle of its own process"
-        );
+        // CUDA refuses it (the failing call is left out under compute-sanitizer, which reports it).
+        if std::env::var_os("ARROW_CUDA_SANITIZER").is_none() {
+            assert!(
+                IpcEvent::open(&handle, gpu.ordinal().unwrap()).is_err(),
+                "CUDA opened a handle of its own process"
+            );
+        }
         let other = Stream::new(gpu).unwrap();
         assert!(wait_local(&handle, &other).unwrap());
         assert!(!wait_local(&handle, &Stream::new(Device::Cpu).unwrap()).unwrap());
