@@ -35,7 +35,6 @@ pub fn dtoh_async(batch: &DeviceRecordBatch, stream: &Stream) -> Result<PendingB
             _source: batch.clone(),
         }),
         layouts: gathered.layouts,
-        first_half: gathered.first_half,
         event: gathered.event,
     })
 }
@@ -56,8 +55,6 @@ pub struct PendingBatch {
     /// `None` only once `wait` has taken it.
     copy: Option<InFlight>,
     layouts: Vec<Layout>,
-    /// The bytes of the host block below this offset are in place when the event completes.
-    first_half: Option<(usize, Event)>,
     event: Event,
 }
 
@@ -100,39 +97,30 @@ impl PendingBatch {
             .expect("a pending batch is waited for once")
             .memory
             .to_arrow_buffer()?;
-        let build = |l: &Layout| l.to_host_array(&memory);
-        // Validation reads every string: untrusted columns are validated on every core. Trusted
-        // ones only need their arrays built, which threads would slow down (they would all count
-        // references to the one host block); those whose bytes came with the first half of the
-        // copy are built while the second half is on its way.
-        let columns = if self.layouts.iter().all(|l| l.trusted) {
-            let mut landed = match &self.first_half {
-                Some((end, first)) => {
-                    first.synchronize()?;
-                    *end
-                }
-                None => 0,
-            };
-            laps.lap("dtoh.synchronize");
-            let mut columns = Vec::with_capacity(self.layouts.len());
-            for layout in &self.layouts {
-                if layout.end() > landed {
-                    laps.lap("dtoh.arrays");
-                    self.event.synchronize()?;
-                    laps.lap("dtoh.synchronize");
-                    landed = usize::MAX;
-                }
-                columns.push(build(layout)?);
-            }
-            laps.lap("dtoh.arrays");
-            columns
-        } else {
-            self.event.synchronize()?;
-            laps.lap("dtoh.synchronize");
-            let columns = self.layouts.par_iter().map(build).collect::<Result<Vec<_>>>()?;
-            laps.lap("dtoh.validate");
-            columns
+        // Arrays that need none of their bytes to be built (trusted ones of flat types: views of
+        // the block, their null counts known) are built while the copy is on its way; the others
+        // once it has landed. Validation reads every string: untrusted columns are validated on
+        // every core. Trusted ones are built on this thread, which threads would slow down (they
+        // would all count references to the one host block).
+        let early = self
+            .layouts
+            .iter()
+            .map(|l| l.to_host_array_unread(&memory))
+            .collect::<Result<Vec<_>>>()?;
+        laps.lap("dtoh.arrays");
+        self.event.synchronize()?;
+        laps.lap("dtoh.synchronize");
+        let build = |(l, early): (&Layout, Option<ArrayRef>)| early.map_or_else(|| l.to_host_array(&memory), Ok);
+        let columns = match self.layouts.iter().all(|l| l.trusted) {
+            true => self.layouts.iter().zip(early).map(build).collect::<Result<Vec<_>>>()?,
+            false => self
+                .layouts
+                .par_iter()
+                .zip(early)
+                .map(build)
+                .collect::<Result<Vec<_>>>()?,
         };
+        laps.lap("dtoh.validate");
         // The copy is done: nothing to defer.
         self.copy = None;
         let options = RecordBatchOptions::new().with_row_count(Some(self.num_rows));

@@ -29,15 +29,9 @@ pub(crate) struct Gathered {
     pub memory: DeviceBuffer,
     /// Where each array's buffers land in it.
     pub layouts: Vec<Layout>,
-    /// For a large enough copy: where its first half ends, and the event that completes with it.
-    pub first_half: Option<(usize, Event)>,
     /// The event of the last copy.
     pub event: Event,
 }
-
-/// Copies of at least this many bytes are sent in two halves, so that arrays in the first can be
-/// built while the second is on its way.
-const HALVES_MIN: usize = 256 << 10;
 
 /// Copies every buffer of `arrays` into one host block, once their memory is found readable
 /// ([`DeviceArrayData::check_readable`]).
@@ -62,7 +56,6 @@ pub(crate) fn gather(
     let buffers: Vec<&DeviceBuffer> = order.iter().map(|&i| all[i]).collect();
     let (spans, span_of, size) = plan_spans(&buffers);
     laps.lap("dtoh.spans");
-    let mut first_half = None;
     let mut memory = match device {
         Device::Cpu => DeviceBuffer::alloc(MemoryResource::Host, size, &stream)?,
         _ => {
@@ -78,7 +71,7 @@ pub(crate) fn gather(
                 .ok_or_else(|| Error::Unsupported("host block is not host memory".into()))?;
             copy_spans_on_host(&spans, out);
         }
-        Some(_) => first_half = copy_spans_on_device(&spans, size, &memory, device, &stream)?,
+        Some(_) => copy_spans_on_device(&spans, &memory, device, &stream)?,
     }
     let event = stream.record()?;
     laps.lap("dtoh.copy");
@@ -92,12 +85,7 @@ pub(crate) fn gather(
     let mut place = place.into_iter();
     let layouts = arrays.iter().map(|a| host_layout(a, &mut place)).collect();
     laps.lap("dtoh.layouts");
-    Ok(Gathered {
-        memory,
-        layouts,
-        first_half,
-        event,
-    })
+    Ok(Gathered { memory, layouts, event })
 }
 
 /// The spans that cover `buffers` (in address order) in one host block: the spans, the span of each
@@ -132,47 +120,25 @@ fn plan_spans(buffers: &[&DeviceBuffer]) -> (Vec<Span>, Vec<usize>, usize) {
     (spans, span_of, size)
 }
 
-/// Issues the copies of `spans` from `device` into `memory` (a host block of `size` bytes) on
-/// `stream`, a CUDA stream. A copy of at least [`HALVES_MIN`] bytes records an event where its
-/// first half ends; returns that end and event.
-fn copy_spans_on_device(
-    spans: &[Span],
-    size: usize,
-    memory: &DeviceBuffer,
-    device: Device,
-    stream: &Stream,
-) -> Result<Option<(usize, Event)>> {
-    let mut first_half = None;
-    let half = (size >= HALVES_MIN).then_some(size / 2);
+/// Issues the copies of `spans` from `device` into `memory` (a host block) on `stream`, a CUDA
+/// stream.
+fn copy_spans_on_device(spans: &[Span], memory: &DeviceBuffer, device: Device, stream: &Stream) -> Result<()> {
     for s in spans {
-        // A span across the middle is sent in two pieces, an event between them.
-        let cut = match half {
-            Some(h) if s.dst < h && h < s.dst + s.len => h - s.dst,
-            _ => s.len,
+        // SAFETY: each span lies inside one live allocation (its buffers are views of it) and
+        // inside `memory`; `memory` is not read until the event recorded after the copies
+        // completes.
+        unsafe {
+            copy(
+                memory.address() + s.dst as u64,
+                memory.device(),
+                s.src,
+                device,
+                s.len,
+                stream,
+            )?
         };
-        for (from, len) in [(0, cut), (cut, s.len - cut)] {
-            if len == 0 {
-                continue;
-            }
-            // SAFETY: each span lies inside one live allocation (its buffers are views of
-            // it) and inside `memory`; `memory` is not read until the event recorded after
-            // the piece completes.
-            unsafe {
-                copy(
-                    memory.address() + (s.dst + from) as u64,
-                    memory.device(),
-                    s.src + from as u64,
-                    device,
-                    len,
-                    stream,
-                )?
-            };
-            if half == Some(s.dst + from + len) {
-                first_half = Some((s.dst + from + len, stream.record()?));
-            }
-        }
     }
-    Ok(first_half)
+    Ok(())
 }
 
 fn copy_spans_on_host(spans: &[Span], out: &mut [u8]) {

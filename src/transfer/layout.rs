@@ -53,28 +53,31 @@ impl Layout {
         })
     }
 
-    /// The end of the last byte the array (its children included) takes.
-    pub fn end(&self) -> usize {
-        let own = self.nulls.iter().chain(&self.buffers).map(|r| r.end).max().unwrap_or(0);
-        self.children.iter().map(Layout::end).fold(own, usize::max)
-    }
-
     /// The arrow array these ranges of `memory` (a host block wrapped as one arrow buffer) hold,
     /// fully validated unless the layout is trusted. Its buffers are slices of `memory`.
     pub fn to_host(&self, memory: &Buffer) -> Result<ArrayData> {
         self.host_window(memory, 0, self.len)
     }
 
-    /// [`Layout::to_host`] as an arrow array. A trusted layout of a flat type (primitives,
-    /// booleans, strings, binaries) with aligned buffers is built as its typed array straight from
-    /// the buffers, without an `ArrayData` in between or counting its nulls again.
+    /// [`Layout::to_host`] as an arrow array: [`Layout::to_host_array_unread`] where it builds
+    /// one, else through an `ArrayData`.
     pub fn to_host_array(&self, memory: &Buffer) -> Result<ArrayRef> {
-        if self.trusted
-            && let Some(array) = self.flat_host(memory)?
-        {
-            return Ok(array);
+        match self.to_host_array_unread(memory)? {
+            Some(array) => Ok(array),
+            None => Ok(make_array(self.to_host(memory)?)),
         }
-        Ok(make_array(self.to_host(memory)?))
+    }
+
+    /// The arrow array of a layout built without reading any of its bytes in `memory` (so also
+    /// while they are still being copied there), or `None` where that cannot be done: a trusted
+    /// layout of a flat type (primitives, booleans, strings, binaries) whose null count is known
+    /// and whose buffers are aligned to their types, built as its typed array straight from the
+    /// buffers, without an `ArrayData` in between or counting its nulls again.
+    pub fn to_host_array_unread(&self, memory: &Buffer) -> Result<Option<ArrayRef>> {
+        if !self.trusted || (self.nulls.is_some() && self.null_count.is_none()) {
+            return Ok(None);
+        }
+        self.flat_host(memory)
     }
 
     /// The typed array of a trusted layout of a flat type, or `None` when the layout is not one
@@ -340,4 +343,100 @@ fn slice_of(memory: &Buffer, r: &Range<usize>) -> Result<Buffer> {
         });
     }
     Ok(memory.slice_with_length(r.start, r.len()))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::alloc::Layout as AllocLayout;
+    use std::ptr::NonNull;
+
+    use arrow_array::builder::{Int32Builder, ListBuilder};
+    use arrow_array::{Array, BooleanArray, Float64Array, Int32Array, LargeBinaryArray, StringArray};
+
+    use super::super::plan::{Plan, column_data};
+    use super::*;
+
+    /// Memory written after arrow buffers over it were made, as a DMA writes a download's block.
+    struct Block {
+        ptr: NonNull<u8>,
+        layout: AllocLayout,
+    }
+
+    // SAFETY: the block is plain memory, freed once, by its last owner.
+    unsafe impl Send for Block {}
+    // SAFETY: as for `Send`; the block itself is never read or written through `&Block`.
+    unsafe impl Sync for Block {}
+
+    impl Drop for Block {
+        fn drop(&mut self) {
+            // SAFETY: allocated in `block` with this layout.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+        }
+    }
+
+    /// A block of `len` bytes of 0xAB, as an arrow buffer, and a pointer to write it through.
+    fn block(len: usize) -> (Buffer, *mut u8) {
+        let layout = AllocLayout::from_size_align(len.max(1), 64).unwrap();
+        // SAFETY: the layout has a non-zero size.
+        let ptr = NonNull::new(unsafe { std::alloc::alloc(layout) }).unwrap();
+        // SAFETY: `len` bytes just allocated.
+        unsafe { ptr.as_ptr().write_bytes(0xAB, len) };
+        let owner = Arc::new(Block { ptr, layout });
+        // SAFETY: `len` bytes of memory that `owner` keeps alive.
+        let buffer = unsafe { Buffer::from_custom_allocation(ptr, len, owner) };
+        (buffer, ptr.as_ptr())
+    }
+
+    /// Trusted arrays of flat types are built before their bytes are in the block and read them
+    /// once they are; others (nested, untrusted, nulls not counted) wait for the bytes.
+    #[test]
+    fn flat_trusted_arrays_are_built_before_their_bytes_land() {
+        let mut list = ListBuilder::new(Int32Builder::new());
+        for i in 0..50 {
+            list.values().append_slice(&[i, i + 1]);
+            list.append(i % 4 != 0);
+        }
+        let arrays: Vec<ArrayRef> = vec![
+            Arc::new(Int32Array::from_iter((0..300).map(|i| (i % 3 != 0).then_some(i)))),
+            Arc::new(StringArray::from_iter((0..300).map(|i| (i % 5 != 0).then(|| format!("s{i}")))).slice(7, 200)),
+            Arc::new(BooleanArray::from_iter((0..99).map(|i| Some(i % 2 == 0)))),
+            Arc::new(Float64Array::from_iter_values((0..10).map(f64::from))),
+            Arc::new(LargeBinaryArray::from_iter_values([b"ab".as_slice(), b"", b"cde"])),
+            Arc::new(list.finish()),
+        ];
+        let refs: Vec<&dyn Array> = arrays.iter().map(|a| a.as_ref()).collect();
+        let data = column_data(&refs);
+        let mut plan = Plan::for_columns(refs.len());
+        let mut layouts: Vec<Layout> = refs
+            .iter()
+            .zip(&data)
+            .map(|(a, d)| plan.column(*a, d.as_ref()).unwrap())
+            .collect();
+        let (memory, at) = block(plan.size());
+        assert!(
+            layouts
+                .iter()
+                .all(|l| l.to_host_array_unread(&memory).unwrap().is_none())
+        );
+        for l in &mut layouts {
+            l.trusted = true;
+        }
+        let early: Vec<Option<ArrayRef>> = layouts
+            .iter()
+            .map(|l| l.to_host_array_unread(&memory).unwrap())
+            .collect();
+        assert!(early[..5].iter().all(Option::is_some));
+        assert!(early[5].is_none(), "a list is built once its bytes are in");
+        let mut uncounted = layouts[0].clone();
+        uncounted.null_count = None;
+        assert!(uncounted.to_host_array_unread(&memory).unwrap().is_none());
+        // The bytes land.
+        // SAFETY: `at` is the block's start and the block holds `plan.size()` bytes, which nothing
+        // reads while they are written.
+        plan.fill(0, unsafe { std::slice::from_raw_parts_mut(at, plan.size()) });
+        for ((array, layout), early) in arrays.iter().zip(&layouts).zip(early) {
+            let built = early.unwrap_or_else(|| layout.to_host_array(&memory).unwrap());
+            assert_eq!(&built, array);
+        }
+    }
 }
