@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::memory::ALIGNMENT;
 
 use super::layout::Layout;
-use super::pack::{PackOp, Transform, fill_part};
+use super::pack::{CACHED_MAX, PackOp, Transform, fill_part};
 use super::times::{StagingStep, StagingTimes, timed};
 
 /// A plain copy straight from a source buffer, with the buffer that keeps the source alive.
@@ -392,9 +392,10 @@ impl<'a> Plan<'a> {
     }
 
     /// Writes destination bytes `start..start + out.len()` into `out`, zeroing the gaps between
-    /// buffers. `start` must be a multiple of [`ALIGNMENT`].
+    /// buffers, with non-temporal stores unless the plan fits in the cache ([`CACHED_MAX`]).
+    /// `start` must be a multiple of [`ALIGNMENT`].
     pub fn fill(&self, start: usize, out: &mut [u8]) {
-        fill_part(&self.ops, start, out)
+        fill_part(&self.ops, start, out, self.size > CACHED_MAX)
     }
 
     /// [`Plan::fill`] on the threads of the pool, in pieces of at least 256 KiB (on the H100

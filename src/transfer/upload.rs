@@ -35,6 +35,9 @@ const EARLY: usize = 4 << 20;
 const SEGMENT: usize = 128 << 10;
 /// Pool threads that pack those parts.
 const PACKERS: usize = 4;
+/// The least of the block's packed bytes sent in one copy before the last: each copy costs the
+/// calling thread a few microseconds, which it would otherwise spend packing.
+const SEND_MIN: usize = 2 * SEGMENT;
 /// Chunks whose DMA may be in flight while the next is packed.
 const IN_FLIGHT: usize = 4;
 /// Batches of up to about this many bytes ([`estimated_size`]) are packed by the calling thread
@@ -132,10 +135,10 @@ fn upload_in_place(
 ///
 /// The first [`EARLY`] bytes are packed into one pinned staging block while the batch is still
 /// being planned: every [`SEGMENT`] bytes planned are cut off as a part, which one of [`PACKERS`]
-/// pool threads (started with the upload, so they are awake by then) packs; this thread packs the
-/// parts no pool thread has started on once it needs them. They go to the device in a few copies,
-/// each of the parts packed since the last, while the device arrays are built. The rest of a larger
-/// batch goes through [`send_chunks`].
+/// pool threads (started with the upload, so they are awake by then) packs; once the batch is
+/// planned, this thread packs, in order, the parts no pool thread has started on, sending what is
+/// packed in a few copies on the way. The rest of a larger batch goes through [`send_chunks`]. The
+/// device arrays are built while the last copies are on their way.
 fn upload_staged(
     arrays: &[&dyn Array],
     resource: MemoryResource,
@@ -220,24 +223,22 @@ fn upload_staged(
             stream,
             times,
         };
-        send_chunks(&plan, rest, &sink, &mut keep, &mut in_flight)?;
-        laps.lap("htod.send");
-        // The device arrays are built while the pool packs, and what it has packed is sent on the
-        // way, so that little is left to copy at the end.
-        let mut columns = Vec::with_capacity(layouts.len());
-        for (i, layout) in layouts.iter().enumerate() {
-            columns.push(layout.to_device(&memory)?);
-            if i % 32 == 31 {
+        // Parts no pool thread has started on are packed here, in order, so nothing waits on an
+        // idle pool; what is packed is sent every SEND_MIN bytes on the way.
+        for part in &parts {
+            part.pack();
+            if part.range().end >= sent + SEND_MIN {
                 send_packed(&mut sent)?;
             }
         }
-        laps.lap("htod.arrays");
-        // Parts no pool thread has started on are packed here, so nothing waits on an idle pool.
-        parts.iter().for_each(|p| p.pack());
-        laps.lap("htod.pack");
         send_packed(&mut sent)?;
+        laps.lap("htod.pack");
+        send_chunks(&plan, rest, &sink, &mut keep, &mut in_flight)?;
         let done = timed(times, StagingStep::Copy, || stream.record())?;
-        laps.lap("htod.last_copy");
+        laps.lap("htod.send");
+        // The device arrays are built while the last copies are on their way.
+        let columns = try_collect(layouts.iter().map(|l| l.to_device(&memory)))?;
+        laps.lap("htod.arrays");
         Ok((columns, done))
     });
     // The scope ends once every packer has returned.
