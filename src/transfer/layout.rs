@@ -353,8 +353,8 @@ mod tests {
     use arrow_array::builder::{Int32Builder, ListBuilder};
     use arrow_array::{Array, BooleanArray, Float64Array, Int32Array, LargeBinaryArray, StringArray};
 
-    use super::super::plan::{Plan, column_data};
     use super::*;
+    use crate::transfer::plan::{Plan, column_data};
 
     /// Memory written after arrow buffers over it were made, as a DMA writes a download's block.
     struct Block {
