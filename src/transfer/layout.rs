@@ -74,17 +74,9 @@ impl Layout {
     /// and whose buffers are aligned to their types, built as its typed array straight from the
     /// buffers, without an `ArrayData` in between or counting its nulls again.
     pub fn to_host_array_unread(&self, memory: &Buffer) -> Result<Option<ArrayRef>> {
-        if !self.trusted || (self.nulls.is_some() && self.null_count.is_none()) {
-            return Ok(None);
-        }
-        self.flat_host(memory)
-    }
-
-    /// The typed array of a trusted layout of a flat type, or `None` when the layout is not one
-    /// or a buffer is not aligned to its type (then [`Layout::to_host`] builds it, moving the
-    /// buffer).
-    fn flat_host(&self, memory: &Buffer) -> Result<Option<ArrayRef>> {
-        if !is_flat(&self.data_type) {
+        // Counting the nulls would read the bitmap.
+        let uncounted = self.nulls.is_some() && self.null_count.is_none();
+        if !self.trusted || uncounted || !is_flat(&self.data_type) {
             return Ok(None);
         }
         let (offset, len) = (self.offset, self.len);
@@ -94,7 +86,9 @@ impl Layout {
         let Some(first) = self.buffers.first() else {
             return Ok(None);
         };
-        let nulls = self.nulls.as_ref().map(|r| self.host_nulls(memory, r)).transpose()?;
+        let nulls = (self.nulls.as_ref().zip(self.null_count))
+            .map(|(r, n)| self.host_nulls(memory, r, n))
+            .transpose()?;
         let array: ArrayRef = match &self.data_type {
             DataType::Boolean => {
                 self.bitmap_fits(first, bits)?;
@@ -119,17 +113,13 @@ impl Layout {
         Ok(Some(array))
     }
 
-    /// The validity bitmap at `r` of `memory` of a trusted layout, with the null count the layout
-    /// knows (counted when it does not).
-    fn host_nulls(&self, memory: &Buffer, r: &Range<usize>) -> Result<NullBuffer> {
+    /// The validity bitmap at `r` of `memory` of a trusted layout, with its null count `n`.
+    fn host_nulls(&self, memory: &Buffer, r: &Range<usize>, n: usize) -> Result<NullBuffer> {
         self.bitmap_fits(r, self.offset + self.len)?;
         let bits = BooleanBuffer::new(slice_of(memory, r)?, self.offset, self.len);
-        Ok(match self.null_count {
-            // SAFETY: a trusted layout's null count is that of a valid arrow array's bitmap, whose
-            // bytes these are.
-            Some(n) if self.trusted => unsafe { NullBuffer::new_unchecked(bits, n) },
-            _ => NullBuffer::new(bits),
-        })
+        // SAFETY: a trusted layout's null count is that of a valid arrow array's bitmap, whose bytes
+        // these are.
+        Ok(unsafe { NullBuffer::new_unchecked(bits, n) })
     }
 
     /// An error unless the bitmap at `r` holds `bits` bits.

@@ -77,15 +77,15 @@ impl PackOp<'_> {
 }
 
 /// Copies `src` into `out` (of the same length). When `streamed`, from [`STREAMED`] bytes on (on
-/// x86-64), the bulk is written with non-temporal stores: staging is written once and read next by a DMA, so
-/// reading its lines into the cache before writing them (what ordinary stores do) only takes
-/// memory bandwidth from the other packing threads and the copies. On the GPU machines (H200,
-/// 2026-11-27), packing a 1.3 MB batch of 234 buffers of 128 bytes to 20 KB took one thread 69-92
-/// µs that way against 107-114 µs with ordinary stores, and the caller with three threads beside
-/// it, each part sent as it was packed, 50-55 µs against 86-93 µs (ordinary stores did not get
-/// faster with more threads). Packing the batches just decoded from lineitem SF10's Parquet files took 15-20%
-/// less CPU time. A batch that fits in a core's cache with its staging ([`CACHED_MAX`]) is
-/// better written with ordinary stores: the lines are there, and the DMA reads them from it (a
+/// x86-64), the bulk is written with non-temporal stores: staging is written once and read next
+/// by a DMA, so reading its lines into the cache before writing them (what ordinary stores do)
+/// only takes memory bandwidth from the other packing threads and the copies. On the GPU machines
+/// (H200), a 1.3 MB batch of 234 buffers of 128 bytes to 20 KB packed on one thread in 69-92 µs
+/// that way against 107-114 µs with ordinary stores, and on the caller with three threads beside
+/// it, each part sent as it was packed, in 50-55 µs against 86-93 µs (ordinary stores did not get
+/// faster with more threads); the batches just decoded from lineitem SF10's Parquet files packed
+/// in 15-20% less CPU time. A batch that fits in a core's cache with its staging ([`CACHED_MAX`])
+/// is better written with ordinary stores: the lines are there, and the DMA reads them from it (a
 /// 130 KB batch packed in 46 µs streamed, 21 µs not).
 fn copy(out: &mut [u8], src: &[u8], streamed: bool) {
     #[cfg(target_arch = "x86_64")]

@@ -23,7 +23,7 @@ use crate::trace::Laps;
 
 use super::deferred::{Keep, defer_release, release_finished};
 use super::layout::Layout;
-use super::pack::{Handoff, Part};
+use super::pack::{CACHED_MAX, Handoff, Part};
 use super::plan::{Plan, column_data, estimated_size};
 use super::times::{StagingStep, StagingTimes, timed};
 
@@ -43,8 +43,9 @@ const IN_FLIGHT: usize = 4;
 /// Batches of up to about this many bytes ([`estimated_size`]) are packed by the calling thread
 /// alone (see [`upload_solo`]): waking pool threads costs more than they would save. (On the H100
 /// and H200 machines one thread packs about 10 GB/s: a 1.3 MB batch took 120 µs alone, against
-/// 22 µs of the caller's time with four pool threads.)
-const SOLO: usize = 2 * SEGMENT;
+/// 22 µs of the caller's time with four pool threads.) It is the size up to which plans are packed
+/// with ordinary stores, so the parts pool threads pack are always streamed past the cache.
+const SOLO: usize = CACHED_MAX;
 /// The first piece of such a batch sent by itself; each next piece is twice as large, so that the
 /// first DMA starts early and few are issued.
 const FIRST_PIECE: usize = 64 << 10;
