@@ -1,6 +1,7 @@
 //! Packing an upload: how each planned operation writes its destination bytes from its source
 //! ([`PackOp`]), filling a range of the allocation's image in staging ([`fill_part`]), and the
-//! parts of a plan cut off while planning goes on, which pool threads pack ([`Part`], [`Handoff`]).
+//! parts of a planned upload, which pool threads and the planning thread pack ([`Part`],
+//! [`Handoff`]).
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -129,13 +130,13 @@ fn copy_streamed(out: &mut [u8], src: &[u8]) {
     out[head + body..].copy_from_slice(&src[head + body..]);
 }
 
-/// A part of a plan cut off while planning goes on, packed into its share of the staging by
-/// whichever thread gets to it first: a pool thread it was handed to, or the planning thread once it
-/// needs it. Parts are cut from uploads too large for the cache, so they are packed with
-/// non-temporal stores (see [`copy`]).
+/// A range of a planned upload, packed into its share of the staging by whichever thread gets to
+/// it first: a pool thread it was handed to, or the planning thread once it needs it. Parts are
+/// cut from uploads too large for the cache, so they are packed with non-temporal stores (see
+/// [`copy`]).
 pub(crate) struct Part<'a> {
     range: Range<usize>,
-    ops: Vec<PackOp<'a>>,
+    ops: &'a [PackOp<'a>],
     /// Where the part goes, until a thread takes it to pack it there.
     out: Mutex<Option<&'a mut [u8]>>,
     /// Set once the bytes are written (not from the lock: another thread may hold it to find the
@@ -146,11 +147,16 @@ pub(crate) struct Part<'a> {
 }
 
 impl<'a> Part<'a> {
-    /// The part of `plan` in `range` (from [`Plan::cut`]), to be packed into `out`, its time
-    /// counted in `times`.
-    pub fn new(plan: &Plan<'a>, range: Range<usize>, out: &'a mut [u8], times: Option<&'a StagingTimes>) -> Part<'a> {
+    /// The part of `plan` in `range` (whose start is a multiple of [`ALIGNMENT`]), to be packed
+    /// into `out`, its time counted in `times`.
+    pub fn new(
+        plan: &'a Plan<'a>,
+        range: Range<usize>,
+        out: &'a mut [u8],
+        times: Option<&'a StagingTimes>,
+    ) -> Part<'a> {
         Part {
-            ops: plan.ops_in(range.clone()).to_vec(),
+            ops: plan.ops_in(range.clone()),
             range,
             out: Mutex::new(Some(out)),
             packed: AtomicBool::new(false),
@@ -177,7 +183,7 @@ impl<'a> Part<'a> {
             };
             if let Some(out) = out.take() {
                 timed(self.times, StagingStep::Pack, || {
-                    fill_part(&self.ops, self.range.start, out, true)
+                    fill_part(self.ops, self.range.start, out, true)
                 });
                 self.packed.store(true, Ordering::Release);
             }
@@ -192,8 +198,8 @@ impl<'a> Part<'a> {
     }
 }
 
-/// Parts on their way from the planning thread, which cuts them, to pool threads that pack them
-/// while planning goes on.
+/// Parts on their way from the planning thread, which cuts them once the batch is planned, to
+/// pool threads that pack them.
 #[derive(Default)]
 pub(crate) struct Handoff<'a> {
     queue: Mutex<VecDeque<Arc<Part<'a>>>>,
@@ -214,8 +220,8 @@ impl<'a> Handoff<'a> {
     }
 
     /// A pool thread's job: packs parts as they come until the handoff is closed and empty,
-    /// spinning in between (planning cuts one every few microseconds, and waking a sleeping
-    /// thread takes longer).
+    /// spinning until they come (the batch is being planned, and waking a sleeping thread when
+    /// it is would take longer).
     pub fn pack(&self) {
         loop {
             // Read first: once closed, every part pushed is in the queue.
@@ -290,10 +296,11 @@ mod tests {
         }
     }
 
-    /// Parts cut while planning, each packed into its own staging, hold exactly the bytes the
-    /// whole plan fills: every range, the gaps between buffers and the alignment at each cut.
+    /// Parts of a plan at any multiple of 64 bytes (cutting bitmaps, rebased offsets and copies
+    /// anywhere), each packed into its own staging, hold exactly the bytes the whole plan fills,
+    /// the gaps between buffers included.
     #[test]
-    fn cut_parts_pack_what_the_whole_plan_fills() {
+    fn parts_pack_what_the_whole_plan_fills() {
         let strings: ArrayRef = Arc::new(StringArray::from_iter(
             (0..3000).map(|i| (i % 7 != 0).then(|| format!("v{i}"))),
         ));
@@ -306,19 +313,38 @@ mod tests {
         ];
         let data: Vec<ArrayData> = arrays.iter().map(|a| a.to_data()).collect();
         let mut plan = Plan::default();
-        let mut ranges = Vec::new();
-        for (i, d) in data.iter().enumerate() {
-            if i % 2 == 1 {
-                ranges.push(plan.cut());
-            }
+        for d in &data {
             plan.array(d).unwrap();
         }
-        ranges.push(plan.cut());
-        assert_eq!(plan.uncut(), 0);
-        assert_eq!(ranges.last().unwrap().end, plan.size());
-        assert!(ranges.windows(2).all(|w| w[0].end == w[1].start));
         let mut whole = vec![0xAAu8; plan.size()];
         plan.fill(0, &mut whole);
+        for segment in [64, 128, 192, 640, 4096] {
+            let ranges: Vec<Range<usize>> = (0..plan.size())
+                .step_by(segment)
+                .map(|start| start..plan.size().min(start + segment))
+                .collect();
+            let mut staging = vec![0x55u8; plan.size()];
+            let mut free = staging.as_mut_slice();
+            let parts: Vec<Arc<Part<'_>>> = ranges
+                .iter()
+                .map(|range| {
+                    let (out, rest) = std::mem::take(&mut free).split_at_mut(range.len());
+                    free = rest;
+                    Arc::new(Part::new(&plan, range.clone(), out, None))
+                })
+                .collect();
+            for (part, range) in parts.iter().zip(&ranges) {
+                assert_eq!(&part.range(), range);
+                assert!(!part.is_packed());
+                part.pack();
+            }
+            drop(parts);
+            assert!(staging == whole, "parts of {segment} bytes");
+        }
+        let ranges: Vec<Range<usize>> = (0..plan.size())
+            .step_by(256)
+            .map(|start| start..plan.size().min(start + 256))
+            .collect();
         let mut staging = vec![0x55u8; plan.size()];
         let mut free = staging.as_mut_slice();
         let parts: Vec<Arc<Part<'_>>> = ranges
@@ -329,10 +355,6 @@ mod tests {
                 Arc::new(Part::new(&plan, range.clone(), out, None))
             })
             .collect();
-        for (part, range) in parts.iter().zip(&ranges) {
-            assert_eq!(&part.range(), range);
-            assert!(!part.is_packed());
-        }
         // A packed part stays packed while another thread holds it to find it packed (an upload
         // once read such a moment as "not packed" and left the part unsent).
         parts[0].pack();
@@ -346,13 +368,14 @@ mod tests {
                 assert!(parts[0].is_packed());
             }
         });
-        // Two threads pack what is handed off; this one packs the rest, as an upload does.
+        // Two threads pack what is handed off; this one packs what they have not started on, as an
+        // upload does.
         let handoff = Handoff::default();
         std::thread::scope(|s| {
             for _ in 0..2 {
                 s.spawn(|| handoff.pack());
             }
-            for part in &parts[..2] {
+            for part in &parts {
                 handoff.push(part.clone());
             }
             handoff.close();

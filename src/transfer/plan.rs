@@ -35,8 +35,6 @@ pub(crate) struct DirectCopy<'a> {
 pub(crate) struct Plan<'a> {
     ops: Vec<PackOp<'a>>,
     size: usize,
-    /// Where the part planned since the last [`Plan::cut`] starts.
-    cut: usize,
 }
 
 /// Eight zero bytes: the offsets of an empty array whose source has no offsets buffer.
@@ -58,23 +56,11 @@ impl<'a> Plan<'a> {
         self.size
     }
 
-    /// The bytes planned since the last [`Plan::cut`].
-    pub fn uncut(&self) -> usize {
-        self.size - self.cut
-    }
-
-    /// Ends the part planned since the last cut at the next multiple of [`ALIGNMENT`] (the plan
-    /// grows to it) and returns its range, which [`Plan::ops_in`] can fill while planning goes on.
-    pub fn cut(&mut self) -> Range<usize> {
-        self.size = self.size.next_multiple_of(ALIGNMENT);
-        std::mem::replace(&mut self.cut, self.size)..self.size
-    }
-
-    /// The operations that fill `range`, a range [`Plan::cut`] returned, for [`fill_part`].
+    /// The operations that write some of `range`, for [`fill_part`].
     pub fn ops_in(&self, range: Range<usize>) -> &[PackOp<'a>] {
-        let first = self.ops.partition_point(|op| op.dst < range.start);
+        let first = self.ops.partition_point(|op| op.dst + op.len <= range.start);
         let end = self.ops.partition_point(|op| op.dst < range.end);
-        &self.ops[first..end]
+        &self.ops[first..end.max(first)]
     }
 
     /// Plans a whole array.

@@ -115,8 +115,7 @@ fn upload_in_place(
     let mut laps = Laps::start();
     let data = column_data(arrays);
     laps.lap("htod.to_data");
-    let mut plan = Plan::for_columns(arrays.len());
-    let layouts = try_collect(arrays.iter().zip(&data).map(|(a, d)| plan.column(*a, d.as_ref())))?;
+    let (plan, layouts) = plan_columns(arrays, &data)?;
     laps.lap("htod.plan");
     let mut memory = timed(times, StagingStep::Alloc, || {
         DeviceBuffer::alloc(resource, plan.size(), stream)
@@ -134,12 +133,11 @@ fn upload_in_place(
 
 /// [`upload`] to a GPU (CUDA device `ordinal`), through pinned staging.
 ///
-/// The first [`EARLY`] bytes are packed into one pinned staging block while the batch is still
-/// being planned: every [`SEGMENT`] bytes planned are cut off as a part, which one of [`PACKERS`]
-/// pool threads (started with the upload, so they are awake by then) packs; once the batch is
-/// planned, this thread packs, in order, the parts no pool thread has started on, sending what is
-/// packed in a few copies on the way. The rest of a larger batch goes through [`send_chunks`]. The
-/// device arrays are built while the last copies are on their way.
+/// The batch is planned whole while up to [`PACKERS`] pool threads wake. Its first [`EARLY`] bytes
+/// are then cut into parts of [`SEGMENT`] bytes of one pinned staging block, which the pool
+/// threads pack and this thread too, in order, the ones no pool thread has started on, sending
+/// what is packed in a few copies on the way. The rest of a larger batch goes through
+/// [`send_chunks`]. The device arrays are built while the last copies are on their way.
 fn upload_staged(
     arrays: &[&dyn Array],
     resource: MemoryResource,
@@ -182,21 +180,29 @@ fn upload_staged(
     let free = early
         .host_slice_mut()
         .ok_or_else(|| Error::Unsupported("staging is not host memory".into()))?;
-    // Filled once the packers have been started (below): copying the arrays' layouts out takes
-    // long enough for them to wake.
+    // Filled once the packers have been started (below): planning takes long enough for them to
+    // wake. Declared before the handoff, whose parts borrow them.
     let data: OnceCell<Vec<Option<ArrayData>>> = OnceCell::new();
+    let planned: OnceCell<(Plan<'_>, Vec<Layout>)> = OnceCell::new();
     let handoff = Handoff::default();
     laps.lap("htod.setup");
     let result = rayon::in_place_scope(|scope| {
-        // The packers start first, to be awake by the time the first part is cut.
+        // The packers start first, to be awake by the time the batch is planned.
         start_packers(scope, &handoff);
         laps.lap("htod.wake");
         let data = data.get_or_init(|| column_data(arrays));
         laps.lap("htod.to_data");
-        let planned = plan_in_parts(arrays, data, free, &handoff, times);
-        // The packers stop once the queue is empty, however planning ended.
+        let (plan, layouts) = match plan_columns(arrays, data) {
+            Ok(planned_now) => planned.get_or_init(|| planned_now),
+            Err(e) => {
+                handoff.close();
+                return Err(e);
+            }
+        };
+        let parts = cut_parts(plan, free, &handoff, times);
+        // The packers stop once the queue is empty.
         handoff.close();
-        let (plan, layouts, parts, rest) = planned?;
+        let rest = parts.last().map_or(0, |p| p.range().end)..plan.size();
         laps.lap("htod.plan");
         let memory = timed(times, StagingStep::Alloc, || {
             DeviceBuffer::alloc(resource, plan.size(), stream)
@@ -234,7 +240,7 @@ fn upload_staged(
         }
         send_packed(&mut sent)?;
         laps.lap("htod.pack");
-        send_chunks(&plan, rest, &sink, &mut keep, &mut in_flight)?;
+        send_chunks(plan, rest, &sink, &mut keep, &mut in_flight)?;
         let done = timed(times, StagingStep::Copy, || stream.record())?;
         laps.lap("htod.send");
         // The device arrays are built while the last copies are on their way.
@@ -265,8 +271,7 @@ fn upload_solo(
     let device = resource.device();
     let data = column_data(arrays);
     laps.lap("htod.to_data");
-    let mut plan = Plan::for_columns(arrays.len());
-    let layouts = try_collect(arrays.iter().zip(&data).map(|(a, d)| plan.column(*a, d.as_ref())))?;
+    let (plan, layouts) = plan_columns(arrays, &data)?;
     laps.lap("htod.plan");
     let size = plan.size();
     let memory = timed(times, StagingStep::Alloc, || {
@@ -438,48 +443,35 @@ fn send_chunks(
     Ok(())
 }
 
-/// Plans `arrays` (with their `data`, see [`Plan::column`]), cutting off every [`SEGMENT`] bytes of the first [`EARLY`] as a part to be packed
-/// into the front of `free` (its packing counted in `times`) and handing it to `handoff`. Returns the plan, the arrays' layouts, the
-/// parts in order, and the range left for packing in chunks (empty when the whole plan was cut).
-#[allow(clippy::type_complexity)]
-fn plan_in_parts<'a>(
-    arrays: &[&'a dyn Array],
-    data: &'a [Option<ArrayData>],
+/// Plans `arrays` whole (with their `data`, see [`Plan::column`]): the plan and the arrays'
+/// layouts.
+fn plan_columns<'a>(arrays: &[&'a dyn Array], data: &'a [Option<ArrayData>]) -> Result<(Plan<'a>, Vec<Layout>)> {
+    let mut plan = Plan::for_columns(arrays.len());
+    let layouts = try_collect(arrays.iter().zip(data).map(|(a, d)| plan.column(*a, d.as_ref())))?;
+    Ok((plan, layouts))
+}
+
+/// Cuts the first [`EARLY`] bytes of `plan` into parts of [`SEGMENT`] bytes, each to be packed
+/// into its share of `free` (its packing counted in `times`), hands them to `handoff` and returns
+/// them in order.
+fn cut_parts<'a>(
+    plan: &'a Plan<'a>,
     mut free: &'a mut [u8],
     handoff: &Handoff<'a>,
     times: Option<&'a StagingTimes>,
-) -> Result<(Plan<'a>, Vec<Layout>, Vec<Arc<Part<'a>>>, Range<usize>)> {
-    let mut plan = Plan::for_columns(arrays.len());
-    let mut layouts = Vec::with_capacity(arrays.len());
-    let mut parts = Vec::new();
-    let mut cut = |plan: &mut Plan<'a>, free: &mut &'a mut [u8]| {
-        let range = plan.cut();
-        let (out, rest) = std::mem::take(free).split_at_mut(range.len());
-        *free = rest;
-        let part = Arc::new(Part::new(plan, range, out, times));
-        handoff.push(part.clone());
-        parts.push(part);
-    };
-    for (a, d) in arrays.iter().zip(data) {
-        if plan.size() <= EARLY && plan.uncut() >= SEGMENT {
-            cut(&mut plan, &mut free);
-        }
-        layouts.push(plan.column(*a, d.as_ref())?);
-        if plan.size() > EARLY {
-            // No more parts: the pool threads need not wait for the rest of the planning.
-            handoff.close();
-        }
-    }
-    let rest = match plan.size() <= EARLY {
-        true => {
-            if plan.uncut() > 0 {
-                cut(&mut plan, &mut free);
-            }
-            0..0
-        }
-        false => plan.cut(),
-    };
-    Ok((plan, layouts, parts, rest))
+) -> Vec<Arc<Part<'a>>> {
+    let end = plan.size().min(EARLY);
+    (0..end)
+        .step_by(SEGMENT)
+        .map(|start| {
+            let range = start..end.min(start + SEGMENT);
+            let (out, rest) = std::mem::take(&mut free).split_at_mut(range.len());
+            free = rest;
+            let part = Arc::new(Part::new(plan, range, out, times));
+            handoff.push(part.clone());
+            part
+        })
+        .collect()
 }
 
 /// Plain copies at least this large from pinned memory skip the staging.
