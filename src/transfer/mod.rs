@@ -1,10 +1,10 @@
 //! Copies of whole record batches between the host and a device.
 //!
 //! Host to device ([`htod`], [`htod_async`], [`htod_array`]): plan every buffer (64-byte aligned,
-//! only the bytes a slice views), pack the batch into pinned staging on the pool's threads (a small
-//! batch part by part while it is still being planned, a large one in chunks while the previous
-//! chunk's DMA runs), and issue as few DMAs as that allows into one device allocation; the device
-//! arrays are views of it.
+//! only the bytes a slice views), pack the batch into pinned staging (a small batch on the calling
+//! thread, a larger one on the pool's threads too, in parts sent as they are packed and then in
+//! chunks while the previous chunk's DMA runs), and issue as few DMAs as that allows into one
+//! device allocation; the device arrays are views of it.
 //!
 //! Device to host ([`dtoh`], [`dtoh_async`], [`dtoh_array`]): the buffers of each allocation are
 //! copied in one DMA per contiguous span into one pinned block, whose ranges become the arrow

@@ -2,9 +2,9 @@
 //!
 //! Every buffer is planned (see `plan`) into one device allocation and packed into pinned staging
 //! (see `pack`): a small batch on the calling thread, each piece sent as soon as it is packed; a
-//! larger one on the pool's threads, its first part by part while it is still being planned, the
-//! rest in chunks while the previous chunk's DMA runs. The device arrays are views of the
-//! allocation. A host-accessible destination is filled in place.
+//! larger one on the pool's threads and the calling thread, its first megabytes in parts sent as
+//! they are packed, the rest in chunks while the previous chunk's DMA runs. The device arrays are
+//! views of the allocation. A host-accessible destination is filled in place.
 
 use std::cell::OnceCell;
 use std::collections::VecDeque;
