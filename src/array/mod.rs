@@ -339,12 +339,21 @@ impl DeviceRecordBatch {
                 )));
             }
         }
-        Ok(DeviceRecordBatch {
+        Ok(Self::of_columns(schema, columns, num_rows, ready))
+    }
+
+    /// Assembles a batch of columns that match `schema` (types and count), each of `num_rows`
+    /// rows, all on one device: what [`DeviceRecordBatch::try_new`] checks, known by the caller
+    /// (the columns were built from the schema's fields).
+    pub(crate) fn of_columns(schema: SchemaRef, columns: Vec<DeviceArrayData>, num_rows: usize, ready: Event) -> Self {
+        debug_assert!(schema.fields().len() == columns.len());
+        debug_assert!(columns.iter().all(|c| c.len == num_rows));
+        DeviceRecordBatch {
             schema,
             columns: Arc::new(columns),
             num_rows,
             ready,
-        })
+        }
     }
 
     /// The schema, with its metadata.

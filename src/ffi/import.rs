@@ -1,14 +1,18 @@
 //! Zero-copy import of arrays and batches from the C Device Data Interface.
 //!
 //! The producer's struct is moved into an owner that every imported buffer shares; its release
-//! callback runs exactly once, when the last buffer drops. The structure (counts, lengths, offsets,
-//! pointers) is checked before anything is built; the sizes of string and binary data come from the
-//! last offset of each array, read after the producer's event, all of them at once (one gather
-//! kernel on a GPU, see `transfer::offsets`) while the arrays are built, with one synchronisation.
-//! Every imported buffer is a view of one allocation record that spans them all and owns the
-//! producer's struct.
+//! callback runs exactly once, when the last buffer drops. One walk checks the structure (counts,
+//! lengths, offsets, pointers) and builds the arrays where they end up; the sizes of string and
+//! binary data come from the last offset of each array, read after the producer's event, all of
+//! them at once (one gather kernel on a GPU, see `transfer::offsets`) with one synchronisation.
+//! Every imported buffer is a view of one allocation record that spans the address space and owns
+//! the producer's struct.
 
 use std::ffi::c_void;
+use std::mem::ManuallyDrop;
+use std::ptr;
+
+use smallvec::SmallVec;
 
 use arrow_schema::{DataType, SchemaRef, UnionMode};
 
@@ -34,51 +38,53 @@ const MAX_BUFFERS: usize = 4096;
 /// The producer's struct, released when dropped.
 struct Imported(#[allow(dead_code)] FFI_ArrowDeviceArray);
 
-/// The size of one buffer: known from the lengths, or read from the device.
-#[derive(Clone, Copy)]
-enum Size {
-    Bytes(usize),
-    /// The value of offset read number `n`.
-    LastOffset(usize),
-}
-
-#[derive(Clone, Copy)]
-struct Buf {
+/// A buffer whose size is an offset still to be read from the device: the child indices from the
+/// root to its array, which buffer of the array it is, its address, and the read whose value is
+/// its size.
+struct Late {
+    path: SmallVec<[usize; 4]>,
+    buffer: usize,
     ptr: u64,
-    size: Size,
+    read: usize,
 }
 
-/// An array as the walk finds it, built where it ends up (a parent's list of children): nodes are
-/// large, and a batch has hundreds.
-struct Node {
-    data_type: DataType,
-    len: usize,
-    offset: usize,
-    null_count: Option<usize>,
-    nulls: Option<Buf>,
-    buffers: smallvec::SmallVec<[Buf; 3]>,
-    children: Vec<Node>,
-}
-
-impl Node {
-    /// A node to be filled in by [`Walker::node`].
-    fn blank() -> Node {
-        Node {
-            data_type: DataType::Null,
-            len: 0,
-            offset: 0,
-            null_count: None,
-            nulls: None,
-            buffers: Default::default(),
-            children: Vec::new(),
+impl Late {
+    /// Puts the buffer, now that `offsets` are read, into its array of `root`.
+    fn resolve(&self, root: &mut DeviceArrayData, span: &DeviceBuffer, offsets: &[i64]) -> Result<()> {
+        let size = count(offsets[self.read], "last offset")?;
+        let mut array = root;
+        for &c in &self.path {
+            array = &mut array.children[c];
         }
+        array.buffers[self.buffer] = view(span, self.ptr, size)?;
+        Ok(())
     }
 }
 
-/// Walks a producer's struct, checking it and noting which offsets must be read.
-struct Walker {
+/// Walks a producer's struct, checking it and building its arrays as views of `span`. A buffer
+/// whose size is an offset on the device is left empty and noted in `late`, the offset in `reads`.
+struct Walker<'s> {
+    span: &'s DeviceBuffer,
     /// (address, width) of each offset to read.
     reads: Vec<(u64, usize)>,
+    late: Vec<Late>,
+    /// The child indices from the root to the array being walked.
+    path: SmallVec<[usize; 4]>,
+}
+
+/// An array to be filled in by [`Walker::node`], built where it ends up (a parent's list of
+/// children): arrays are large, and a batch has hundreds.
+fn blank() -> DeviceArrayData {
+    DeviceArrayData {
+        data_type: DataType::Null,
+        len: 0,
+        offset: 0,
+        null_count: None,
+        nulls: None,
+        buffers: Buffers::new(),
+        children: Vec::new(),
+        trusted: false,
+    }
 }
 
 /// An [`Error::InvalidData`] about a malformed struct.
@@ -115,15 +121,23 @@ struct Parts<'a> {
     ptrs: &'a [*const c_void],
     kids: &'a [*mut FFI_ArrowArray],
     depth: usize,
+    span: &'a DeviceBuffer,
 }
 
 impl<'a> Parts<'a> {
     /// Checks `a`'s counts and takes its buffer and child pointers, and starts its `node` (a
-    /// [`Node::blank`]: no buffers or children yet; the validity bitmap where the type has one).
+    /// [`blank`] one: no buffers or children yet; the validity bitmap, a view of `span`, where the
+    /// type has one).
     ///
     /// # Safety
     /// `a` must be a valid, unreleased `ArrowArray` whose pointers are valid per the spec.
-    unsafe fn of(a: &'a FFI_ArrowArray, dt: &'a DataType, depth: usize, node: &mut Node) -> Result<Parts<'a>> {
+    unsafe fn of(
+        a: &'a FFI_ArrowArray,
+        dt: &'a DataType,
+        depth: usize,
+        span: &'a DeviceBuffer,
+        node: &mut DeviceArrayData,
+    ) -> Result<Parts<'a>> {
         if depth > MAX_DEPTH {
             return Err(invalid(format!("nesting deeper than {MAX_DEPTH}")));
         }
@@ -166,6 +180,7 @@ impl<'a> Parts<'a> {
             ptrs,
             kids,
             depth,
+            span,
         };
         node.data_type = dt.clone();
         node.len = len;
@@ -176,7 +191,7 @@ impl<'a> Parts<'a> {
     }
 
     /// Takes the validity bitmap into `node`, for types that have a validity slot.
-    fn validity(&self, node: &mut Node) -> Result<()> {
+    fn validity(&self, node: &mut DeviceArrayData) -> Result<()> {
         let dt = self.data_type;
         if !has_validity(dt) {
             return Ok(());
@@ -193,7 +208,7 @@ impl<'a> Parts<'a> {
             }
             node.null_count = Some(0);
         } else {
-            node.nulls = Some(self.bytes(0, self.end.div_ceil(8)));
+            node.nulls = Some(self.bytes(0, self.end.div_ceil(8))?);
         }
         Ok(())
     }
@@ -211,25 +226,28 @@ impl<'a> Parts<'a> {
     }
 
     /// Buffer `i`, of `size` bytes.
-    fn bytes(&self, i: usize, size: usize) -> Buf {
-        Buf {
-            ptr: self.ptrs[i] as u64,
-            size: Size::Bytes(size),
-        }
+    fn bytes(&self, i: usize, size: usize) -> Result<DeviceBuffer> {
+        view(self.span, self.ptrs[i] as u64, size)
     }
 
     /// Buffer `i`, of one `width`-byte value per element.
-    fn values(&self, i: usize, width: usize) -> Result<Buf> {
-        Ok(self.bytes(i, byte_size(self.end, width)?))
+    fn values(&self, i: usize, width: usize) -> Result<DeviceBuffer> {
+        self.bytes(i, byte_size(self.end, width)?)
     }
 }
 
-impl Walker {
+impl Walker<'_> {
     /// # Safety
     /// `a` must be a valid, unreleased `ArrowArray` whose pointers are valid per the spec.
-    unsafe fn node(&mut self, a: &FFI_ArrowArray, dt: &DataType, depth: usize, node: &mut Node) -> Result<()> {
+    unsafe fn node(
+        &mut self,
+        a: &FFI_ArrowArray,
+        dt: &DataType,
+        depth: usize,
+        node: &mut DeviceArrayData,
+    ) -> Result<()> {
         // SAFETY: `a` is valid per the caller.
-        let p = unsafe { Parts::of(a, dt, depth, node)? };
+        let p = unsafe { Parts::of(a, dt, depth, self.span, node)? };
         match dt {
             DataType::List(_)
             | DataType::LargeList(_)
@@ -261,12 +279,14 @@ impl Walker {
         a: &FFI_ArrowArray,
         dt: &DataType,
         depth: usize,
-        parent: &mut Node,
+        parent: &mut DeviceArrayData,
     ) -> Result<usize> {
-        parent.children.push(Node::blank());
+        self.path.push(parent.children.len());
+        parent.children.push(blank());
         let slot = parent.children.last_mut().expect("a child was pushed");
         // SAFETY: forwarded from the caller.
         unsafe { self.node(a, dt, depth, slot)? };
+        self.path.pop();
         Ok(slot.len)
     }
 
@@ -275,7 +295,7 @@ impl Walker {
     ///
     /// # Safety
     /// `p` must come from a valid array ([`Parts::of`]).
-    unsafe fn child(&mut self, p: &Parts<'_>, i: usize, dt: &DataType, node: &mut Node) -> Result<usize> {
+    unsafe fn child(&mut self, p: &Parts<'_>, i: usize, dt: &DataType, node: &mut DeviceArrayData) -> Result<usize> {
         let c = p.kids[i];
         if c.is_null() {
             return Err(invalid(format!("child {i} is null")));
@@ -288,7 +308,7 @@ impl Walker {
     ///
     /// # Safety
     /// `p` must come from a valid array ([`Parts::of`]).
-    unsafe fn leaf(&mut self, p: &Parts<'_>, node: &mut Node) -> Result<()> {
+    unsafe fn leaf(&mut self, p: &Parts<'_>, node: &mut DeviceArrayData) -> Result<()> {
         let (dt, end, ptrs) = (p.data_type, p.end, p.ptrs);
         match dt {
             DataType::Null => {
@@ -297,7 +317,7 @@ impl Walker {
             }
             DataType::Boolean => {
                 p.expect(2, 0)?;
-                node.buffers.push(p.bytes(1, end.div_ceil(8)));
+                node.buffers.push(p.bytes(1, end.div_ceil(8))?);
             }
             DataType::FixedSizeBinary(w) => {
                 p.expect(2, 0)?;
@@ -312,15 +332,16 @@ impl Walker {
                     8
                 };
                 node.buffers.push(self.offsets(ptrs[1], end, w)?);
-                let data = if end == 0 && ptrs[1].is_null() {
-                    Size::Bytes(0)
-                } else {
-                    Size::LastOffset(self.reads.len() - 1)
-                };
-                node.buffers.push(Buf {
-                    ptr: ptrs[2] as u64,
-                    size: data,
-                });
+                if !(end == 0 && ptrs[1].is_null()) {
+                    // Its size is the last offset, read once the walk is done.
+                    self.late.push(Late {
+                        path: self.path.clone(),
+                        buffer: node.buffers.len(),
+                        ptr: ptrs[2] as u64,
+                        read: self.reads.len() - 1,
+                    });
+                }
+                node.buffers.push(view(self.span, ptrs[2] as u64, 0)?);
             }
             DataType::Utf8View | DataType::BinaryView => {
                 let (n_buffers, n_children) = (ptrs.len(), p.kids.len());
@@ -338,7 +359,7 @@ impl Walker {
                 for i in 0..data_buffers {
                     // SAFETY: the last buffer holds one host int64 per data buffer (spec).
                     let size = unsafe { sizes_ptr.add(i).read_unaligned() };
-                    node.buffers.push(p.bytes(2 + i, count(size, "view buffer size")?));
+                    node.buffers.push(p.bytes(2 + i, count(size, "view buffer size")?)?);
                 }
             }
             dt => {
@@ -356,20 +377,17 @@ impl Walker {
     ///
     /// # Safety
     /// `p` must come from a valid array ([`Parts::of`]).
-    unsafe fn list(&mut self, p: &Parts<'_>, node: &mut Node) -> Result<()> {
+    unsafe fn list(&mut self, p: &Parts<'_>, node: &mut DeviceArrayData) -> Result<()> {
         let (dt, end, ptrs) = (p.data_type, p.end, p.ptrs);
         match dt {
             DataType::List(f) | DataType::LargeList(f) | DataType::Map(f, _) => {
                 p.expect(2, 1)?;
                 let w = if matches!(dt, DataType::LargeList(_)) { 8 } else { 4 };
-                node.buffers.push(Buf {
-                    ptr: ptrs[1] as u64,
-                    size: Size::Bytes(if end == 0 && ptrs[1].is_null() {
-                        0
-                    } else {
-                        (end + 1) * w
-                    }),
-                });
+                let size = match end == 0 && ptrs[1].is_null() {
+                    true => 0,
+                    false => byte_size(end + 1, w)?,
+                };
+                node.buffers.push(p.bytes(1, size)?);
                 // SAFETY: `p` is valid per the caller.
                 unsafe { self.child(p, 0, f.data_type(), node)? };
             }
@@ -405,12 +423,12 @@ impl Walker {
     ///
     /// # Safety
     /// `p` must come from a valid array ([`Parts::of`]).
-    unsafe fn composite(&mut self, p: &Parts<'_>, node: &mut Node) -> Result<()> {
+    unsafe fn composite(&mut self, p: &Parts<'_>, node: &mut DeviceArrayData) -> Result<()> {
         let (dt, end) = (p.data_type, p.end);
         match dt {
             DataType::Struct(fields) => {
                 p.expect(1, fields.len())?;
-                // Nodes are large: a batch's hundreds of columns would be moved at every growth.
+                // Arrays are large: a batch's hundreds of columns would be moved at every growth.
                 node.children.reserve_exact(fields.len());
                 for (i, f) in fields.iter().enumerate() {
                     // SAFETY: `p` is valid per the caller.
@@ -426,7 +444,7 @@ impl Walker {
             DataType::Union(fields, mode) => {
                 let dense = matches!(mode, UnionMode::Dense);
                 p.expect(if dense { 2 } else { 1 }, fields.len())?;
-                node.buffers.push(p.bytes(0, end));
+                node.buffers.push(p.bytes(0, end)?);
                 if dense {
                     node.buffers.push(p.values(1, 4)?);
                 }
@@ -468,29 +486,22 @@ impl Walker {
     }
 
     /// An offsets buffer of `end + 1` elements of `w` bytes; notes the last one for reading.
-    fn offsets(&mut self, ptr: *const c_void, end: usize, w: usize) -> Result<Buf> {
+    fn offsets(&mut self, ptr: *const c_void, end: usize, w: usize) -> Result<DeviceBuffer> {
         if ptr.is_null() {
-            return if end == 0 {
-                Ok(Buf {
-                    ptr: 0,
-                    size: Size::Bytes(0),
-                })
-            } else {
-                Err(invalid("null offsets buffer"))
+            return match end {
+                0 => view(self.span, 0, 0),
+                _ => Err(invalid("null offsets buffer")),
             };
         }
-        let size = (end + 1) * w;
+        let size = byte_size(end + 1, w)?;
         let last = buffer_end(ptr as u64, size)? - w as u64;
         self.reads.push((last, w));
-        Ok(Buf {
-            ptr: ptr as u64,
-            size: Size::Bytes(size),
-        })
+        view(self.span, ptr as u64, size)
     }
 }
 
-/// The view of `size` bytes at `ptr` of the import's `span` (which starts at its lowest buffer,
-/// see [`lowest`]); an empty buffer with a null pointer views the span's first byte.
+/// The view of `size` bytes at `ptr` of the import's `span` (which starts at [`ALIGNMENT`]); an
+/// empty buffer with a null pointer views the span's first byte, an aligned non-null address.
 fn view(span: &DeviceBuffer, ptr: u64, size: usize) -> Result<DeviceBuffer> {
     if ptr == 0 {
         return match size {
@@ -499,90 +510,10 @@ fn view(span: &DeviceBuffer, ptr: u64, size: usize) -> Result<DeviceBuffer> {
         };
     }
     buffer_end(ptr, size)?;
-    span.slice((ptr - span.address()) as usize, size)
-}
-
-/// The lowest non-null buffer pointer of `node`'s tree.
-fn lowest(node: &Node) -> Option<u64> {
-    let own = node
-        .nulls
-        .iter()
-        .chain(&node.buffers)
-        .map(|b| b.ptr)
-        .filter(|&p| p != 0);
-    own.chain(node.children.iter().filter_map(lowest)).min()
-}
-
-/// A buffer whose size is an offset still being read when the arrays are built: the child
-/// indices from the root to its array, which buffer of the array it is, its address, and the
-/// read whose value is its size.
-struct Late {
-    path: smallvec::SmallVec<[usize; 4]>,
-    buffer: usize,
-    ptr: u64,
-    read: usize,
-}
-
-impl Late {
-    /// Puts the buffer, now that `offsets` are read, into its array of `root`.
-    fn resolve(&self, root: &mut DeviceArrayData, span: &DeviceBuffer, offsets: &[i64]) -> Result<()> {
-        let size = count(offsets[self.read], "last offset")?;
-        let mut array = root;
-        for &c in &self.path {
-            array = &mut array.children[c];
-        }
-        array.buffers[self.buffer] = view(span, self.ptr, size)?;
-        Ok(())
-    }
-}
-
-/// The device array of `node` (at `path` from the root), its buffers views of `span`; the
-/// buffers whose sizes are being read are noted in `late` and left empty.
-fn build(
-    node: &Node,
-    span: &DeviceBuffer,
-    path: &mut smallvec::SmallVec<[usize; 4]>,
-    late: &mut Vec<Late>,
-) -> Result<DeviceArrayData> {
-    let mut buffers = Buffers::with_capacity(node.buffers.len());
-    for (i, b) in node.buffers.iter().enumerate() {
-        buffers.push(match b.size {
-            Size::Bytes(size) => view(span, b.ptr, size)?,
-            Size::LastOffset(read) => {
-                late.push(Late {
-                    path: path.clone(),
-                    buffer: i,
-                    ptr: b.ptr,
-                    read,
-                });
-                span.slice(0, 0)?
-            }
-        });
-    }
-    let nulls = match node.nulls {
-        Some(Buf {
-            ptr,
-            size: Size::Bytes(size),
-        }) => Some(view(span, ptr, size)?),
-        Some(_) => return Err(invalid("a validity bitmap of unknown size")),
-        None => None,
-    };
-    let mut children = Vec::with_capacity(node.children.len());
-    for (i, c) in node.children.iter().enumerate() {
-        path.push(i);
-        children.push(build(c, span, path, late)?);
-        path.pop();
-    }
-    Ok(DeviceArrayData {
-        data_type: node.data_type.clone(),
-        len: node.len,
-        offset: node.offset,
-        null_count: node.null_count,
-        nulls,
-        buffers,
-        children,
-        trusted: false,
-    })
+    let at = ptr
+        .checked_sub(span.address())
+        .ok_or_else(|| invalid(format!("buffer pointer {ptr:#x}: no memory lies there")))?;
+    span.slice(at as usize, size)
 }
 
 /// Imports an array of `data_type` without copying. Work issued later on `stream` waits for the
@@ -608,29 +539,36 @@ pub unsafe fn import_array(
     laps.lap("import.device");
     let ready = wait_for_producer(&array, device, &stream)?;
     laps.lap("import.wait");
-    let mut walker = Walker { reads: vec![] };
-    let mut node = Node::blank();
-    // SAFETY: valid per the caller.
-    unsafe { walker.node(&array.array, data_type, 0, &mut node)? };
-    laps.lap("import.walk");
-    // The span runs from the lowest buffer to the end of the address space: the sizes of string
-    // data are not known yet, and only views of buffers are handed out.
-    let lo = lowest(&node).unwrap_or(ALIGNMENT as u64);
+    // The walk reads a copy of the root struct (never released: its release is the original's),
+    // while the span owns the original.
+    // SAFETY: a plain read of a valid struct; the copy's pointers stay valid until the original
+    // is released.
+    let root = ManuallyDrop::new(unsafe { ptr::read(&array.array) });
+    // Only views of the producer's buffers are handed out, wherever in the address space they lie.
     // SAFETY: the producer guarantees each buffer's bytes on `device` until release, which the
     // span's owner defers until the last view drops.
     let span = DeviceBuffer::from_allocation(unsafe {
-        Allocation::spanning(lo, (u64::MAX - lo) as usize, device, Box::new(Imported(array)))
+        Allocation::spanning(
+            ALIGNMENT as u64,
+            (u64::MAX - ALIGNMENT as u64) as usize,
+            device,
+            Box::new(Imported(array)),
+        )
     });
-    // The sizes of string data are read while the arrays are built. Declared after `span`: if
-    // this returns early, the read is waited for before the producer is released.
+    let mut walker = Walker {
+        span: &span,
+        reads: Vec::new(),
+        late: Vec::new(),
+        path: SmallVec::new(),
+    };
+    let mut data = blank();
+    // SAFETY: valid per the caller, until `span` drops.
+    unsafe { walker.node(&root, data_type, 0, &mut data)? };
+    laps.lap("import.walk");
     // SAFETY: the reads are elements of offsets buffers, valid per the caller until `span` drops.
-    let offsets = unsafe { start_reading(&walker.reads, device, &stream)? };
-    let mut late = Vec::new();
-    let mut data = build(&node, &span, &mut smallvec::SmallVec::new(), &mut late)?;
-    laps.lap("import.build");
-    let offsets = offsets.wait()?;
+    let offsets = unsafe { start_reading(&walker.reads, device, &stream)? }.wait()?;
     laps.lap("import.offsets");
-    for l in &late {
+    for l in &walker.late {
         l.resolve(&mut data, &span, &offsets)?;
     }
     laps.lap("import.sizes");
@@ -673,17 +611,16 @@ pub(crate) unsafe fn import_batch_of(
     }
     // Columns that are the struct's whole children are taken as they are, others cut to its window.
     let (offset, len) = (data.offset, data.len);
-    let columns = data
-        .children
-        .into_iter()
-        .map(|c| match offset == 0 && c.len == len {
-            true => Ok(c),
-            false => c.slice(offset, len),
-        })
-        .collect::<Result<_>>()?;
-    let batch = DeviceRecordBatch::try_new(schema, columns, data.len, ready);
+    let mut columns = data.children;
+    for c in &mut columns {
+        if offset != 0 || c.len != len {
+            *c = c.slice(offset, len)?;
+        }
+    }
+    // The walk built each column from its field, every buffer a view of one span on one device.
+    let batch = DeviceRecordBatch::of_columns(schema, columns, len, ready);
     laps.lap("import.batch");
-    batch
+    Ok(batch)
 }
 
 /// Makes `stream` wait for the producer's event (the host, for host-accessible memory or the CPU
