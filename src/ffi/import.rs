@@ -2,15 +2,13 @@
 //!
 //! The producer's struct is moved into an owner that every imported buffer shares; its release
 //! callback runs exactly once, when the last buffer drops. One walk checks the structure (counts,
-//! lengths, offsets, pointers) and builds the arrays where they end up; the sizes of string and
-//! binary data come from the last offset of each array, read after the producer's event, all of
-//! them at once (one gather kernel on a GPU, see `transfer::offsets`) with one synchronisation.
-//! Every imported buffer is a view of one allocation record that spans the address space and owns
-//! the producer's struct.
+//! lengths, offsets, pointers), builds the arrays where they end up and notes their buffers; the
+//! sizes of string and binary data come from the last offset of each array, read after the
+//! producer's event, all of them at once (one gather kernel on a GPU, see `transfer::offsets`)
+//! while the buffers' views are made, with one synchronisation. Every imported buffer is a view of
+//! one allocation record that spans the address space and owns the producer's struct.
 
 use std::ffi::c_void;
-use std::mem::ManuallyDrop;
-use std::ptr;
 
 use smallvec::SmallVec;
 
@@ -61,15 +59,29 @@ impl Late {
     }
 }
 
-/// Walks a producer's struct, checking it and building its arrays as views of `span`. A buffer
-/// whose size is an offset on the device is left empty and noted in `late`, the offset in `reads`.
-struct Walker<'s> {
-    span: &'s DeviceBuffer,
+/// A buffer as the walk notes it, for [`attach`] to make its view: each array's, in the order of
+/// the walk (an array's own, then those of its children).
+#[derive(Clone, Copy)]
+enum Slot {
+    /// The array's validity bitmap.
+    Nulls { ptr: u64, size: usize },
+    /// Its next buffer.
+    Bytes { ptr: u64, size: usize },
+    /// Its next buffer, whose size is the value of offset read number `read`.
+    LastOffset { ptr: u64, read: usize },
+    /// The end of the array's own buffers.
+    End,
+}
+
+/// Walks a producer's struct, checking it, building its arrays without their buffers and noting
+/// those in `slots`, and the offsets to read from the device (string and binary sizes) in `reads`.
+#[derive(Default)]
+struct Walker {
     /// (address, width) of each offset to read.
     reads: Vec<(u64, usize)>,
-    late: Vec<Late>,
-    /// The child indices from the root to the array being walked.
-    path: SmallVec<[usize; 4]>,
+    slots: Vec<Slot>,
+    /// Whether the array being walked has not yet ended its own buffers' slots.
+    open: bool,
 }
 
 /// An array to be filled in by [`Walker::node`], built where it ends up (a parent's list of
@@ -121,13 +133,11 @@ struct Parts<'a> {
     ptrs: &'a [*const c_void],
     kids: &'a [*mut FFI_ArrowArray],
     depth: usize,
-    span: &'a DeviceBuffer,
 }
 
 impl<'a> Parts<'a> {
     /// Checks `a`'s counts and takes its buffer and child pointers, and starts its `node` (a
-    /// [`blank`] one: no buffers or children yet; the validity bitmap, a view of `span`, where the
-    /// type has one).
+    /// [`blank`] one: no buffers or children yet).
     ///
     /// # Safety
     /// `a` must be a valid, unreleased `ArrowArray` whose pointers are valid per the spec.
@@ -135,7 +145,6 @@ impl<'a> Parts<'a> {
         a: &'a FFI_ArrowArray,
         dt: &'a DataType,
         depth: usize,
-        span: &'a DeviceBuffer,
         node: &mut DeviceArrayData,
     ) -> Result<Parts<'a>> {
         if depth > MAX_DEPTH {
@@ -180,21 +189,19 @@ impl<'a> Parts<'a> {
             ptrs,
             kids,
             depth,
-            span,
         };
         node.data_type = dt.clone();
         node.len = len;
         node.offset = offset;
         node.null_count = null_count;
-        parts.validity(node)?;
         Ok(parts)
     }
 
-    /// Takes the validity bitmap into `node`, for types that have a validity slot.
-    fn validity(&self, node: &mut DeviceArrayData) -> Result<()> {
+    /// The validity bitmap of `node`, for types that have a validity slot and a bitmap in it.
+    fn validity(&self, node: &mut DeviceArrayData) -> Result<Option<Slot>> {
         let dt = self.data_type;
         if !has_validity(dt) {
-            return Ok(());
+            return Ok(None);
         }
         let Some(bitmap) = self.ptrs.first() else {
             return Err(invalid(format!("{dt} array without a validity buffer slot")));
@@ -207,10 +214,12 @@ impl<'a> Parts<'a> {
                 )));
             }
             node.null_count = Some(0);
-        } else {
-            node.nulls = Some(self.bytes(0, self.end.div_ceil(8))?);
+            return Ok(None);
         }
-        Ok(())
+        Ok(Some(Slot::Nulls {
+            ptr: *bitmap as u64,
+            size: self.end.div_ceil(8),
+        }))
     }
 
     /// Checks that the array has `buffers` buffers and `children` children.
@@ -226,17 +235,20 @@ impl<'a> Parts<'a> {
     }
 
     /// Buffer `i`, of `size` bytes.
-    fn bytes(&self, i: usize, size: usize) -> Result<DeviceBuffer> {
-        view(self.span, self.ptrs[i] as u64, size)
+    fn bytes(&self, i: usize, size: usize) -> Slot {
+        Slot::Bytes {
+            ptr: self.ptrs[i] as u64,
+            size,
+        }
     }
 
     /// Buffer `i`, of one `width`-byte value per element.
-    fn values(&self, i: usize, width: usize) -> Result<DeviceBuffer> {
-        self.bytes(i, byte_size(self.end, width)?)
+    fn values(&self, i: usize, width: usize) -> Result<Slot> {
+        Ok(self.bytes(i, byte_size(self.end, width)?))
     }
 }
 
-impl Walker<'_> {
+impl Walker {
     /// # Safety
     /// `a` must be a valid, unreleased `ArrowArray` whose pointers are valid per the spec.
     unsafe fn node(
@@ -247,7 +259,11 @@ impl Walker<'_> {
         node: &mut DeviceArrayData,
     ) -> Result<()> {
         // SAFETY: `a` is valid per the caller.
-        let p = unsafe { Parts::of(a, dt, depth, self.span, node)? };
+        let p = unsafe { Parts::of(a, dt, depth, node)? };
+        self.open = true;
+        if let Some(bitmap) = p.validity(node)? {
+            self.slots.push(bitmap);
+        }
         match dt {
             DataType::List(_)
             | DataType::LargeList(_)
@@ -256,16 +272,26 @@ impl Walker<'_> {
             | DataType::LargeListView(_)
             | DataType::FixedSizeList(..) => {
                 // SAFETY: `p` is `a`'s, valid per the caller.
-                unsafe { self.list(&p, node) }
+                unsafe { self.list(&p, node)? }
             }
             DataType::Struct(_) | DataType::Union(..) | DataType::Dictionary(..) | DataType::RunEndEncoded(..) => {
                 // SAFETY: as above.
-                unsafe { self.composite(&p, node) }
+                unsafe { self.composite(&p, node)? }
             }
             _ => {
                 // SAFETY: as above.
-                unsafe { self.leaf(&p, node) }
+                unsafe { self.leaf(&p, node)? }
             }
+        }
+        self.end_slots();
+        Ok(())
+    }
+
+    /// Ends the slots of the array being walked, once: before the slots of its first child, or
+    /// when it has no children.
+    fn end_slots(&mut self) {
+        if std::mem::take(&mut self.open) {
+            self.slots.push(Slot::End);
         }
     }
 
@@ -281,13 +307,12 @@ impl Walker<'_> {
         depth: usize,
         parent: &mut DeviceArrayData,
     ) -> Result<usize> {
-        self.path.push(parent.children.len());
+        self.end_slots();
         parent.children.push(blank());
-        let slot = parent.children.last_mut().expect("a child was pushed");
+        let child = parent.children.last_mut().expect("a child was pushed");
         // SAFETY: forwarded from the caller.
-        unsafe { self.node(a, dt, depth, slot)? };
-        self.path.pop();
-        Ok(slot.len)
+        unsafe { self.node(a, dt, depth, child)? };
+        Ok(child.len)
     }
 
     /// Walks child `i` of `p`'s array, of type `dt`, into a new last child of `node`; returns
@@ -317,12 +342,12 @@ impl Walker<'_> {
             }
             DataType::Boolean => {
                 p.expect(2, 0)?;
-                node.buffers.push(p.bytes(1, end.div_ceil(8))?);
+                self.slots.push(p.bytes(1, end.div_ceil(8)));
             }
             DataType::FixedSizeBinary(w) => {
                 p.expect(2, 0)?;
                 // Not negative: `import_array` checked the type.
-                node.buffers.push(p.values(1, *w as usize)?);
+                self.slots.push(p.values(1, *w as usize)?);
             }
             DataType::Utf8 | DataType::Binary | DataType::LargeUtf8 | DataType::LargeBinary => {
                 p.expect(3, 0)?;
@@ -331,17 +356,16 @@ impl Walker<'_> {
                 } else {
                     8
                 };
-                node.buffers.push(self.offsets(ptrs[1], end, w)?);
-                if !(end == 0 && ptrs[1].is_null()) {
-                    // Its size is the last offset, read once the walk is done.
-                    self.late.push(Late {
-                        path: self.path.clone(),
-                        buffer: node.buffers.len(),
-                        ptr: ptrs[2] as u64,
+                let offsets = self.offsets(ptrs[1], end, w)?;
+                self.slots.push(offsets);
+                let ptr = ptrs[2] as u64;
+                self.slots.push(match end == 0 && ptrs[1].is_null() {
+                    true => Slot::Bytes { ptr, size: 0 },
+                    false => Slot::LastOffset {
+                        ptr,
                         read: self.reads.len() - 1,
-                    });
-                }
-                node.buffers.push(view(self.span, ptrs[2] as u64, 0)?);
+                    },
+                });
             }
             DataType::Utf8View | DataType::BinaryView => {
                 let (n_buffers, n_children) = (ptrs.len(), p.kids.len());
@@ -355,11 +379,11 @@ impl Walker<'_> {
                 if sizes_ptr.is_null() && data_buffers > 0 {
                     return Err(invalid("view array without its buffer sizes"));
                 }
-                node.buffers.push(p.values(1, 16)?);
+                self.slots.push(p.values(1, 16)?);
                 for i in 0..data_buffers {
                     // SAFETY: the last buffer holds one host int64 per data buffer (spec).
                     let size = unsafe { sizes_ptr.add(i).read_unaligned() };
-                    node.buffers.push(p.bytes(2 + i, count(size, "view buffer size")?)?);
+                    self.slots.push(p.bytes(2 + i, count(size, "view buffer size")?));
                 }
             }
             dt => {
@@ -367,7 +391,7 @@ impl Walker<'_> {
                     .primitive_width()
                     .ok_or_else(|| Error::Unsupported(format!("import of {dt}")))?;
                 p.expect(2, 0)?;
-                node.buffers.push(p.values(1, w)?);
+                self.slots.push(p.values(1, w)?);
             }
         }
         Ok(())
@@ -387,15 +411,15 @@ impl Walker<'_> {
                     true => 0,
                     false => byte_size(end + 1, w)?,
                 };
-                node.buffers.push(p.bytes(1, size)?);
+                self.slots.push(p.bytes(1, size));
                 // SAFETY: `p` is valid per the caller.
                 unsafe { self.child(p, 0, f.data_type(), node)? };
             }
             DataType::ListView(f) | DataType::LargeListView(f) => {
                 p.expect(3, 1)?;
                 let w = if matches!(dt, DataType::ListView(_)) { 4 } else { 8 };
-                node.buffers.push(p.values(1, w)?);
-                node.buffers.push(p.values(2, w)?);
+                self.slots.push(p.values(1, w)?);
+                self.slots.push(p.values(2, w)?);
                 // SAFETY: as above.
                 unsafe { self.child(p, 0, f.data_type(), node)? };
             }
@@ -444,9 +468,9 @@ impl Walker<'_> {
             DataType::Union(fields, mode) => {
                 let dense = matches!(mode, UnionMode::Dense);
                 p.expect(if dense { 2 } else { 1 }, fields.len())?;
-                node.buffers.push(p.bytes(0, end)?);
+                self.slots.push(p.bytes(0, end));
                 if dense {
-                    node.buffers.push(p.values(1, 4)?);
+                    self.slots.push(p.values(1, 4)?);
                 }
                 node.children.reserve_exact(fields.len());
                 for (i, (_, f)) in fields.iter().enumerate() {
@@ -465,7 +489,7 @@ impl Walker<'_> {
                     .primitive_width()
                     .filter(|_| key.is_dictionary_key_type())
                     .ok_or_else(|| invalid(format!("dictionary key {key}")))?;
-                node.buffers.push(p.values(1, w)?);
+                self.slots.push(p.values(1, w)?);
                 let dictionary = p.array.dictionary;
                 if dictionary.is_null() {
                     return Err(invalid("dictionary array without a dictionary"));
@@ -486,17 +510,18 @@ impl Walker<'_> {
     }
 
     /// An offsets buffer of `end + 1` elements of `w` bytes; notes the last one for reading.
-    fn offsets(&mut self, ptr: *const c_void, end: usize, w: usize) -> Result<DeviceBuffer> {
-        if ptr.is_null() {
+    fn offsets(&mut self, ptr: *const c_void, end: usize, w: usize) -> Result<Slot> {
+        let ptr = ptr as u64;
+        if ptr == 0 {
             return match end {
-                0 => view(self.span, 0, 0),
+                0 => Ok(Slot::Bytes { ptr, size: 0 }),
                 _ => Err(invalid("null offsets buffer")),
             };
         }
         let size = byte_size(end + 1, w)?;
-        let last = buffer_end(ptr as u64, size)? - w as u64;
+        let last = buffer_end(ptr, size)? - w as u64;
         self.reads.push((last, w));
-        view(self.span, ptr as u64, size)
+        Ok(Slot::Bytes { ptr, size })
     }
 }
 
@@ -514,6 +539,40 @@ fn view(span: &DeviceBuffer, ptr: u64, size: usize) -> Result<DeviceBuffer> {
         .checked_sub(span.address())
         .ok_or_else(|| invalid(format!("buffer pointer {ptr:#x}: no memory lies there")))?;
     span.slice(at as usize, size)
+}
+
+/// Gives `node` and the arrays below it their buffers, views of `span`, from the walk's `slots`
+/// (see [`Slot`]); `path` leads from the root to `node`. A buffer whose size is still being read
+/// is left empty and noted in `late`.
+fn attach(
+    node: &mut DeviceArrayData,
+    slots: &mut std::slice::Iter<'_, Slot>,
+    span: &DeviceBuffer,
+    path: &mut SmallVec<[usize; 4]>,
+    late: &mut Vec<Late>,
+) -> Result<()> {
+    for slot in slots.by_ref() {
+        match *slot {
+            Slot::Nulls { ptr, size } => node.nulls = Some(view(span, ptr, size)?),
+            Slot::Bytes { ptr, size } => node.buffers.push(view(span, ptr, size)?),
+            Slot::LastOffset { ptr, read } => {
+                late.push(Late {
+                    path: path.clone(),
+                    buffer: node.buffers.len(),
+                    ptr,
+                    read,
+                });
+                node.buffers.push(span.slice(0, 0)?);
+            }
+            Slot::End => break,
+        }
+    }
+    for (i, child) in node.children.iter_mut().enumerate() {
+        path.push(i);
+        attach(child, slots, span, path, late)?;
+        path.pop();
+    }
+    Ok(())
 }
 
 /// Imports an array of `data_type` without copying. Work issued later on `stream` waits for the
@@ -539,11 +598,11 @@ pub unsafe fn import_array(
     laps.lap("import.device");
     let ready = wait_for_producer(&array, device, &stream)?;
     laps.lap("import.wait");
-    // The walk reads a copy of the root struct (never released: its release is the original's),
-    // while the span owns the original.
-    // SAFETY: a plain read of a valid struct; the copy's pointers stay valid until the original
-    // is released.
-    let root = ManuallyDrop::new(unsafe { ptr::read(&array.array) });
+    let mut walker = Walker::default();
+    let mut data = blank();
+    // SAFETY: valid per the caller.
+    unsafe { walker.node(&array.array, data_type, 0, &mut data)? };
+    laps.lap("import.walk");
     // Only views of the producer's buffers are handed out, wherever in the address space they lie.
     // SAFETY: the producer guarantees each buffer's bytes on `device` until release, which the
     // span's owner defers until the last view drops.
@@ -555,20 +614,23 @@ pub unsafe fn import_array(
             Box::new(Imported(array)),
         )
     });
-    let mut walker = Walker {
-        span: &span,
-        reads: Vec::new(),
-        late: Vec::new(),
-        path: SmallVec::new(),
-    };
-    let mut data = blank();
-    // SAFETY: valid per the caller, until `span` drops.
-    unsafe { walker.node(&root, data_type, 0, &mut data)? };
-    laps.lap("import.walk");
+    // The sizes of string data are read while the views are made. Declared after `span`: if this
+    // returns early, the read is waited for before the producer is released.
     // SAFETY: the reads are elements of offsets buffers, valid per the caller until `span` drops.
-    let offsets = unsafe { start_reading(&walker.reads, device, &stream)? }.wait()?;
+    let offsets = unsafe { start_reading(&walker.reads, device, &stream)? };
+    laps.lap("import.gather");
+    let mut late = Vec::new();
+    attach(
+        &mut data,
+        &mut walker.slots.iter(),
+        &span,
+        &mut SmallVec::new(),
+        &mut late,
+    )?;
+    laps.lap("import.views");
+    let offsets = offsets.wait()?;
     laps.lap("import.offsets");
-    for l in &walker.late {
+    for l in &late {
         l.resolve(&mut data, &span, &offsets)?;
     }
     laps.lap("import.sizes");
