@@ -53,10 +53,30 @@ pub(crate) fn nvrtc_available() -> Result<()> {
 /// life of the process: [`Error::Unsupported`] where NVRTC is unusable ([`nvrtc_available`]) or
 /// rejects the source.
 pub(crate) fn function(ctx: &Arc<CudaContext>, source: &str, name: &str) -> Result<CudaFunction> {
-    module(ctx, source)?
+    static CACHE: OnceLock<FunctionCache> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    let key = (ctx.ordinal(), source.as_ptr() as usize);
+    let lock = || cache.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(loaded) = lock().get(&key)
+        && let Some((.., f)) = loaded.iter().find(|(s, n, _)| **n == *name && **s == *source)
+    {
+        return Ok(f.clone());
+    }
+    let f = module(ctx, source)?
         .load_function(name)
-        .map_err(Error::driver("cuModuleGetFunction"))
+        .map_err(Error::driver("cuModuleGetFunction"))?;
+    let mut cache = lock();
+    let loaded = cache.entry(key).or_default();
+    // Functions of another source that lay at this address are not asked for again.
+    loaded.retain(|(s, ..)| **s == *source);
+    loaded.push((source.into(), name.into(), f.clone()));
+    Ok(f)
 }
+
+/// Functions loaded, by device ordinal and the address of their source, each with the source and
+/// name it was loaded for: a lookup hashes no source text (kilobytes, hashed by the module cache)
+/// and compares the source's bytes, so another source at a reused address is never mistaken for it.
+type FunctionCache = Mutex<HashMap<(usize, usize), Vec<(Box<str>, Box<str>, CudaFunction)>>>;
 
 /// Compiled modules, per device ordinal and source (looked up without copying the source).
 type ModuleCache = Mutex<HashMap<usize, HashMap<String, Arc<CudaModule>>>>;
@@ -141,4 +161,43 @@ pub(crate) fn launch_shared(
     // the kernel indexes.
     unsafe { b.launch(cfg) }.map_err(Error::driver("cuLaunchKernel"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use cudarc::driver::DevicePtr;
+
+    use super::*;
+
+    /// A function is found again by its source's address only where the source there is the same
+    /// text: a kernel written over another at the same address is compiled and loaded as its own.
+    #[test]
+    fn a_source_at_a_reused_address_gets_its_own_function() {
+        if nvrtc_available().is_err() {
+            assert!(
+                !std::path::Path::new("/dev/nvidia0").exists(),
+                "this machine has a GPU but cannot compile kernels"
+            );
+            eprintln!("skipped: no CUDA device");
+            return;
+        }
+        let ctx = CudaContext::new(0).unwrap();
+        let stream = ctx.default_stream();
+        let out = stream.alloc_zeros::<u64>(1).unwrap();
+        let mut source = String::with_capacity(256);
+        for value in [7u64, 9, 7] {
+            source.clear();
+            source.push_str(&format!(
+                "extern \"C\" __global__ void put(unsigned long long* out) {{ *out = {value}ULL; }}"
+            ));
+            let address = source.as_ptr();
+            let f = function(&ctx, &source, "put").unwrap();
+            assert_eq!(source.as_ptr(), address, "the source stays where it was");
+            {
+                let (ptr, _sync) = out.device_ptr(&stream);
+                launch(&stream, &f, 1, 1, &[ptr]).unwrap();
+            }
+            assert_eq!(stream.clone_dtoh(&out).unwrap(), vec![value]);
+        }
+    }
 }
