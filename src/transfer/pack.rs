@@ -296,6 +296,19 @@ mod tests {
         }
     }
 
+    /// `plan` cut into parts of `segment` bytes, each packed into its share of `staging`.
+    fn parts_of<'a>(plan: &'a Plan<'a>, segment: usize, mut staging: &'a mut [u8]) -> Vec<Arc<Part<'a>>> {
+        (0..plan.size())
+            .step_by(segment)
+            .map(|start| {
+                let range = start..plan.size().min(start + segment);
+                let (out, rest) = std::mem::take(&mut staging).split_at_mut(range.len());
+                staging = rest;
+                Arc::new(Part::new(plan, range, out, None))
+            })
+            .collect()
+    }
+
     /// Parts of a plan at any multiple of 64 bytes (cutting bitmaps, rebased offsets and copies
     /// anywhere), each packed into its own staging, hold exactly the bytes the whole plan fills,
     /// the gaps between buffers included.
@@ -319,42 +332,18 @@ mod tests {
         let mut whole = vec![0xAAu8; plan.size()];
         plan.fill(0, &mut whole);
         for segment in [64, 128, 192, 640, 4096] {
-            let ranges: Vec<Range<usize>> = (0..plan.size())
-                .step_by(segment)
-                .map(|start| start..plan.size().min(start + segment))
-                .collect();
             let mut staging = vec![0x55u8; plan.size()];
-            let mut free = staging.as_mut_slice();
-            let parts: Vec<Arc<Part<'_>>> = ranges
-                .iter()
-                .map(|range| {
-                    let (out, rest) = std::mem::take(&mut free).split_at_mut(range.len());
-                    free = rest;
-                    Arc::new(Part::new(&plan, range.clone(), out, None))
-                })
-                .collect();
-            for (part, range) in parts.iter().zip(&ranges) {
-                assert_eq!(&part.range(), range);
+            let parts = parts_of(&plan, segment, &mut staging);
+            for (i, part) in parts.iter().enumerate() {
+                assert_eq!(part.range(), i * segment..plan.size().min((i + 1) * segment));
                 assert!(!part.is_packed());
                 part.pack();
             }
             drop(parts);
             assert!(staging == whole, "parts of {segment} bytes");
         }
-        let ranges: Vec<Range<usize>> = (0..plan.size())
-            .step_by(256)
-            .map(|start| start..plan.size().min(start + 256))
-            .collect();
         let mut staging = vec![0x55u8; plan.size()];
-        let mut free = staging.as_mut_slice();
-        let parts: Vec<Arc<Part<'_>>> = ranges
-            .iter()
-            .map(|range| {
-                let (out, rest) = std::mem::take(&mut free).split_at_mut(range.len());
-                free = rest;
-                Arc::new(Part::new(&plan, range.clone(), out, None))
-            })
-            .collect();
+        let parts = parts_of(&plan, 256, &mut staging);
         // A packed part stays packed while another thread holds it to find it packed (an upload
         // once read such a moment as "not packed" and left the part unsent).
         parts[0].pack();
