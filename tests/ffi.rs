@@ -793,6 +793,30 @@ fn released_structs_are_refused() {
     });
 }
 
+/// Empty buffers may point anywhere that is not null (Rust producers hand out dangling pointers
+/// such as `0x1` and `0x8`); they import as empty views, and a null one takes an aligned address.
+#[test]
+fn empty_buffers_at_any_address_import() {
+    let cases: [(ArrayRef, usize, u64); 3] = [
+        (Arc::new(Int64Array::from(Vec::<i64>::new())), 1, 0x8),
+        (Arc::new(StringArray::from(Vec::<&str>::new())), 2, 0x1),
+        (Arc::new(StringArray::from(Vec::<&str>::new())), 2, 0),
+    ];
+    for (array, slot, address) in cases {
+        let what = format!("{} with buffer {slot} at {address:#x}", array.data_type());
+        let ffi = exported(array.as_ref());
+        // SAFETY: both types have more than `slot` buffers.
+        unsafe { *buffer_slot(&ffi.array, slot) = address as *const c_void };
+        let data = import(ffi, array.data_type()).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let buffer = &data.buffers()[slot - 1];
+        assert!(buffer.is_empty(), "{what}");
+        let expected = if address == 0 { 64 } else { address };
+        assert_eq!(buffer.address(), expected, "{what}");
+        let back = dtoh_array(&data, &Stream::cpu()).unwrap_or_else(|e| panic!("{what}: {e}"));
+        check_array(&what, &back, &array);
+    }
+}
+
 #[test]
 fn missing_buffers_are_refused() {
     let int32 = Int32Array::from(vec![1, 2, 3, 4, 5]);

@@ -525,20 +525,18 @@ impl Walker {
     }
 }
 
-/// The view of `size` bytes at `ptr` of the import's `span` (which starts at [`ALIGNMENT`]); an
-/// empty buffer with a null pointer views the span's first byte, an aligned non-null address.
+/// The view of `size` bytes at `ptr` of the import's `span`, which covers every non-null address
+/// (producers give empty buffers any address, `0x1` or `0x8` too); an empty buffer with a null
+/// pointer views address [`ALIGNMENT`], aligned and non-null as some consumers insist.
 fn view(span: &DeviceBuffer, ptr: u64, size: usize) -> Result<DeviceBuffer> {
     if ptr == 0 {
         return match size {
-            0 => span.slice(0, 0),
+            0 => span.slice(ALIGNMENT - 1, 0),
             _ => Err(invalid(format!("null buffer where {size} bytes are needed"))),
         };
     }
     buffer_end(ptr, size)?;
-    let at = ptr
-        .checked_sub(span.address())
-        .ok_or_else(|| invalid(format!("buffer pointer {ptr:#x}: no memory lies there")))?;
-    span.slice(at as usize, size)
+    span.slice((ptr - 1) as usize, size)
 }
 
 /// Gives `node` and the arrays below it their buffers, views of `span`, from the walk's `slots`
@@ -562,7 +560,7 @@ fn attach(
                     ptr,
                     read,
                 });
-                node.buffers.push(span.slice(0, 0)?);
+                node.buffers.push(view(span, 0, 0)?);
             }
             Slot::End => break,
         }
@@ -607,12 +605,7 @@ pub unsafe fn import_array(
     // SAFETY: the producer guarantees each buffer's bytes on `device` until release, which the
     // span's owner defers until the last view drops.
     let span = DeviceBuffer::from_allocation(unsafe {
-        Allocation::spanning(
-            ALIGNMENT as u64,
-            (u64::MAX - ALIGNMENT as u64) as usize,
-            device,
-            Box::new(Imported(array)),
-        )
+        Allocation::spanning(1, (u64::MAX - 1) as usize, device, Box::new(Imported(array)))
     });
     // The sizes of string data are read while the views are made. Declared after `span`: if this
     // returns early, the read is waited for before the producer is released.
