@@ -127,18 +127,10 @@ pub(crate) fn batch(
     let mut d = Decoder::new(header, device, resolve, first_buffer, 0, dictionaries);
     let columns = d.arrays(schema.fields().iter().map(AsRef::as_ref), 0)?;
     d.finish()?;
-    for (c, f) in columns.iter().zip(schema.fields()) {
+    for c in &columns {
         c.check()?;
-        if c.len() != num_rows {
-            return Err(invalid(format!(
-                "column {} has {} rows, the batch {num_rows}",
-                f.name(),
-                c.len()
-            )));
-        }
     }
-    // Built from the schema's fields, every buffer on `device`: checked by now as `try_new` would.
-    Ok(DeviceRecordBatch::of_columns(schema.clone(), columns, num_rows, ready))
+    DeviceRecordBatch::try_new(schema.clone(), columns, num_rows, ready)
 }
 
 /// Builds the dictionary a `DictionaryBatch` header describes and adds it to `dictionaries`

@@ -4,7 +4,7 @@
 //! buffers without another copy; the block goes back to the pinned pool when the last arrow buffer
 //! drops.
 
-use arrow_array::{ArrayRef, RecordBatch, RecordBatchOptions};
+use arrow_array::{ArrayRef, RecordBatch, RecordBatchOptions, make_array};
 use arrow_schema::SchemaRef;
 use rayon::prelude::*;
 
@@ -110,7 +110,7 @@ impl PendingBatch {
         laps.lap("dtoh.arrays");
         self.event.synchronize()?;
         laps.lap("dtoh.synchronize");
-        let build = |(l, early): (&Layout, Option<ArrayRef>)| early.map_or_else(|| l.to_host_array(&memory), Ok);
+        let build = |(l, early): (&Layout, Option<ArrayRef>)| early.map_or_else(|| Ok(make_array(l.to_host(&memory)?)), Ok);
         let columns = match self.layouts.iter().all(|l| l.trusted) {
             true => self.layouts.iter().zip(early).map(build).collect::<Result<Vec<_>>>()?,
             false => self
