@@ -1301,6 +1301,26 @@ fn peer() {
             say("sent");
             until_parent_lets_go();
         }
+        "send-pending" => {
+            // Sends one batch still being written (a host function that sleeps 20 seconds, past
+            // the kill, holds the stream before its upload), so that it goes with an
+            // interprocess event, says whether it still was once sent, and waits to be killed.
+            let sender = Sender::bind(&socket, corpus().schema(), SenderOptions::default()).unwrap();
+            sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
+            unsafe extern "C" fn hold(_: *mut std::ffi::c_void) {
+                std::thread::sleep(Duration::from_secs(20));
+            }
+            let raw = stream.cuda().expect("a CUDA stream").cu_stream();
+            // SAFETY: a live stream; `hold` makes no CUDA call and takes no argument.
+            unsafe { cudarc::driver::result::stream::launch_host_function(raw, hold, std::ptr::null_mut()) }.unwrap();
+            let batch = htod_async(&stream_batch(0), MemoryResource::default_for(device), &stream).unwrap();
+            assert_ne!(sender.send(&batch).unwrap(), 0);
+            say(match batch.ready().is_complete().unwrap() {
+                false => "sent pending",
+                true => "sent complete",
+            });
+            until_parent_lets_go();
+        }
         "send-and-end" => {
             // Sends its batches, ends the stream and drops the sender, then lives on until let go
             // (or killed): what it lent stays lent until acknowledged.
@@ -1316,6 +1336,45 @@ fn peer() {
         }
         other => panic!("unknown peer role {other}"),
     }
+}
+
+/// A batch still being written when it was sent comes with its sender's interprocess event, which
+/// dies with the sender: once the sender is killed, receiving that batch fails as the end of the
+/// connection does (`UnexpectedEof`), rather than waiting on the dead event, and keeps failing;
+/// the receiving process's device goes on working.
+#[test]
+fn a_batch_whose_event_died_with_its_sender_is_not_received() {
+    let _devices = using_devices();
+    let Some(device) = common::cuda() else { return };
+    let stream = Stream::new(device).unwrap();
+    let path = socket_path("dead-event");
+    let mut peer = Peer::spawn("send-pending", &path, device, 1);
+    let mut r = Receiver::connect(&path, patient()).unwrap();
+    let mut line = String::new();
+    while !line.contains("PEER sent") {
+        line.clear();
+        assert!(
+            peer.stdout.read_line(&mut line).unwrap() > 0,
+            "the peer ended before sending"
+        );
+    }
+    assert!(
+        line.trim_end().ends_with("PEER sent pending"),
+        "the batch was written before it was sent, so it had no event: {line}"
+    );
+    peer.child.kill().unwrap();
+    peer.child.wait().unwrap();
+    let e = r.recv().expect_err("a batch whose event died with its sender");
+    assert_eq!(e.io_kind(), Some(std::io::ErrorKind::UnexpectedEof), "{e}");
+    assert!(r.recv().is_err(), "a broken receiver stays broken");
+    drop(r);
+    let _ = std::fs::remove_file(&path);
+    let batch = stream_batch(1);
+    check_batch(
+        "after",
+        &dtoh(&upload(&batch, MemoryResource::default_for(device), &stream), &stream).unwrap(),
+        &batch,
+    );
 }
 
 #[test]

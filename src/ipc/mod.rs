@@ -62,9 +62,13 @@
 //!
 //! # When the sender dies
 //!
-//! A [`Receiver`] notices its sender's death at its next receive: the connection ended before the
-//! end of the stream ([`std::io::ErrorKind::UnexpectedEof`]). Batches it received before stay in
-//! its hands, and what they are worth depends on the device:
+//! A [`Receiver`] notices its sender's death once it has received the batches sent before it: the
+//! next receive fails, the connection having ended before the end of the stream
+//! ([`std::io::ErrorKind::UnexpectedEof`]), and so does every one after it. A batch that was still
+//! being written on a GPU when it was sent comes with the sender's interprocess event, which dies
+//! with the sender, and waiting on a dead event is undefined (CUDA's `cuIpcOpenEventHandle`): the
+//! receiver checks the sender first, and if it has died the receive fails as above instead.
+//! Batches it received before stay in its hands, and what they are worth depends on the device:
 //!
 //! - **CPU**: their memory is shared memory, which lives as long as any process maps it. They stay
 //!   valid until dropped, whatever happened to the sender.
@@ -102,7 +106,8 @@
 //! - it guards the start of each read, not its course: a copy or kernel already issued when the
 //!   sender dies reads whatever the driver leaves there, and so may one issued in the moment
 //!   between the sender's memory being freed and its socket being closed (a dying process's files
-//!   close in turn);
+//!   close in turn); a receive that found the sender alive waits on its event even if it dies
+//!   in that moment;
 //! - a pointer already handed on is beyond reach: an `ArrowDeviceArray` exported to a C consumer
 //!   before the death, an address taken with [`crate::memory::DeviceBuffer::address`] or
 //!   [`crate::memory::DeviceBuffer::into_raw_parts`] (code that hands addresses on itself calls

@@ -110,7 +110,8 @@ impl PendingBatch {
         laps.lap("dtoh.arrays");
         self.event.synchronize()?;
         laps.lap("dtoh.synchronize");
-        let build = |(l, early): (&Layout, Option<ArrayRef>)| early.map_or_else(|| Ok(make_array(l.to_host(&memory)?)), Ok);
+        let build =
+            |(l, early): (&Layout, Option<ArrayRef>)| early.map_or_else(|| Ok(make_array(l.to_host(&memory)?)), Ok);
         let columns = match self.layouts.iter().all(|l| l.trusted) {
             true => self.layouts.iter().zip(early).map(build).collect::<Result<Vec<_>>>()?,
             false => self

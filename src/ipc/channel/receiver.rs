@@ -401,6 +401,15 @@ impl Receiver {
             (Device::Cuda(o), Some(h)) => {
                 let stream = self.stream(o)?;
                 if !self.local_sender {
+                    // The event dies with its sender, and waiting on it then is undefined (a
+                    // stream of this process could fault): a batch whose event came from a
+                    // sender that is gone by now (its frame was still in the ring) is not
+                    // received, as if the connection had ended before it.
+                    if self.lender.check().is_err() {
+                        let e = ended();
+                        self.state = State::Broken(e.to_string());
+                        return Err(e);
+                    }
                     self.event(&h, o)?.wait_on(&stream)?;
                 } else if !wait_local(&h, &stream)? {
                     // The sender's event is gone (with its sender). It issued its writes to the
