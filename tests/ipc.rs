@@ -1307,6 +1307,9 @@ fn peer() {
             // interprocess event, says whether it still was once sent, and waits to be killed.
             let sender = Sender::bind(&socket, corpus().schema(), SenderOptions::default()).unwrap();
             sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
+            // An upload first, so that the one below finds its staging in the pinned pool:
+            // allocating pinned memory can wait for the device, which would wait for `hold`.
+            drop(upload(&stream_batch(0), MemoryResource::default_for(device), &stream));
             unsafe extern "C" fn hold(_: *mut std::ffi::c_void) {
                 std::thread::sleep(Duration::from_secs(20));
             }
