@@ -147,21 +147,31 @@ pub(crate) struct Part<'a> {
 }
 
 impl<'a> Part<'a> {
-    /// The part of `plan` in `range` (whose start is a multiple of [`ALIGNMENT`]), to be packed
-    /// into `out`, its time counted in `times`.
-    pub fn new(
+    /// `plan`'s bytes up to `end` cut into parts of `segment` bytes (a multiple of
+    /// [`ALIGNMENT`]), in order, each to be packed into its share of `staging`, its time counted
+    /// in `times`.
+    pub fn cut(
         plan: &'a Plan<'a>,
-        range: Range<usize>,
-        out: &'a mut [u8],
+        end: usize,
+        segment: usize,
+        mut staging: &'a mut [u8],
         times: Option<&'a StagingTimes>,
-    ) -> Part<'a> {
-        Part {
-            ops: plan.ops_in(range.clone()),
-            range,
-            out: Mutex::new(Some(out)),
-            packed: AtomicBool::new(false),
-            times,
-        }
+    ) -> Vec<Arc<Part<'a>>> {
+        (0..end)
+            .step_by(segment)
+            .map(|start| {
+                let range = start..end.min(start + segment);
+                let (out, rest) = std::mem::take(&mut staging).split_at_mut(range.len());
+                staging = rest;
+                Arc::new(Part {
+                    ops: plan.ops_in(range.clone()),
+                    range,
+                    out: Mutex::new(Some(out)),
+                    packed: AtomicBool::new(false),
+                    times,
+                })
+            })
+            .collect()
     }
 
     /// The part's range of the allocation.
@@ -296,19 +306,6 @@ mod tests {
         }
     }
 
-    /// `plan` cut into parts of `segment` bytes, each packed into its share of `staging`.
-    fn parts_of<'a>(plan: &'a Plan<'a>, segment: usize, mut staging: &'a mut [u8]) -> Vec<Arc<Part<'a>>> {
-        (0..plan.size())
-            .step_by(segment)
-            .map(|start| {
-                let range = start..plan.size().min(start + segment);
-                let (out, rest) = std::mem::take(&mut staging).split_at_mut(range.len());
-                staging = rest;
-                Arc::new(Part::new(plan, range, out, None))
-            })
-            .collect()
-    }
-
     /// Parts of a plan at any multiple of 64 bytes (cutting bitmaps, rebased offsets and copies
     /// anywhere), each packed into its own staging, hold exactly the bytes the whole plan fills,
     /// the gaps between buffers included.
@@ -333,7 +330,7 @@ mod tests {
         plan.fill(0, &mut whole);
         for segment in [64, 128, 192, 640, 4096] {
             let mut staging = vec![0x55u8; plan.size()];
-            let parts = parts_of(&plan, segment, &mut staging);
+            let parts = Part::cut(&plan, plan.size(), segment, &mut staging, None);
             for (i, part) in parts.iter().enumerate() {
                 assert_eq!(part.range(), i * segment..plan.size().min((i + 1) * segment));
                 assert!(!part.is_packed());
@@ -343,7 +340,7 @@ mod tests {
             assert!(staging == whole, "parts of {segment} bytes");
         }
         let mut staging = vec![0x55u8; plan.size()];
-        let parts = parts_of(&plan, 256, &mut staging);
+        let parts = Part::cut(&plan, plan.size(), 256, &mut staging, None);
         // A packed part stays packed while another thread holds it to find it packed (an upload
         // once read such a moment as "not packed" and left the part unsent).
         parts[0].pack();

@@ -199,7 +199,11 @@ fn upload_staged(
                 return Err(e);
             }
         };
-        let parts = cut_parts(plan, free, &handoff, times);
+        // The first EARLY bytes, in parts for the packers.
+        let parts = Part::cut(plan, plan.size().min(EARLY), SEGMENT, free, times);
+        for part in &parts {
+            handoff.push(part.clone());
+        }
         // The packers stop once the queue is empty.
         handoff.close();
         let rest = parts.last().map_or(0, |p| p.range().end)..plan.size();
@@ -449,29 +453,6 @@ fn plan_columns<'a>(arrays: &[&'a dyn Array], data: &'a [Option<ArrayData>]) -> 
     let mut plan = Plan::for_columns(arrays.len());
     let layouts = try_collect(arrays.iter().zip(data).map(|(a, d)| plan.column(*a, d.as_ref())))?;
     Ok((plan, layouts))
-}
-
-/// Cuts the first [`EARLY`] bytes of `plan` into parts of [`SEGMENT`] bytes, each to be packed
-/// into its share of `free` (its packing counted in `times`), hands them to `handoff` and returns
-/// them in order.
-fn cut_parts<'a>(
-    plan: &'a Plan<'a>,
-    mut free: &'a mut [u8],
-    handoff: &Handoff<'a>,
-    times: Option<&'a StagingTimes>,
-) -> Vec<Arc<Part<'a>>> {
-    let end = plan.size().min(EARLY);
-    (0..end)
-        .step_by(SEGMENT)
-        .map(|start| {
-            let range = start..end.min(start + SEGMENT);
-            let (out, rest) = std::mem::take(&mut free).split_at_mut(range.len());
-            free = rest;
-            let part = Arc::new(Part::new(plan, range, out, times));
-            handoff.push(part.clone());
-            part
-        })
-        .collect()
 }
 
 /// Plain copies at least this large from pinned memory skip the staging.
