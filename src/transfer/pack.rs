@@ -1,7 +1,7 @@
 //! Packing an upload: how each planned operation writes its destination bytes from its source
 //! ([`PackOp`]), filling a range of the allocation's image in staging ([`fill_part`]), and the
-//! parts of a planned upload, which pool threads and the planning thread pack ([`Part`],
-//! [`Handoff`]).
+//! parts of an upload, cut as it is planned ([`Cutter`]), which the crew's threads and the
+//! planning thread pack ([`Part`], [`Handoff`]).
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -131,12 +131,13 @@ fn copy_streamed(out: &mut [u8], src: &[u8]) {
 }
 
 /// A range of a planned upload, packed into its share of the staging by whichever thread gets to
-/// it first: a pool thread it was handed to, or the planning thread once it needs it. Parts are
+/// it first: a crew thread it was handed to, or the planning thread once it needs it. Parts are
 /// cut from uploads too large for the cache, so they are packed with non-temporal stores (see
 /// [`copy`]).
 pub(crate) struct Part<'a> {
     range: Range<usize>,
-    ops: &'a [PackOp<'a>],
+    /// The plan's operations that write some of the range (a copy: the plan may still grow).
+    ops: Vec<PackOp<'a>>,
     /// Where the part goes, until a thread takes it to pack it there.
     out: Mutex<Option<&'a mut [u8]>>,
     /// Set once the bytes are written (not from the lock: another thread may hold it to find the
@@ -146,34 +147,62 @@ pub(crate) struct Part<'a> {
     times: Option<&'a StagingTimes>,
 }
 
-impl<'a> Part<'a> {
-    /// `plan`'s bytes up to `end` cut into parts of `segment` bytes (a multiple of
-    /// [`ALIGNMENT`]), in order, each to be packed into its share of `staging`, its time counted
-    /// in `times`.
-    pub fn cut(
-        plan: &'a Plan<'a>,
-        end: usize,
-        segment: usize,
-        mut staging: &'a mut [u8],
-        times: Option<&'a StagingTimes>,
-    ) -> Vec<Arc<Part<'a>>> {
-        (0..end)
-            .step_by(segment)
-            .map(|start| {
-                let range = start..end.min(start + segment);
-                let (out, rest) = std::mem::take(&mut staging).split_at_mut(range.len());
-                staging = rest;
-                Arc::new(Part {
-                    ops: plan.ops_in(range.clone()),
-                    range,
-                    out: Mutex::new(Some(out)),
-                    packed: AtomicBool::new(false),
-                    times,
-                })
-            })
-            .collect()
+/// Cuts a plan into [`Part`]s of one size, in order, each to be packed into its share of one
+/// staging block, while the plan is being made: the bytes below a plan's [`Plan::size`] are final
+/// (a buffer planned later lies past them), so they can be packed while the rest is planned.
+pub(crate) struct Cutter<'a> {
+    /// The staging past the parts cut so far.
+    staging: &'a mut [u8],
+    /// Where the next part starts.
+    at: usize,
+    segment: usize,
+    times: Option<&'a StagingTimes>,
+}
+
+impl<'a> Cutter<'a> {
+    /// Cuts parts of `segment` bytes (a multiple of [`ALIGNMENT`](crate::memory::ALIGNMENT)) from
+    /// the start of a plan into `staging`, their packing time counted in `times`.
+    pub fn new(staging: &'a mut [u8], segment: usize, times: Option<&'a StagingTimes>) -> Self {
+        Cutter {
+            staging,
+            at: 0,
+            segment,
+            times,
+        }
     }
 
+    /// Where the parts cut so far end.
+    pub fn at(&self) -> usize {
+        self.at
+    }
+
+    /// The parts of `plan` from where the last cut ended up to `end` (at most the plan's size and
+    /// the staging's), of `segment` bytes but the last, which ends at `end`.
+    pub fn cut(&mut self, plan: &Plan<'a>, end: usize) -> Vec<Arc<Part<'a>>> {
+        let mut parts = Vec::new();
+        while self.at < end {
+            let range = self.at..end.min(self.at + self.segment);
+            let (out, rest) = std::mem::take(&mut self.staging).split_at_mut(range.len());
+            self.staging = rest;
+            self.at = range.end;
+            parts.push(Arc::new(Part {
+                ops: plan.ops_in(range.clone()).to_vec(),
+                range,
+                out: Mutex::new(Some(out)),
+                packed: AtomicBool::new(false),
+                times: self.times,
+            }));
+        }
+        parts
+    }
+
+    /// [`Cutter::cut`] up to the last whole segment before `end`.
+    pub fn cut_whole(&mut self, plan: &Plan<'a>, end: usize) -> Vec<Arc<Part<'a>>> {
+        self.cut(plan, end / self.segment * self.segment)
+    }
+}
+
+impl<'a> Part<'a> {
     /// The part's range of the allocation.
     pub fn range(&self) -> Range<usize> {
         self.range.clone()
@@ -193,7 +222,7 @@ impl<'a> Part<'a> {
             };
             if let Some(out) = out.take() {
                 timed(self.times, StagingStep::Pack, || {
-                    fill_part(self.ops, self.range.start, out, true)
+                    fill_part(&self.ops, self.range.start, out, true)
                 });
                 self.packed.store(true, Ordering::Release);
             }
@@ -208,20 +237,39 @@ impl<'a> Part<'a> {
     }
 }
 
-/// Parts on their way from the planning thread, which cuts them once the batch is planned, to
-/// pool threads that pack them.
+/// Parts on their way from the planning thread, which cuts them as the batch is planned, to pool
+/// threads that pack them.
 #[derive(Default)]
 pub(crate) struct Handoff<'a> {
     queue: Mutex<VecDeque<Arc<Part<'a>>>>,
     queued: AtomicUsize,
     closed: AtomicBool,
+    /// Crew threads packing its parts (see `crew`).
+    pub(super) helpers: AtomicUsize,
 }
 
 impl<'a> Handoff<'a> {
-    /// Queues a part for the pool threads.
+    /// Queues a part for the crew's threads.
     pub fn push(&self, part: Arc<Part<'a>>) {
         self.queue.lock().unwrap_or_else(|p| p.into_inner()).push_back(part);
         self.queued.fetch_add(1, Ordering::Release);
+    }
+
+    /// Whether parts wait for a thread.
+    pub fn has_queued(&self) -> bool {
+        self.queued.load(Ordering::Acquire) > 0
+    }
+
+    /// The next part no thread has taken, if any.
+    pub fn take(&self) -> Option<Arc<Part<'a>>> {
+        if self.queued.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let next = self.queue.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
+        if next.is_some() {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+        }
+        next
     }
 
     /// Says that no more parts will come: [`Handoff::pack`] returns once the queue is empty.
@@ -229,20 +277,16 @@ impl<'a> Handoff<'a> {
         self.closed.store(true, Ordering::Release);
     }
 
-    /// A pool thread's job: packs parts as they come until the handoff is closed and empty,
+    /// A crew thread's job: packs parts as they come until the handoff is closed and empty,
     /// spinning until they come (the batch is being planned, and waking a sleeping thread when
-    /// it is would take longer).
+    /// a part is cut would take longer).
     pub fn pack(&self) {
         loop {
             // Read first: once closed, every part pushed is in the queue.
             let closed = self.closed.load(Ordering::Acquire);
-            if self.queued.load(Ordering::Acquire) > 0 {
-                let next = self.queue.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
-                if let Some(part) = next {
-                    self.queued.fetch_sub(1, Ordering::AcqRel);
-                    part.pack();
-                    continue;
-                }
+            if let Some(part) = self.take() {
+                part.pack();
+                continue;
             }
             if closed {
                 return;
@@ -308,7 +352,7 @@ mod tests {
 
     /// Parts of a plan at any multiple of 64 bytes (cutting bitmaps, rebased offsets and copies
     /// anywhere), each packed into its own staging, hold exactly the bytes the whole plan fills,
-    /// the gaps between buffers included.
+    /// the gaps between buffers included; so do parts cut while the plan is being made.
     #[test]
     fn parts_pack_what_the_whole_plan_fills() {
         let strings: ArrayRef = Arc::new(StringArray::from_iter(
@@ -330,7 +374,7 @@ mod tests {
         plan.fill(0, &mut whole);
         for segment in [64, 128, 192, 640, 4096] {
             let mut staging = vec![0x55u8; plan.size()];
-            let parts = Part::cut(&plan, plan.size(), segment, &mut staging, None);
+            let parts = Cutter::new(&mut staging, segment, None).cut(&plan, plan.size());
             for (i, part) in parts.iter().enumerate() {
                 assert_eq!(part.range(), i * segment..plan.size().min((i + 1) * segment));
                 assert!(!part.is_packed());
@@ -339,8 +383,20 @@ mod tests {
             drop(parts);
             assert!(staging == whole, "parts of {segment} bytes");
         }
+        // Cut while the plan is made, whole parts after each array, the last once it is planned.
         let mut staging = vec![0x55u8; plan.size()];
-        let parts = Part::cut(&plan, plan.size(), 256, &mut staging, None);
+        let mut growing = Plan::default();
+        let mut cutter = Cutter::new(&mut staging, 256, None);
+        let mut parts = vec![];
+        for d in &data {
+            growing.array(d).unwrap();
+            parts.extend(cutter.cut_whole(&growing, growing.size()));
+            assert_eq!(cutter.at() % 256, 0);
+            assert!(cutter.at() <= growing.size());
+        }
+        parts.extend(cutter.cut(&growing, growing.size()));
+        assert_eq!(cutter.at(), plan.size());
+        assert_eq!(parts.len(), plan.size().div_ceil(256));
         // A packed part stays packed while another thread holds it to find it packed (an upload
         // once read such a moment as "not packed" and left the part unsent).
         parts[0].pack();

@@ -2,11 +2,11 @@
 //!
 //! Every buffer is planned (see `plan`) into one device allocation and packed into pinned staging
 //! (see `pack`): a small batch on the calling thread, each piece sent as soon as it is packed; a
-//! larger one on the pool's threads and the calling thread, its first megabytes in parts sent as
-//! they are packed, the rest in chunks while the previous chunk's DMA runs. The device arrays are
+//! larger one by the threads of the packing crew (see `crew`) and the calling thread, its first
+//! megabytes in parts packed while the rest is planned and sent as they are packed, the rest on
+//! the pool's threads in chunks while the previous chunk's DMA runs. The device arrays are
 //! views of the allocation. A host-accessible destination is filled in place.
 
-use std::cell::OnceCell;
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
@@ -21,9 +21,10 @@ use crate::memory::pinned::PinnedPool;
 use crate::memory::{ALIGNMENT, DeviceBuffer, MemoryResource, copy, stream_for};
 use crate::trace::Laps;
 
+use super::crew::Crew;
 use super::deferred::{Keep, defer_release, release_finished};
 use super::layout::Layout;
-use super::pack::{CACHED_MAX, Handoff, Part};
+use super::pack::{CACHED_MAX, Cutter, Handoff};
 use super::plan::{Plan, column_data, estimated_size};
 use super::times::{StagingStep, StagingTimes, timed};
 
@@ -31,20 +32,19 @@ use super::times::{StagingStep, StagingTimes, timed};
 const CHUNK: usize = 32 << 20;
 /// The first bytes of an upload, packed into one staging block while the batch is planned.
 const EARLY: usize = 4 << 20;
-/// The bytes of that block handed to a pool thread at a time.
+/// The bytes of that block handed to a crew thread at a time.
 const SEGMENT: usize = 128 << 10;
-/// Pool threads that pack those parts.
-const PACKERS: usize = 4;
 /// The least of the block's packed bytes sent in one copy before the last: each copy costs the
 /// calling thread a few microseconds, which it would otherwise spend packing.
 const SEND_MIN: usize = 2 * SEGMENT;
 /// Chunks whose DMA may be in flight while the next is packed.
 const IN_FLIGHT: usize = 4;
 /// Batches of up to about this many bytes ([`estimated_size`]) are packed by the calling thread
-/// alone (see [`upload_solo`]): waking pool threads costs more than they would save. (On the H100
-/// and H200 machines one thread packs about 10 GB/s: a 1.3 MB batch took 120 µs alone, against
-/// 22 µs of the caller's time with four pool threads.) It is the size up to which plans are packed
-/// with ordinary stores, so the parts pool threads pack are always streamed past the cache.
+/// alone (see [`upload_solo`]): handing parts to other threads costs more than they would save.
+/// (On the H100 and H200 machines one thread packs about 10 GB/s: a 1.3 MB batch took 120 µs
+/// alone, against 22 µs of the caller's time with four other threads.) It is the size up to which
+/// plans are packed with ordinary stores, so the parts crew threads pack are always streamed past
+/// the cache.
 const SOLO: usize = CACHED_MAX;
 /// The first piece of such a batch sent by itself; each next piece is twice as large, so that the
 /// first DMA starts early and few are issued.
@@ -133,10 +133,10 @@ fn upload_in_place(
 
 /// [`upload`] to a GPU (CUDA device `ordinal`), through pinned staging.
 ///
-/// The batch is planned whole while up to [`PACKERS`] pool threads wake. Its first [`EARLY`] bytes
-/// are then cut into parts of [`SEGMENT`] bytes of one pinned staging block, which the pool
-/// threads pack and this thread too, in order, the ones no pool thread has started on, sending
-/// what is packed in a few copies on the way. The rest of a larger batch goes through
+/// The batch is planned column by column; its first [`EARLY`] bytes are cut into parts of
+/// [`SEGMENT`] bytes of one pinned staging block as they are planned, which the [`Crew`]'s threads
+/// pack while the rest is planned. This thread then packs the parts no other thread has started
+/// on and sends what is packed, in order, in a few copies. The rest of a larger batch goes through
 /// [`send_chunks`]. The device arrays are built while the last copies are on their way.
 fn upload_staged(
     arrays: &[&dyn Array],
@@ -180,69 +180,75 @@ fn upload_staged(
     let free = early
         .host_slice_mut()
         .ok_or_else(|| Error::Unsupported("staging is not host memory".into()))?;
-    // Filled once the packers have been started (below): planning takes long enough for them to
-    // wake. Declared before the handoff, whose parts borrow them.
-    let data: OnceCell<Vec<Option<ArrayData>>> = OnceCell::new();
-    let planned: OnceCell<(Plan<'_>, Vec<Layout>)> = OnceCell::new();
+    let data = column_data(arrays);
+    let data = &data;
+    laps.lap("htod.to_data");
     let handoff = Handoff::default();
-    laps.lap("htod.setup");
-    let result = rayon::in_place_scope(|scope| {
-        // The packers start first, to be awake by the time the batch is planned.
-        start_packers(scope, &handoff);
-        laps.lap("htod.wake");
-        let data = data.get_or_init(|| column_data(arrays));
-        laps.lap("htod.to_data");
-        let (plan, layouts) = match plan_columns(arrays, data) {
-            Ok(planned_now) => planned.get_or_init(|| planned_now),
-            Err(e) => {
-                handoff.close();
-                return Err(e);
+    let mut help = Crew::get().help(&handoff);
+    laps.lap("htod.wake");
+    let mut cutter = Cutter::new(free, SEGMENT, times);
+    // A closure, so that the crew's help ends (below) however it returns.
+    let result = (|| {
+        let mut parts = Vec::new();
+        let mut plan = Plan::for_columns(arrays.len());
+        let mut layouts = Vec::with_capacity(arrays.len());
+        for (array, data) in arrays.iter().zip(data) {
+            layouts.push(plan.column(*array, data.as_ref())?);
+            for part in cutter.cut_whole(&plan, plan.size().min(EARLY)) {
+                handoff.push(part.clone());
+                parts.push(part);
             }
-        };
-        // The first EARLY bytes, in parts for the packers.
-        let parts = Part::cut(plan, plan.size().min(EARLY), SEGMENT, free, times);
-        for part in &parts {
-            handoff.push(part.clone());
         }
-        // The packers stop once the queue is empty.
-        handoff.close();
-        let rest = parts.last().map_or(0, |p| p.range().end)..plan.size();
+        for part in cutter.cut(&plan, plan.size().min(EARLY)) {
+            handoff.push(part.clone());
+            parts.push(part);
+        }
+        help.close();
+        let (plan, rest) = (&plan, cutter.at()..plan.size());
         laps.lap("htod.plan");
         let memory = timed(times, StagingStep::Alloc, || {
             DeviceBuffer::alloc(resource, plan.size(), stream)
         })?;
         laps.lap("htod.alloc");
-        // Sends the parts packed since the last call, in one copy.
+        // Sends the parts packed since the last copy, in one copy, if they are at least `min` bytes.
         let mut sent = 0;
-        let send_packed = |sent: &mut usize| {
+        let send_packed = |sent: &mut usize, min: usize| {
             let packed = parts
                 .iter()
                 .skip_while(|p| p.range().end <= *sent)
                 .take_while(|p| p.is_packed())
                 .last()
                 .map_or(*sent, |p| p.range().end);
-            if packed > *sent {
+            if packed > *sent && packed - *sent >= min {
                 send_early(&memory, *sent..packed)?;
                 *sent = packed;
             }
             Ok::<_, Error>(())
         };
-        send_packed(&mut sent)?;
+        send_packed(&mut sent, 1)?;
         let sink = Sink {
             memory: &memory,
             pool: &pool,
             stream,
             times,
         };
-        // Parts no pool thread has started on are packed here, in order, so nothing waits on an
-        // idle pool; what is packed is sent every SEND_MIN bytes on the way.
+        // The parts no crew thread has taken are packed here; then those being packed are waited
+        // for in order. What is packed is sent on the way, at least SEND_MIN bytes at a time.
+        while let Some(part) = handoff.take() {
+            part.pack();
+            send_packed(&mut sent, SEND_MIN)?;
+        }
         for part in &parts {
             part.pack();
-            if part.range().end >= sent + SEND_MIN {
-                send_packed(&mut sent)?;
-            }
+            send_packed(&mut sent, SEND_MIN)?;
         }
-        send_packed(&mut sent)?;
+        send_packed(&mut sent, 1)?;
+        if sent < cutter.at() {
+            // Only a crew thread that panicked leaves a part unpacked.
+            return Err(Error::InvalidData(format!(
+                "bytes {sent}.. of the batch were not packed"
+            )));
+        }
         laps.lap("htod.pack");
         send_chunks(plan, rest, &sink, &mut keep, &mut in_flight)?;
         let done = timed(times, StagingStep::Copy, || stream.record())?;
@@ -251,8 +257,9 @@ fn upload_staged(
         let columns = try_collect(layouts.iter().map(|l| l.to_device(&memory)))?;
         laps.lap("htod.arrays");
         Ok((columns, done))
-    });
-    // The scope ends once every packer has returned.
+    })();
+    // Waits for the crew's threads to leave the handoff.
+    drop(help);
     laps.lap("htod.join");
     keep.push(Box::new(early));
     retire(result.as_ref().ok().map(|(_, e)| e), stream, keep, in_flight);
@@ -323,17 +330,6 @@ fn upload_solo(
     );
     laps.lap("htod.retire");
     result
-}
-
-/// Starts up to [`PACKERS`] pool threads in `scope` that pack what `handoff` is given.
-fn start_packers<'s>(scope: &rayon::Scope<'s>, handoff: &'s Handoff<'_>) {
-    let packers = rayon::current_num_threads().min(PACKERS);
-    scope.spawn(move |s| {
-        for _ in 1..packers {
-            s.spawn(move |_| handoff.pack());
-        }
-        handoff.pack();
-    });
 }
 
 /// Keeps what an upload's copies read until they are done: `in_flight` until their own events,
