@@ -9,6 +9,7 @@
 //! [`SPIN`] after the last upload it helped with before it sleeps: a stream of uploads finds the
 //! crew awake, at the cost of up to [`SPIN`] of busy threads after the last one.
 
+use std::cell::Cell;
 use std::panic::AssertUnwindSafe;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -38,7 +39,7 @@ pub(crate) struct Crew {
 }
 
 /// A handoff of an upload, its lifetime erased: it stays valid while it is in [`Crew::open`] and
-/// until its [`Handoff::helpers`] count falls to zero after that (see [`Help`]).
+/// until its [`Handoff::helpers`] count falls to zero after that ([`Crew::help`] waits for both).
 #[derive(Clone, Copy, PartialEq, Eq)]
 struct Open(NonNull<Handoff<'static>>);
 
@@ -70,9 +71,11 @@ impl Crew {
         &CREW
     }
 
-    /// Lets the crew pack the parts of `handoff` until the returned [`Help`] is closed or
-    /// dropped, waking threads that sleep.
-    pub fn help<'h, 'a>(&'static self, handoff: &'h Handoff<'a>) -> Help<'h, 'a> {
+    /// Runs `work` while the crew packs the parts of `handoff`, waking threads that sleep, until
+    /// `work` closes the handoff ([`Help::close`]) or returns. Once `work` returns (or unwinds),
+    /// the handoff is closed and no crew thread is in it any more: nothing its parts borrow is
+    /// used after this call.
+    pub fn help<'a, R>(&'static self, handoff: &Handoff<'a>, work: impl FnOnce(&Help<'_, 'a>) -> R) -> R {
         let open = Open(NonNull::from(handoff).cast());
         self.open.lock().unwrap_or_else(|p| p.into_inner()).push(open);
         self.count.fetch_add(1, Ordering::SeqCst);
@@ -81,11 +84,13 @@ impl Crew {
         if self.sleeping.load(Ordering::SeqCst) > 0 {
             self.threads.get().into_iter().flatten().for_each(Thread::unpark);
         }
-        Help {
+        // Dropped when `work` returns or unwinds: only then can the handoff go away.
+        let help = Help {
             crew: self,
             handoff,
-            open: Some(open),
-        }
+            open: Cell::new(Some(open)),
+        };
+        work(&help)
     }
 
     /// A crew thread's loop: helps with open handoffs, spins for [`SPIN`] when there are none,
@@ -133,19 +138,19 @@ impl Crew {
     }
 }
 
-/// The crew's help with one upload's [`Handoff`], until [`Help::close`]; dropping it closes it and
-/// waits for the crew's threads to leave the handoff, so that nothing its parts borrow is used
-/// after the upload.
+/// The crew's help with one upload's [`Handoff`] (see [`Crew::help`]); dropping it closes the
+/// handoff and waits for the crew's threads to leave it.
 pub(crate) struct Help<'h, 'a> {
     crew: &'static Crew,
     handoff: &'h Handoff<'a>,
-    open: Option<Open>,
+    /// The handoff in [`Crew::open`], until it is closed.
+    open: Cell<Option<Open>>,
 }
 
 impl Help<'_, '_> {
     /// Says that no more parts come and lets no more crew threads join: those in the handoff
     /// pack what is queued and leave.
-    pub fn close(&mut self) {
+    pub fn close(&self) {
         self.handoff.close();
         if let Some(open) = self.open.take() {
             let mut list = self.crew.open.lock().unwrap_or_else(|p| p.into_inner());
@@ -226,17 +231,17 @@ mod tests {
         let upload = || {
             let mut staging = vec![0x55; whole.len()];
             let handoff = Handoff::default();
-            let mut help = Crew::get().help(&handoff);
             let mut cutter = Cutter::new(&mut staging, 4096, None);
             let mut plan = Plan::default();
-            let parts = hand_off(&data, &mut plan, &mut cutter, &handoff);
-            help.close();
-            while let Some(part) = handoff.take() {
-                part.pack();
-            }
-            parts.iter().for_each(|p| p.pack());
-            assert!(parts.iter().all(|p| p.is_packed()));
-            drop((help, parts));
+            Crew::get().help(&handoff, |help| {
+                let parts = hand_off(&data, &mut plan, &mut cutter, &handoff);
+                help.close();
+                while let Some(part) = handoff.take() {
+                    part.pack();
+                }
+                parts.iter().for_each(|p| p.pack());
+                assert!(parts.iter().all(|p| p.is_packed()));
+            });
             staging
         };
         for round in 0..20 {
@@ -254,18 +259,16 @@ mod tests {
     }
 
     /// An upload that ends before it closes its handoff (an error while planning) leaves no crew
-    /// thread in it: once its help is dropped, every part is packed whole or untouched.
+    /// thread in it: once `Crew::help` returns, every part is packed whole or untouched.
     #[test]
     fn an_upload_that_fails_leaves_no_thread_behind() {
         let (data, whole) = batch();
         for _ in 0..20 {
             let mut staging = vec![0x55; whole.len()];
             let handoff = Handoff::default();
-            let help = Crew::get().help(&handoff);
             let mut cutter = Cutter::new(&mut staging, 4096, None);
             let mut plan = Plan::default();
-            let parts = hand_off(&data, &mut plan, &mut cutter, &handoff);
-            drop(help);
+            let parts = Crew::get().help(&handoff, |_| hand_off(&data, &mut plan, &mut cutter, &handoff));
             assert_eq!(handoff.helpers.load(Ordering::Acquire), 0);
             let packed: Vec<_> = parts.iter().map(|p| (p.range(), p.is_packed())).collect();
             drop((parts, handoff));

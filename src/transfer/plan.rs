@@ -451,7 +451,7 @@ fn source(buffer: &Buffer, start: usize, len: usize) -> Result<&[u8]> {
     start
         .checked_add(len)
         .and_then(|end| buffer.as_slice().get(start..end))
-        .ok_or(Error::OutOfBounds {
+        .ok_or_else(|| Error::OutOfBounds {
             offset: start,
             len,
             size: buffer.len(),

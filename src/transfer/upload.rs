@@ -184,11 +184,9 @@ fn upload_staged(
     let data = &data;
     laps.lap("htod.to_data");
     let handoff = Handoff::default();
-    let mut help = Crew::get().help(&handoff);
-    laps.lap("htod.wake");
     let mut cutter = Cutter::new(free, SEGMENT, times);
-    // A closure, so that the crew's help ends (below) however it returns.
-    let result = (|| {
+    let result = Crew::get().help(&handoff, |help| {
+        laps.lap("htod.wake");
         let mut parts = Vec::new();
         let mut plan = Plan::for_columns(arrays.len());
         let mut layouts = Vec::with_capacity(arrays.len());
@@ -257,9 +255,8 @@ fn upload_staged(
         let columns = try_collect(layouts.iter().map(|l| l.to_device(&memory)))?;
         laps.lap("htod.arrays");
         Ok((columns, done))
-    })();
-    // Waits for the crew's threads to leave the handoff.
-    drop(help);
+    });
+    // Once the crew's threads have left the handoff.
     laps.lap("htod.join");
     keep.push(Box::new(early));
     retire(result.as_ref().ok().map(|(_, e)| e), stream, keep, in_flight);
