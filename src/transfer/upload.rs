@@ -190,6 +190,8 @@ fn upload_staged(
         let mut parts = Vec::new();
         let mut plan = Plan::for_columns(arrays.len());
         let mut layouts = Vec::with_capacity(arrays.len());
+        // The first EARLY bytes are handed to the crew part by part as they are planned, so that
+        // they are packed while the rest is planned.
         for (array, data) in arrays.iter().zip(data) {
             layouts.push(plan.column(*array, data.as_ref())?);
             for part in cutter.cut_whole(&plan, plan.size().min(EARLY)) {
