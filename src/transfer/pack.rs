@@ -237,8 +237,8 @@ impl<'a> Part<'a> {
     }
 }
 
-/// Parts on their way from the planning thread, which cuts them as the batch is planned, to pool
-/// threads that pack them.
+/// Parts on their way from the planning thread, which cuts them as the batch is planned, to the
+/// crew's threads that pack them.
 #[derive(Default)]
 pub(crate) struct Handoff<'a> {
     queue: Mutex<VecDeque<Arc<Part<'a>>>>,
@@ -262,7 +262,7 @@ impl<'a> Handoff<'a> {
 
     /// The next part no thread has taken, if any.
     pub fn take(&self) -> Option<Arc<Part<'a>>> {
-        if self.queued.load(Ordering::Acquire) == 0 {
+        if !self.has_queued() {
             return None;
         }
         let next = self.queue.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
