@@ -1149,18 +1149,26 @@ impl Peer {
 
     /// Reads the peer's output until it says `PEER <what>`.
     fn wait_for(&mut self, what: &str) {
+        while self.said(what) != what {}
+    }
+
+    /// Reads the peer's output until it says `PEER <prefix>...`, and returns what it said after
+    /// `PEER `.
+    fn said(&mut self, prefix: &str) -> String {
         let mut line = String::new();
         loop {
             line.clear();
             let n = self.stdout.read_line(&mut line).unwrap();
             assert!(
                 n > 0,
-                "the peer ended before saying {what:?}: {:?}",
+                "the peer ended before saying {prefix:?}: {:?}",
                 self.child.try_wait()
             );
             // libtest prints `test peer ... ` on the same line first.
-            if line.trim_end().ends_with(&format!("PEER {what}")) {
-                return;
+            if let Some((_, said)) = line.trim_end().rsplit_once("PEER ")
+                && said.starts_with(prefix)
+            {
+                return said.to_string();
             }
         }
     }
@@ -1353,17 +1361,10 @@ fn a_batch_whose_event_died_with_its_sender_is_not_received() {
     let path = socket_path("dead-event");
     let mut peer = Peer::spawn("send-pending", &path, device, 1);
     let mut r = Receiver::connect(&path, patient()).unwrap();
-    let mut line = String::new();
-    while !line.contains("PEER sent") {
-        line.clear();
-        assert!(
-            peer.stdout.read_line(&mut line).unwrap() > 0,
-            "the peer ended before sending"
-        );
-    }
-    assert!(
-        line.trim_end().ends_with("PEER sent pending"),
-        "the batch was written before it was sent, so it had no event: {line}"
+    assert_eq!(
+        peer.said("sent"),
+        "sent pending",
+        "the batch was written before it was sent, so it had no event"
     );
     peer.child.kill().unwrap();
     peer.child.wait().unwrap();

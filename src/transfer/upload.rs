@@ -192,17 +192,17 @@ fn upload_staged(
         let mut layouts = Vec::with_capacity(arrays.len());
         // The first EARLY bytes are handed to the crew part by part as they are planned, so that
         // they are packed while the rest is planned.
-        for (array, data) in arrays.iter().zip(data) {
-            layouts.push(plan.column(*array, data.as_ref())?);
-            for part in cutter.cut_whole(&plan, plan.size().min(EARLY)) {
-                handoff.push(part.clone());
+        let mut hand = |cut: Vec<_>| {
+            for part in cut {
+                handoff.push(Arc::clone(&part));
                 parts.push(part);
             }
+        };
+        for (array, data) in arrays.iter().zip(data) {
+            layouts.push(plan.column(*array, data.as_ref())?);
+            hand(cutter.cut_whole(&plan, plan.size().min(EARLY)));
         }
-        for part in cutter.cut(&plan, plan.size().min(EARLY)) {
-            handoff.push(part.clone());
-            parts.push(part);
-        }
+        hand(cutter.cut(&plan, plan.size().min(EARLY)));
         help.close();
         let (plan, rest) = (&plan, cutter.at()..plan.size());
         laps.lap("htod.plan");

@@ -295,8 +295,7 @@ impl Receiver {
                     Some(io::ErrorKind::ConnectionReset) => ended(),
                     _ => e,
                 };
-                self.state = State::Broken(e.to_string());
-                return Err(e);
+                return Err(self.broken(e));
             }
         };
         laps.lap("recv.decode");
@@ -406,9 +405,7 @@ impl Receiver {
                     // sender that is gone by now (its frame was still in the ring) is not
                     // received, as if the connection had ended before it.
                     if self.lender.check().is_err() {
-                        let e = ended();
-                        self.state = State::Broken(e.to_string());
-                        return Err(e);
+                        return Err(self.broken(ended()));
                     }
                     self.event(&h, o)?.wait_on(&stream)?;
                 } else if !wait_local(&h, &stream)? {
@@ -448,6 +445,12 @@ impl Receiver {
     /// (`crate::ipc::testing::fence_host_batches`).
     pub(crate) fn fence_host_batches(&mut self) {
         self.fence_host = true;
+    }
+
+    /// Marks the receiver broken by `e`, which it returns: every later `recv` fails with it.
+    fn broken(&mut self, e: Error) -> Error {
+        self.state = State::Broken(e.to_string());
+        e
     }
 
     fn stream(&mut self, ordinal: usize) -> Result<Stream> {
