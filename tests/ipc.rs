@@ -459,7 +459,8 @@ fn malformed_messages_are_errors() {
 
 /// A message read with a schema whose types `DeviceArrayData::try_new` refuses (here a map whose
 /// entries have three fields, laid out as a list of such structs is) is refused on receipt, as an
-/// array assembled from the same parts by hand would be: decoding goes through the same checks.
+/// array assembled from the same parts by hand would be: decoding checks the schema's types as
+/// `try_new` does (and debug builds assert that every array it builds passes all of its checks).
 #[test]
 fn received_arrays_pass_the_checks_of_try_new() {
     let entries = Fields::from(vec![

@@ -9,9 +9,11 @@
 //! children's lengths. What depends on the data (string and list offsets, view indices, union type
 //! ids, dictionary keys) is checked when the batch is copied to the host ([`crate::transfer::dtoh`]
 //! validates every array); device code that reads a received batch must treat those as untrusted.
-//! Every array built here then passes the checks of [`DeviceArrayData::try_new`] too (one device,
-//! the buffers and children of its type, sizes that hold its elements), as a second line: a
-//! descriptor that lies about a layout is an error whichever check sees it first.
+//! The schema's types are checked as [`DeviceArrayData::try_new`] checks them; every array built
+//! from them then passes its other checks too (one device, the buffers and children of its type,
+//! sizes that hold its elements) by construction, so those are not run again on every receive: debug builds assert it, and the fuzz targets of
+//! `tests/ipc_fuzz.rs` (which run in debug builds in CI) feed the decoder malformed metadata and
+//! descriptors.
 //!
 //! Dictionaries come first, one `DictionaryBatch` message each ([`dictionary`]); the batch's
 //! dictionary-encoded arrays then take their values from them by id ([`crate::ipc::layout`] says
@@ -22,7 +24,7 @@ use std::collections::HashMap;
 use arrow_ipc::{MessageHeader, MetadataVersion};
 use arrow_schema::{DataType, Field, Fields, Schema, SchemaRef, UnionMode};
 
-use crate::array::{Buffers, DeviceArrayData, DeviceRecordBatch};
+use crate::array::{Buffers, DeviceArrayData, DeviceRecordBatch, check_type};
 use crate::device::{Device, Event};
 use crate::error::{Error, Result};
 use crate::ipc::layout::{Sizes, dictionaries_in, fixed_sizes, has_validity};
@@ -124,13 +126,23 @@ pub(crate) fn batch(
         )));
     }
     let num_rows = count(header.batch.length(), "batch length")?;
+    for f in schema.fields() {
+        check_type(f.data_type())?;
+    }
     let mut d = Decoder::new(header, device, resolve, first_buffer, 0, dictionaries);
     let columns = d.arrays(schema.fields().iter().map(AsRef::as_ref), 0)?;
     d.finish()?;
-    for c in &columns {
-        c.check()?;
+    if let Some((f, c)) = schema.fields().iter().zip(&columns).find(|(_, c)| c.len() != num_rows) {
+        return Err(invalid(format!(
+            "column {} has {} rows, the batch {num_rows}",
+            f.name(),
+            c.len()
+        )));
     }
-    DeviceRecordBatch::try_new(schema.clone(), columns, num_rows, ready)
+    // One column per field, of its (checked) type, every buffer on `device`, of the sizes its
+    // length needs: built so.
+    debug_assert!(columns.iter().all(|c| c.check().is_ok()));
+    Ok(DeviceRecordBatch::of_columns(schema.clone(), columns, num_rows, ready))
 }
 
 /// Builds the dictionary a `DictionaryBatch` header describes and adds it to `dictionaries`
@@ -149,6 +161,7 @@ pub(crate) fn dictionary(
     let values = value_type(schema.fields(), id, &mut 0)
         .ok_or_else(|| invalid(format!("dictionary id {id}: the schema has no such dictionary")))?;
     let len = count(header.batch.length(), "dictionary length")?;
+    check_type(&values)?;
     let first_id = id - dictionaries_in(&values) as i64;
     let mut d = Decoder::new(header, device, resolve, first_buffer, first_id, dictionaries);
     let array = d
@@ -156,7 +169,7 @@ pub(crate) fn dictionary(
         .pop()
         .expect("one array");
     d.finish()?;
-    array.check()?;
+    debug_assert!(array.check().is_ok());
     if array.len() != len {
         return Err(invalid(format!(
             "dictionary {id} says {len} values and its field node {}",
