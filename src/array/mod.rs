@@ -348,6 +348,13 @@ impl DeviceRecordBatch {
     pub(crate) fn of_columns(schema: SchemaRef, columns: Vec<DeviceArrayData>, num_rows: usize, ready: Event) -> Self {
         debug_assert!(schema.fields().len() == columns.len());
         debug_assert!(columns.iter().all(|c| c.len == num_rows));
+        debug_assert!(
+            schema
+                .fields()
+                .iter()
+                .zip(&columns)
+                .all(|(f, c)| f.data_type() == c.data_type())
+        );
         DeviceRecordBatch {
             schema,
             columns: Arc::new(columns),

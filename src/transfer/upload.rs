@@ -76,9 +76,11 @@ pub(crate) fn htod_async_timed(
     let arrays: Vec<&dyn Array> = batch.columns().iter().map(|c| c.as_ref()).collect();
     let (columns, ready) = timed(times, StagingStep::Upload, || upload(&arrays, resource, stream, times))?;
     let mut laps = Laps::start();
-    let out = DeviceRecordBatch::try_new(batch.schema(), columns, batch.num_rows(), ready);
+    // The columns of a record batch, each copied whole into one allocation: of the schema's types
+    // and the batch's length, on one device.
+    let out = DeviceRecordBatch::of_columns(batch.schema(), columns, batch.num_rows(), ready);
     laps.lap("htod.batch");
-    out
+    Ok(out)
 }
 
 /// Copies one array to `device` and returns when the copy has finished.
