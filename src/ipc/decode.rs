@@ -11,9 +11,9 @@
 //! validates every array); device code that reads a received batch must treat those as untrusted.
 //! The schema's types are checked as [`DeviceArrayData::try_new`] checks them; every array built
 //! from them then passes its other checks too (one device, the buffers and children of its type,
-//! sizes that hold its elements) by construction, so those are not run again on every receive: debug builds assert it, and the fuzz targets of
-//! `tests/ipc_fuzz.rs` (which run in debug builds in CI) feed the decoder malformed metadata and
-//! descriptors.
+//! sizes that hold its elements) by construction, so those are not run again on every receive:
+//! debug builds assert it, and the fuzz targets of `tests/ipc_fuzz.rs` (run in debug builds in CI)
+//! feed the decoder malformed metadata and descriptors.
 //!
 //! Dictionaries come first, one `DictionaryBatch` message each ([`dictionary`]); the batch's
 //! dictionary-encoded arrays then take their values from them by id ([`crate::ipc::layout`] says
