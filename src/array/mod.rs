@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use arrow_data::ArrayData;
-use arrow_schema::{DataType, SchemaRef};
+use arrow_schema::{DataType, Schema, SchemaRef};
 
 use crate::device::{Device, Event};
 use crate::error::{Error, Result};
@@ -331,14 +331,8 @@ impl DeviceRecordBatch {
                     field.data_type()
                 )));
             }
-            if column.len() != num_rows {
-                return Err(Error::InvalidData(format!(
-                    "column {} has {} rows, the batch {num_rows}",
-                    field.name(),
-                    column.len()
-                )));
-            }
         }
+        check_rows(&schema, &columns, num_rows)?;
         Ok(Self::of_columns(schema, columns, num_rows, ready))
     }
 
@@ -469,6 +463,18 @@ impl<'a> Iterator for AllBuffers<'a> {
                 None => self.children = self.above.pop()?,
             }
         }
+    }
+}
+
+/// Fails unless each of `columns` (those of `schema`'s fields, in order) has `num_rows` elements.
+pub(crate) fn check_rows(schema: &Schema, columns: &[DeviceArrayData], num_rows: usize) -> Result<()> {
+    match schema.fields().iter().zip(columns).find(|(_, c)| c.len != num_rows) {
+        Some((field, column)) => Err(Error::InvalidData(format!(
+            "column {} has {} rows, the batch {num_rows}",
+            field.name(),
+            column.len
+        ))),
+        None => Ok(()),
     }
 }
 

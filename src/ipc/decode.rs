@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use arrow_ipc::{MessageHeader, MetadataVersion};
 use arrow_schema::{DataType, Field, Fields, Schema, SchemaRef, UnionMode};
 
-use crate::array::{Buffers, DeviceArrayData, DeviceRecordBatch, check_type};
+use crate::array::{Buffers, DeviceArrayData, DeviceRecordBatch, check_rows, check_type};
 use crate::device::{Device, Event};
 use crate::error::{Error, Result};
 use crate::ipc::layout::{Sizes, dictionaries_in, fixed_sizes, has_validity};
@@ -132,13 +132,7 @@ pub(crate) fn batch(
     let mut d = Decoder::new(header, device, resolve, first_buffer, 0, dictionaries);
     let columns = d.arrays(schema.fields().iter().map(AsRef::as_ref), 0)?;
     d.finish()?;
-    if let Some((f, c)) = schema.fields().iter().zip(&columns).find(|(_, c)| c.len() != num_rows) {
-        return Err(invalid(format!(
-            "column {} has {} rows, the batch {num_rows}",
-            f.name(),
-            c.len()
-        )));
-    }
+    check_rows(schema, &columns, num_rows)?;
     // One column per field, of its (checked) type, every buffer on `device`, of the sizes its
     // length needs: built so.
     debug_assert!(columns.iter().all(|c| c.check().is_ok()));
