@@ -1250,6 +1250,49 @@ fn peer() {
             assert_eq!(open(), kept, "after the last view");
             say("done");
         }
+        "keep" => {
+            // `count` batches, each in a region of its own (all of one size), then the first two
+            // again. Regions of shared device memory are kept up to the sender's 256 MiB; shared
+            // host memory travels with each batch. Every assertion below holds for regions of any
+            // one size.
+            let mut r = Receiver::connect(&socket, patient()).unwrap();
+            let shared = matches!(lendable(device), MemoryResource::SharedDevice(_));
+            for i in 0..count + 2 {
+                let batch = r.recv().unwrap().expect("a batch");
+                check_batch(
+                    &format!("batch {i}"),
+                    &dtoh(&batch, &stream).unwrap(),
+                    &keep_batch(i % count),
+                );
+                drop(batch);
+                let (kept, bytes) = ipc::testing::kept_regions(&r);
+                let most = match shared {
+                    true => (256 << 20) / (bytes / kept),
+                    false => 0,
+                };
+                assert!(
+                    !shared || most < count,
+                    "{count} regions of {} bytes fit the budget",
+                    bytes / kept
+                );
+                assert_eq!(kept, (i + 1).min(most), "regions kept after batch {i}");
+                if device != Device::Cpu {
+                    assert_eq!(
+                        ipc::testing::open_shared_device_regions(),
+                        kept,
+                        "regions mapped after batch {i}"
+                    );
+                }
+            }
+            assert!(r.recv().unwrap().is_none(), "the end of the stream");
+            drop(r);
+            assert_eq!(
+                ipc::testing::open_shared_device_regions(),
+                0,
+                "regions mapped once it dropped"
+            );
+            say("done");
+        }
         "drain" => {
             // The fault runs may kill it from here on, during its connection and greeting.
             say("connecting");
@@ -1487,6 +1530,36 @@ fn one_allocation_is_opened_once_per_process() {
         let batch = upload(&stream_batch(0), lendable(device), stream);
         sender.send(&batch).unwrap();
         sender.send(&batch).unwrap();
+        sender.finish().unwrap();
+        peer.passed();
+        sender.wait_idle(Duration::from_secs(30)).unwrap();
+    });
+}
+
+/// A receiver keeps the sender's most recently used regions of shared device memory mapped, up to
+/// the sender's budget, and the sender names them by id alone: batches read intact as regions are
+/// let go of and sent again, and the receiver maps only what it keeps.
+/// Batch `i` of `receivers_keep_the_senders_most_recent_regions`: small enough that its region is
+/// the device's smallest, so that every batch's region has one size.
+fn keep_batch(i: usize) -> RecordBatch {
+    let ints: ArrayRef = Arc::new(Int64Array::from_iter_values(i as i64..i as i64 + 10));
+    RecordBatch::try_from_iter([("ints", ints)]).unwrap()
+}
+
+#[test]
+fn receivers_keep_the_senders_most_recent_regions() {
+    const REGIONS: usize = 130;
+    each_device(|device, stream| {
+        let path = socket_path(&format!("keep-{}", device_name(device)));
+        let sender = Sender::bind(&path, keep_batch(0).schema(), SenderOptions::default()).unwrap();
+        let peer = Peer::spawn("keep", &path, device, REGIONS);
+        sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
+        let batches: Vec<_> = (0..REGIONS)
+            .map(|i| upload(&keep_batch(i), lendable(device), stream))
+            .collect();
+        for batch in batches.iter().chain(&batches[..2]) {
+            sender.send(batch).unwrap();
+        }
         sender.finish().unwrap();
         peer.passed();
         sender.wait_idle(Duration::from_secs(30)).unwrap();
@@ -2514,7 +2587,7 @@ fn hello(magic: &[u8; 8], version: u32, schema: &Schema) -> Vec<u8> {
 }
 
 /// The channel protocol's version (`src/ipc/channel/protocol.rs`).
-const PROTOCOL: u32 = 5;
+const PROTOCOL: u32 = 6;
 
 /// A fake sender: accepts one receiver, writes `greeting`, then runs `script` on the socket in a
 /// thread of its own while the receiver is returned.

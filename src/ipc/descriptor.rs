@@ -302,17 +302,28 @@ impl BatchDescriptor {
         FORMAT.len() + 4 + 8 + UUID_LEN + 4 + region * self.regions.len() + 4 + metadata + 4 + 20 * self.locations.len()
     }
 
+    /// The id and size of each region of shared device memory.
+    pub(crate) fn shared_regions(&self) -> Vec<(u64, usize)> {
+        let shared = self.regions.iter().filter_map(|r| match r {
+            RegionHandle::SharedCuda { handle, .. } => Some((handle.id(), handle.size())),
+            _ => None,
+        });
+        shared.collect()
+    }
+
     /// Appends the descriptor to a frame payload; the descriptors of regions that travel as file
-    /// descriptors go to `fds`.
+    /// descriptors go to `fds`, except those of shared device memory whose id `kept` holds (the
+    /// receiver keeps them mapped: see the channel's protocol).
     ///
     /// The encoding, little-endian: the format tag `ACD` and version ([`FORMAT`]); the device as
     /// its C Device Data Interface type (`u32`) and the exporter's id (`i64`, for messages only),
     /// then the device's UUID (16 bytes, zero for the CPU); the regions (`u32` count; each a kind
     /// byte, then for CUDA memory (3) the device's UUID and the serialized IPC handle, for shared
     /// host memory (2) its size, for shared device memory (4) the device's UUID, the region's id
-    /// (its creator's) and its size, these two with their descriptor attached); the dictionaries'
-    /// and the batch's metadata (`u32` length, bytes); the locations (`u32` count, 20 bytes each).
-    pub(crate) fn encode<'a>(&'a self, w: &mut Writer, fds: &mut Vec<BorrowedFd<'a>>) {
+    /// (the exporter's) and its size, these two with their descriptor attached, for shared device
+    /// memory the receiver keeps (5) the device's UUID and the region's id); the dictionaries' and
+    /// the batch's metadata (`u32` length, bytes); the locations (`u32` count, 20 bytes each).
+    pub(crate) fn encode<'a>(&'a self, w: &mut Writer, fds: &mut Vec<BorrowedFd<'a>>, kept: impl Fn(u64) -> bool) {
         w.raw(&FORMAT);
         w.u32(self.device.device_type().0 as u32);
         w.i64(self.device.device_id());
@@ -324,6 +335,11 @@ impl BatchDescriptor {
                     w.u8(REGION_CUDA);
                     w.raw(&uuid.0);
                     w.raw(&handle.serialize());
+                }
+                RegionHandle::SharedCuda { uuid, handle, .. } if kept(handle.id()) => {
+                    w.u8(REGION_SHARED_CUDA_KEPT);
+                    w.raw(&uuid.0);
+                    w.u64(handle.id());
                 }
                 RegionHandle::SharedCuda { uuid, handle, .. } => {
                     w.u8(REGION_SHARED_CUDA);
@@ -357,10 +373,16 @@ impl BatchDescriptor {
 
     /// Reads a descriptor from a frame payload, taking the descriptors of regions that travel as
     /// file descriptors from `fds` in order, and finds the devices it names among this process's
-    /// by UUID. Every count is checked against the bytes left; malformed input is [`Error::InvalidData`], another version of the
-    /// encoding [`Error::Unsupported`], and a device this process does not see
-    /// [`Error::UnknownDevice`].
-    pub(crate) fn decode(r: &mut Reader<'_>, fds: &mut std::vec::IntoIter<OwnedFd>) -> Result<BatchDescriptor> {
+    /// by UUID. A channel's receiver passes the regions it keeps (`kept`): those named by id are
+    /// found there, and those sent with their descriptors are kept from then on. Every count
+    /// is checked against the bytes left; malformed input, and a region named by an id not kept,
+    /// is [`Error::InvalidData`], another version of the encoding [`Error::Unsupported`], and a
+    /// device this process does not see [`Error::UnknownDevice`].
+    pub(crate) fn decode(
+        r: &mut Reader<'_>,
+        fds: &mut std::vec::IntoIter<OwnedFd>,
+        mut kept: Option<&mut OpenedRegions>,
+    ) -> Result<BatchDescriptor> {
         let invalid = |m: String| Error::InvalidData(m);
         let format = r.array::<4>()?;
         if format[..3] != FORMAT[..3] {
@@ -412,10 +434,28 @@ impl BatchDescriptor {
                     let uuid = DeviceUuid(r.array::<UUID_LEN>()?);
                     let id = r.u64()?;
                     let size = size(r)?;
+                    let handle = SharedDeviceHandle::from_fd(fd("shared device")?, id, size);
+                    if let Some(kept) = kept.as_deref_mut() {
+                        kept.keep(&handle);
+                    }
                     RegionHandle::SharedCuda {
                         ordinal: local_ordinal(uuid, theirs)?,
                         uuid,
-                        handle: SharedDeviceHandle::from_fd(fd("shared device")?, id, size),
+                        handle,
+                    }
+                }
+                REGION_SHARED_CUDA_KEPT => {
+                    let uuid = DeviceUuid(r.array::<UUID_LEN>()?);
+                    let id = r.u64()?;
+                    let handle = kept.as_deref().and_then(|k| k.handle(id)).ok_or_else(|| {
+                        invalid(format!(
+                            "a shared device region named by id {id}, which this receiver does not keep"
+                        ))
+                    })?;
+                    RegionHandle::SharedCuda {
+                        ordinal: local_ordinal(uuid, theirs)?,
+                        uuid,
+                        handle,
                     }
                 }
                 REGION_HOST => {
@@ -467,7 +507,7 @@ impl BatchDescriptor {
     pub fn to_bytes(&self) -> (Vec<u8>, Vec<BorrowedFd<'_>>) {
         let mut w = Writer::with_capacity(self.encoded_len());
         let mut fds = Vec::new();
-        self.encode(&mut w, &mut fds);
+        self.encode(&mut w, &mut fds, |_| false);
         (w.buf, fds)
     }
 
@@ -476,7 +516,7 @@ impl BatchDescriptor {
     pub fn from_bytes(bytes: &[u8], fds: Vec<OwnedFd>) -> Result<BatchDescriptor> {
         let mut r = Reader::new(bytes);
         let mut fds = fds.into_iter();
-        let d = Self::decode(&mut r, &mut fds)?;
+        let d = Self::decode(&mut r, &mut fds, None)?;
         r.finish()?;
         if fds.next().is_some() {
             return Err(Error::InvalidData(
@@ -496,6 +536,8 @@ const UUID_LEN: usize = 16;
 const REGION_HOST: u8 = 2;
 const REGION_CUDA: u8 = 3;
 const REGION_SHARED_CUDA: u8 = 4;
+/// A region of shared device memory the receiving end of a channel keeps, by id alone.
+const REGION_SHARED_CUDA_KEPT: u8 = 5;
 
 /// The UUID of `device`'s GPU, `None` for the CPU.
 fn device_uuid(device: Device) -> Result<Option<DeviceUuid>> {

@@ -13,6 +13,7 @@ use crate::ipc::event::IpcEventHandle;
 use crate::ipc::handle::{HANDLE_BYTES, OpenedHandle};
 use crate::ipc::wire::{self, FrameReader};
 use crate::memory::SharedMapping;
+use crate::memory::shared_device::OpenedRegions;
 
 /// The number of peers' CUDA allocations mapped in this process now.
 pub fn open_cuda_mappings() -> usize {
@@ -37,6 +38,12 @@ pub fn fence_host_batches(receiver: &mut crate::ipc::Receiver) {
     receiver.fence_host_batches();
 }
 
+/// The regions of shared device memory `receiver` keeps for its sender between batches: how many,
+/// and their bytes.
+pub fn kept_regions(receiver: &crate::ipc::Receiver) -> (usize, usize) {
+    receiver.kept_regions()
+}
+
 /// Whether a download of `array` skips arrow-rs's validation (its bytes are trusted).
 pub fn is_trusted(array: &crate::array::DeviceArrayData) -> bool {
     array.is_trusted()
@@ -56,7 +63,7 @@ pub fn frame_payloads(
         event: event.then_some(IpcEventHandle([0x5a; HANDLE_BYTES])),
         descriptor,
     };
-    let (payload, fds) = batch.encode();
+    let (payload, fds) = batch.encode(None);
     let fds = fds
         .iter()
         .map(|fd| fd.try_clone_to_owned())
@@ -69,7 +76,7 @@ pub fn frame_payloads(
         Frame::Detach,
     ];
     let mut payloads = vec![payload];
-    payloads.extend(others.iter().map(|f| f.encode().0));
+    payloads.extend(others.iter().map(|f| f.encode(None).0));
     Ok((payloads, fds))
 }
 
@@ -86,7 +93,8 @@ pub enum Decoded {
 
 /// Decodes one frame payload with the descriptors that came with it.
 pub fn decode_frame(payload: &[u8], fds: Vec<OwnedFd>) -> Result<Decoded> {
-    Ok(match Frame::decode(wire::Frame { payload, fds })? {
+    let mut kept = OpenedRegions::default();
+    Ok(match Frame::decode(wire::Frame { payload, fds }, Some(&mut kept))? {
         Frame::Hello { schema } => Decoded::Hello(schema),
         Frame::Batch { descriptor, .. } => Decoded::Batch(descriptor),
         Frame::BadBatch { error, .. } => return Err(error),
@@ -115,7 +123,7 @@ pub fn read_wire(bytes: &[u8], max_frame: usize) -> Result<usize> {
             Ok(None) => break Ok(frames),
             Ok(Some(frame)) => {
                 frames += 1;
-                if let Err(e) = Frame::decode(frame) {
+                if let Err(e) = Frame::decode(frame, None) {
                     break Err(e);
                 }
             }

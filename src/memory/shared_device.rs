@@ -16,15 +16,16 @@
 //!   it went to another process that may still read it: only the IPC channel, which knows when
 //!   every receiver let go of a batch, returns handles. The pool holds at most [`IDLE_BYTES`],
 //!   and is freed when the last [`KeepIdle`] drops;
-//! - every region has an id, unique in the process that made it, which travels with its
-//!   descriptor: a receiver keeps the regions it mapped ([`OpenedRegions`], one per sender) and
-//!   maps a region again only when an id is new to it.
+//! - every region, made or mapped, has an id unique in its process, which travels with its
+//!   descriptor: a receiver keeps the regions it mapped ([`OpenedRegions`], one per sender, by the
+//!   sender's ids) until the sender tells it to let one go, and the sender names a region the
+//!   receiver keeps by its id alone, without its descriptor (see the IPC channel's protocol).
 //!
 //! Every live region, made or mapped, is registered by address, so the IPC layer finds the region
 //! behind any [`DeviceBuffer`] that views it, including buffers received from another process,
 //! which can therefore be passed on without a copy (with the descriptor they came with).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -40,20 +41,18 @@ use crate::memory::cache::{Region, Registry};
 /// The most bytes of idle regions this process keeps for reuse.
 pub(crate) const IDLE_BYTES: usize = 256 << 20;
 
-/// The most bytes of a sender's regions a receiver keeps mapped beyond those its batches use.
-pub(crate) const OPENED_BYTES: usize = 256 << 20;
-
 /// One region of shared device memory mapped into this process.
 #[derive(Debug)]
 pub(crate) struct SharedDeviceRegion {
     memory: Option<ShareableMemory>,
     ctx: Arc<CudaContext>,
-    /// The id its descriptors carry: this process's for a region it made, the creator's for one
-    /// it mapped.
+    /// The id its descriptors carry, unique in this process: the same memory made here keeps it
+    /// when reused; a region mapped from another process gets one of its own (the creator's ids
+    /// are unique only in the creator, and a region passed on may meet another creator's).
     id: u64,
-    /// Its descriptor, once exported (each export costs tens of microseconds; handles are
-    /// duplicates), or the one it was mapped from (a mapped region cannot be exported again).
-    fd: Mutex<Option<OwnedFd>>,
+    /// Its descriptor, once exported (each export costs tens of microseconds; handles share it),
+    /// or the one it was mapped from (a mapped region cannot be exported again).
+    fd: Mutex<Option<Arc<OwnedFd>>>,
     /// Mapped from another process's descriptor (never reused here).
     from_peer: bool,
     /// Handles made for other processes and not yet [returned](SharedDeviceRegion::returned): a
@@ -70,7 +69,7 @@ struct Idle {
     ordinal: usize,
     id: u64,
     memory: ShareableMemory,
-    fd: Option<OwnedFd>,
+    fd: Option<Arc<OwnedFd>>,
 }
 
 /// Idle regions, oldest first.
@@ -208,17 +207,16 @@ impl SharedDeviceRegion {
         self.ctx.ordinal()
     }
 
-    /// A handle for another process: a new descriptor of the memory (a duplicate of the one it came
-    /// with, for a region mapped from a peer), its id and its size.
+    /// A handle for another process: the descriptor of the memory (the one it came with, for a
+    /// region mapped from a peer), its id and its size.
     pub(crate) fn handle(&self) -> Result<SharedDeviceHandle> {
         let fd = {
             let mut own = self.fd.lock().unwrap_or_else(|p| p.into_inner());
             if own.is_none() {
                 // SAFETY: the region is live (borrowed) until it drops.
-                *own = Some(unsafe { driver::shareable_export(self.memory()) }?);
+                *own = Some(Arc::new(unsafe { driver::shareable_export(self.memory()) }?));
             }
-            let own = own.as_ref().expect("exported above");
-            own.try_clone().map_err(|e| Error::io("duplicating a descriptor", e))?
+            own.clone().expect("exported above")
         };
         self.outstanding.fetch_add(1, Ordering::AcqRel);
         Ok(SharedDeviceHandle {
@@ -285,10 +283,10 @@ impl Drop for SharedDeviceRegion {
 }
 
 /// What another process needs to map a region of shared device memory: a descriptor of its
-/// memory, the id its creator gave it and its size.
-#[derive(Debug)]
+/// memory, the id its exporter gave it and its size. Clones share the descriptor.
+#[derive(Clone, Debug)]
 pub struct SharedDeviceHandle {
-    fd: OwnedFd,
+    fd: Arc<OwnedFd>,
     id: u64,
     size: usize,
 }
@@ -313,7 +311,11 @@ impl SharedDeviceHandle {
 
     /// A handle from a received descriptor and the id and size the peer announced.
     pub fn from_fd(fd: OwnedFd, id: u64, size: usize) -> SharedDeviceHandle {
-        SharedDeviceHandle { fd, id, size }
+        SharedDeviceHandle {
+            fd: Arc::new(fd),
+            id,
+            size,
+        }
     }
 
     /// The descriptor.
@@ -321,7 +323,7 @@ impl SharedDeviceHandle {
         self.fd.as_fd()
     }
 
-    /// The id the region's creator gave it (unique in that process).
+    /// The id the exporting process gave the region (unique in that process).
     pub fn id(&self) -> u64 {
         self.id
     }
@@ -345,7 +347,7 @@ impl SharedDeviceHandle {
         Ok(SharedDeviceRegion::register(SharedDeviceRegion {
             memory: Some(memory),
             ctx,
-            id: self.id,
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             fd: Mutex::new(Some(self.fd)),
             from_peer: true,
             outstanding: AtomicUsize::new(0),
@@ -353,32 +355,76 @@ impl SharedDeviceHandle {
     }
 }
 
-/// The regions a receiver mapped from one sender, by the sender's ids, so that a region the sender
-/// uses again is not mapped again. The most recently used are kept while they hold at most
-/// [`OPENED_BYTES`]; the batches built over a region keep it mapped whatever this cache drops.
+/// The regions of shared device memory a receiver keeps for one sender, by the sender's ids: each
+/// handle the sender sent, and its mapping once made, until the sender tells it to let one go
+/// ([`OpenedRegions::forget`]). The sender names kept regions by id alone
+/// ([`OpenedRegions::handle`]); a mapping that failed is tried again with the next batch that
+/// names the region. The batches built over a region keep it mapped whatever this drops.
 #[derive(Debug, Default)]
 pub(crate) struct OpenedRegions {
-    regions: VecDeque<Arc<SharedDeviceRegion>>,
+    regions: HashMap<u64, Kept>,
+}
+
+/// A region a receiver keeps.
+#[derive(Debug)]
+struct Kept {
+    handle: SharedDeviceHandle,
+    mapped: Option<Arc<SharedDeviceRegion>>,
 }
 
 impl OpenedRegions {
-    /// The region `handle` names, mapped on device `ordinal`: the one mapped before under its id
-    /// (of its size and device), or a new mapping.
+    /// Keeps `handle`, just received, under its id (a region kept under it already, of its
+    /// size, stays as it is).
+    pub(crate) fn keep(&mut self, handle: &SharedDeviceHandle) {
+        match self.regions.get(&handle.id) {
+            Some(k) if k.handle.size == handle.size => {}
+            _ => {
+                let kept = Kept {
+                    handle: handle.clone(),
+                    mapped: None,
+                };
+                self.regions.insert(handle.id, kept);
+            }
+        }
+    }
+
+    /// The handle kept under the sender's id `id`; `None` when none is.
+    pub(crate) fn handle(&self, id: u64) -> Option<SharedDeviceHandle> {
+        self.regions.get(&id).map(|k| k.handle.clone())
+    }
+
+    /// The region `handle` names, mapped on device `ordinal`: the mapping kept under its id (of
+    /// its size and device), or a new one, kept from then on.
     pub(crate) fn open(&mut self, handle: SharedDeviceHandle, ordinal: usize) -> Result<Arc<SharedDeviceRegion>> {
-        let known = self
-            .regions
-            .iter()
-            .position(|r| r.id == handle.id && r.size() == handle.size && r.ordinal() == ordinal);
-        let region = match known.and_then(|i| self.regions.remove(i)) {
-            Some(region) => region,
-            None => handle.open(ordinal)?,
-        };
-        self.regions.push_front(region.clone());
-        let mut held = 0;
-        self.regions.retain(|r| {
-            held += r.size();
-            held <= OPENED_BYTES || Arc::ptr_eq(r, &region)
+        let id = handle.id;
+        let kept = self.regions.entry(id).or_insert_with(|| Kept {
+            handle: handle.clone(),
+            mapped: None,
         });
+        if let Some(r) = &kept.mapped
+            && r.size() == handle.size
+            && r.ordinal() == ordinal
+        {
+            return Ok(r.clone());
+        }
+        let region = handle.open(ordinal)?;
+        kept.mapped = Some(region.clone());
         Ok(region)
+    }
+
+    /// Lets the region kept under the sender's id `id` go (its batches keep it mapped until they
+    /// drop).
+    pub(crate) fn forget(&mut self, id: u64) {
+        self.regions.remove(&id);
+    }
+
+    /// The number of regions kept.
+    pub(crate) fn len(&self) -> usize {
+        self.regions.len()
+    }
+
+    /// The bytes of the regions kept.
+    pub(crate) fn bytes(&self) -> usize {
+        self.regions.values().map(|k| k.handle.size).sum()
     }
 }

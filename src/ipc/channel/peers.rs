@@ -348,7 +348,7 @@ impl Shared {
         let reason = loop {
             match reader.recv(socket.as_fd(), None) {
                 Ok(None) => break None,
-                Ok(Some(frame)) => match Frame::decode(frame) {
+                Ok(Some(frame)) => match Frame::decode(frame, None) {
                     Ok(Frame::Ack(batch)) => self.ack(id, batch),
                     Ok(Frame::Detach) => self.detach(id),
                     Ok(other) => break Some(format!("protocol violation: a receiver sent {other:?}")),

@@ -2,12 +2,20 @@
 //!
 //! Sender to receiver: `Hello` (magic, protocol version, the schema as an IPC schema message) and
 //! `Ring` (the ring's size, with its memfd and doorbell attached) on the socket; then, through the
-//! ring (`ring.rs`), any number of `Batch` frames (an id, the IPC event to wait on for CUDA batches,
-//! and the batch's descriptor, with the host regions' descriptors attached), then `End`, or `Abort`
-//! with a reason. Receiver to sender, on the socket: `Ack` with a batch id when the last view of
-//! that batch has dropped, and `Detach` when the receiver stops receiving (it may still hold
-//! batches).
+//! ring (`ring.rs`), any number of `Batch` frames (an id, the ids of the regions the receiver may
+//! let go of, the IPC event to wait on for CUDA batches, and the batch's descriptor, with the
+//! regions' file descriptors attached), then `End`, or `Abort` with a reason. Receiver to sender,
+//! on the socket: `Ack` with a batch id when the last view of that batch has dropped, and `Detach`
+//! when the receiver stops receiving (it may still hold batches).
+//!
+//! A receiver keeps every region of shared device memory it is sent mapped, under the sender's id
+//! for it, until a later batch frame lets it go; the sender keeps count ([`KeptRegions`]: the most
+//! recently sent, up to [`KEPT_BYTES`]) and names a kept region by its id alone. Its batches then
+//! carry no file descriptor and travel through the ring, with no system call when the receiver
+//! polls. Frames reach a receiver in the order they were encoded for it, so a region is never
+//! named after the frame that lets it go.
 
+use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -19,11 +27,17 @@ use crate::ipc::descriptor::BatchDescriptor;
 use crate::ipc::event::IpcEventHandle;
 use crate::ipc::handle::HANDLE_BYTES;
 use crate::ipc::wire::{self, Reader, Writer};
+use crate::memory::shared_device::OpenedRegions;
 
 const MAGIC: &[u8; 8] = b"ACUDAIPC";
 /// 4: devices by UUID in batch descriptors (issue #23, finding 8). 5: regions of shared device
-/// memory, by file descriptor (the default for messages on a GPU).
-const VERSION: u32 = 5;
+/// memory, by file descriptor (the default for messages on a GPU). 6: regions a receiver keeps,
+/// by id.
+const VERSION: u32 = 6;
+
+/// The most bytes of a sender's regions of shared device memory a receiver keeps mapped between
+/// batches (more while one batch's regions alone take more).
+pub(crate) const KEPT_BYTES: usize = 256 << 20;
 
 const HELLO: u8 = 1;
 const BATCH: u8 = 2;
@@ -70,8 +84,10 @@ impl Frame {
         })
     }
 
-    /// The payload, and the descriptors to attach.
-    pub fn encode(&self) -> (Vec<u8>, Vec<BorrowedFd<'_>>) {
+    /// The payload, and the descriptors to attach. With `kept` (what the receiver keeps, updated
+    /// for this frame), a batch's regions that the receiver keeps are named by id, and the frame
+    /// lets go of those it need not keep any more.
+    pub fn encode(&self, kept: Option<&mut KeptRegions>) -> (Vec<u8>, Vec<BorrowedFd<'_>>) {
         let mut w = match self {
             Frame::Batch { descriptor, .. } => Writer::with_capacity(80 + descriptor.encoded_len()),
             _ => Writer::default(),
@@ -92,6 +108,13 @@ impl Frame {
             Frame::Batch { id, event, descriptor } => {
                 w.u8(BATCH);
                 w.u64(*id);
+                let regions = descriptor.shared_regions();
+                let (known, forget) = match kept {
+                    Some(kept) => kept.send(&regions),
+                    None => (Vec::new(), Vec::new()),
+                };
+                w.u32(forget.len() as u32);
+                forget.iter().for_each(|id| w.u64(*id));
                 match event {
                     Some(h) => {
                         w.u8(1);
@@ -99,7 +122,7 @@ impl Frame {
                     }
                     None => w.u8(0),
                 }
-                descriptor.encode(&mut w, &mut fds);
+                descriptor.encode(&mut w, &mut fds, |id| known.contains(&id));
             }
             Frame::BadBatch { .. } => unreachable!("never sent"),
             Frame::End => w.u8(END),
@@ -116,8 +139,9 @@ impl Frame {
         (w.buf, fds)
     }
 
-    /// Reads a frame; every byte must be used and every descriptor claimed.
-    pub fn decode(frame: wire::Frame) -> Result<Frame> {
+    /// Reads a frame; every byte must be used and every descriptor claimed. A receiver passes the
+    /// regions it keeps (`opened`): a batch frame names kept ones by id, and lets some go.
+    pub fn decode(frame: wire::Frame, mut opened: Option<&mut OpenedRegions>) -> Result<Frame> {
         let mut r = Reader::new(frame.payload);
         let mut fds = frame.fds.into_iter();
         let out = match r.u8()? {
@@ -145,12 +169,25 @@ impl Frame {
             BATCH => {
                 let id = r.u64()?;
                 let rest = (|| {
+                    let n = r.u32()? as usize;
+                    if n > r.remaining() / 8 {
+                        return Err(Error::InvalidData(format!(
+                            "{n} regions to let go of in a frame of {} bytes",
+                            r.remaining()
+                        )));
+                    }
+                    for _ in 0..n {
+                        let region = r.u64()?;
+                        if let Some(opened) = opened.as_deref_mut() {
+                            opened.forget(region);
+                        }
+                    }
                     let event = match r.u8()? {
                         0 => None,
                         1 => Some(IpcEventHandle(r.array::<HANDLE_BYTES>()?)),
                         k => return Err(Error::InvalidData(format!("event flag {k}"))),
                     };
-                    let descriptor = BatchDescriptor::decode(&mut r, &mut fds)?;
+                    let descriptor = BatchDescriptor::decode(&mut r, &mut fds, opened.as_deref_mut())?;
                     finish(&r, &mut fds)?;
                     Ok((event, descriptor))
                 })();
@@ -179,39 +216,144 @@ fn finish(r: &Reader<'_>, fds: &mut impl Iterator) -> Result<()> {
     }
 }
 
+/// The regions of shared device memory a receiver keeps mapped, as its sender counts them: by id
+/// and size, the most recently sent first, at most [`KEPT_BYTES`] beyond the regions of the batch
+/// being sent.
+#[derive(Debug, Default)]
+pub(crate) struct KeptRegions {
+    regions: VecDeque<(u64, usize)>,
+}
+
+impl KeptRegions {
+    /// A batch frame with `regions` (id and size) goes to the receiver, which keeps them from then
+    /// on: the ids of those it keeps already, and of those it is to let go of (the least recently
+    /// sent, past [`KEPT_BYTES`]; never one of `regions`).
+    pub(crate) fn send(&mut self, regions: &[(u64, usize)]) -> (Vec<u64>, Vec<u64>) {
+        let sent = |id: &u64| regions.iter().any(|(r, _)| r == id);
+        let mut known = Vec::new();
+        self.regions.retain(|(id, _)| {
+            let again = sent(id);
+            if again {
+                known.push(*id);
+            }
+            !again
+        });
+        for r in regions.iter().rev() {
+            self.regions.push_front(*r);
+        }
+        let (mut held, mut forget) = (0, Vec::new());
+        self.regions.retain(|(id, size)| {
+            held += size;
+            let keep = held <= KEPT_BYTES || sent(id);
+            if !keep {
+                forget.push(*id);
+            }
+            keep
+        });
+        (known, forget)
+    }
+}
+
 /// One end of a connection: the socket, and on a sender's side the ring its frames go through,
 /// with writes of whole frames serialised.
 pub(crate) struct Link {
     pub socket: UnixStream,
-    /// The way frames leave: the socket alone until a sender attaches its receiver's ring.
-    out: Mutex<Option<RingWriter>>,
+    out: Mutex<Out>,
+}
+
+/// How frames leave a link.
+#[derive(Default)]
+struct Out {
+    /// The socket alone until a sender attaches its receiver's ring.
+    ring: Option<RingWriter>,
+    /// The regions the receiver at the other end keeps (on a sender's side).
+    kept: KeptRegions,
 }
 
 impl Link {
     pub fn new(socket: UnixStream) -> Link {
         Link {
             socket,
-            out: Mutex::new(None),
+            out: Mutex::new(Out::default()),
         }
     }
 
     /// Sends every later frame through `ring` (announced to the receiver already).
     pub fn attach(&self, ring: RingWriter) {
-        *self.out.lock().unwrap_or_else(|p| p.into_inner()) = Some(ring);
+        self.out.lock().unwrap_or_else(|p| p.into_inner()).ring = Some(ring);
     }
 
     /// Sends one frame; concurrent senders never interleave. Through a ring, a frame with
     /// descriptors or too large for it goes on the socket, announced in the ring first.
     pub fn send(&self, frame: &Frame) -> io::Result<()> {
-        let (payload, fds) = frame.encode();
         let mut out = self.out.lock().unwrap_or_else(|p| p.into_inner());
-        match out.as_mut() {
+        let Out { ring, kept } = &mut *out;
+        let (payload, fds) = frame.encode(Some(kept));
+        match ring {
             Some(ring) if fds.is_empty() && ring.fits(payload.len()) => ring.push(Some(&payload), &self.socket),
             Some(ring) => {
                 ring.push(None, &self.socket)?;
                 wire::send_frame(self.socket.as_fd(), &payload, &fds)
             }
             None => wire::send_frame(self.socket.as_fd(), &payload, &fds),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    /// A receiver is told which regions it keeps: named by id once sent, the least recently sent
+    /// let go past the limit, never those of the batch at hand.
+    #[test]
+    fn kept_regions_are_the_most_recently_sent() {
+        let mut kept = KeptRegions::default();
+        assert_eq!(kept.send(&[(1, 2 * MIB), (2, 2 * MIB)]), (vec![], vec![]));
+        assert_eq!(kept.send(&[(2, 2 * MIB), (3, 2 * MIB)]), (vec![2], vec![]));
+        // 1 is now the least recently sent: a region that fills the rest of the budget lets it go.
+        let big = KEPT_BYTES - 4 * MIB;
+        assert_eq!(kept.send(&[(4, big)]), (vec![], vec![1]));
+        assert_eq!(kept.send(&[(3, 2 * MIB)]), (vec![3], vec![]));
+        // One batch's regions alone may take more than the budget: all are kept, the others go.
+        assert_eq!(kept.send(&[(5, KEPT_BYTES), (6, 2 * MIB)]), (vec![], vec![3, 4, 2]));
+        assert_eq!(kept.send(&[(6, 2 * MIB)]), (vec![6], vec![5]));
+        assert_eq!(kept.send(&[(7, 2 * MIB)]), (vec![], vec![]));
+        assert_eq!(kept.send(&[(6, 2 * MIB), (7, 2 * MIB)]), (vec![7, 6], vec![]));
+    }
+
+    /// A batch frame's list of regions to let go of comes before its descriptor: it is read when
+    /// the descriptor is malformed, and a count larger than the frame is refused.
+    #[test]
+    fn batch_frames_list_the_regions_to_let_go_of_first() {
+        let mut payload = vec![BATCH];
+        payload.extend_from_slice(&9u64.to_le_bytes());
+        payload.extend_from_slice(&2u32.to_le_bytes());
+        payload.extend_from_slice(&1u64.to_le_bytes());
+        payload.extend_from_slice(&2u64.to_le_bytes());
+        payload.push(0);
+        payload.extend_from_slice(b"not a descriptor");
+        let mut kept = OpenedRegions::default();
+        let frame = wire::Frame {
+            payload: &payload,
+            fds: Vec::new(),
+        };
+        match Frame::decode(frame, Some(&mut kept)).unwrap() {
+            Frame::BadBatch { id: 9, error } => assert!(error.to_string().contains("descriptor"), "{error}"),
+            other => panic!("{other:?}"),
+        }
+        // More ids than bytes left.
+        payload.truncate(9);
+        payload.extend_from_slice(&u32::MAX.to_le_bytes());
+        let frame = wire::Frame {
+            payload: &payload,
+            fds: Vec::new(),
+        };
+        match Frame::decode(frame, Some(&mut kept)).unwrap() {
+            Frame::BadBatch { id: 9, error } => assert!(error.to_string().contains("let go of"), "{error}"),
+            other => panic!("{other:?}"),
         }
     }
 }

@@ -46,8 +46,9 @@ pub struct ReceiverOptions {
     /// its batches were acknowledged, and CUDA leaves it undefined what happens when the exporter
     /// frees memory that another process still has open. Without it a mapping lives exactly as
     /// long as a batch uses it, and is closed before that batch is acknowledged. (Regions of shared
-    /// device memory, which outlive their sender, are kept either way: the most recently used,
-    /// up to 256 MiB beyond those that batches use, stay mapped until the receiver drops.)
+    /// device memory, which outlive their sender, are kept either way: those the sender used
+    /// most recently, up to 256 MiB, stay mapped until the sender lets them go or the receiver
+    /// drops, and the sender names them by id alone.)
     pub retain_mappings: bool,
     /// How long sending an acknowledgement may block.
     pub ack_timeout: Duration,
@@ -154,7 +155,7 @@ pub struct Receiver {
     streams: HashMap<usize, Stream>,
     events: HashMap<[u8; HANDLE_BYTES], IpcEvent>,
     retained: Vec<Mapping>,
-    /// The regions of shared device memory mapped from the sender, by its ids.
+    /// The regions of shared device memory mapped from the sender and kept, by its ids.
     opened: OpenedRegions,
 }
 
@@ -211,7 +212,7 @@ impl Receiver {
                 .recv(socket.as_fd(), Some(left))
                 .map_err(RecvError::into_error)?
                 .ok_or_else(|| Error::io(what, io::ErrorKind::UnexpectedEof.into()))?;
-            Frame::decode(frame)
+            Frame::decode(frame, None)
         };
         let schema = match greeting("reading the schema")? {
             Frame::Hello { schema } => decode_schema(&schema)?,
@@ -333,10 +334,11 @@ impl Receiver {
             match self.ring.pop().map_err(RecvError::Broken)? {
                 Some(Entry::Frame(payload)) => {
                     laps.lap("recv.wait");
-                    return Ok(Frame::decode(wire::Frame {
+                    let frame = wire::Frame {
                         payload,
                         fds: Vec::new(),
-                    }));
+                    };
+                    return Ok(Frame::decode(frame, Some(&mut self.opened)));
                 }
                 Some(Entry::OnSocket) => self.on_socket = true,
                 None if start.elapsed() < self.options.poll => std::hint::spin_loop(),
@@ -378,7 +380,7 @@ impl Receiver {
             Some(frame) => {
                 laps.lap("recv.wait");
                 self.on_socket = false;
-                Ok(Frame::decode(frame))
+                Ok(Frame::decode(frame, Some(&mut self.opened)))
             }
             None => Err(RecvError::Broken(ended())),
         }
@@ -445,6 +447,12 @@ impl Receiver {
     /// (`crate::ipc::testing::fence_host_batches`).
     pub(crate) fn fence_host_batches(&mut self) {
         self.fence_host = true;
+    }
+
+    /// The regions of shared device memory it keeps for its sender: how many, and their bytes (a
+    /// hook for tests: `crate::ipc::testing::kept_regions`).
+    pub(crate) fn kept_regions(&self) -> (usize, usize) {
+        (self.opened.len(), self.opened.bytes())
     }
 
     /// Marks the receiver broken by `e`, which it returns: every later `recv` fails with it.
@@ -611,6 +619,41 @@ mod tests {
         assert!(r.recv().unwrap().is_none(), "the end of the stream");
     }
 
+    /// A batch naming a region by an id its receiver does not keep (never sent, or let go of) is
+    /// refused and acknowledged, and the stream goes on.
+    #[test]
+    fn a_region_named_by_an_id_not_kept_is_refused() {
+        let stream = Stream::cpu();
+        let empty = crate::transfer::htod_async(&batch(0), MemoryResource::SharedHost, &stream).unwrap();
+        let descriptor = BatchDescriptor::describe(&empty).unwrap().to_bytes().0;
+        let (acks_tx, acks_rx) = mpsc::channel();
+        let (mut r, fake) = fake_sender("not-kept", move |ring, s| {
+            let mut frame = vec![2u8];
+            frame.extend_from_slice(&42u64.to_le_bytes());
+            frame.extend_from_slice(&0u32.to_le_bytes());
+            frame.push(0);
+            // The descriptor's tag and device, then one region: shared device memory by id 7.
+            frame.extend_from_slice(&descriptor[..32]);
+            frame.extend_from_slice(&1u32.to_le_bytes());
+            frame.push(5);
+            frame.extend_from_slice(&[0; 16]);
+            frame.extend_from_slice(&7u64.to_le_bytes());
+            ring.push(Some(&frame), s).unwrap();
+            ring.push(Some(&[3]), s).unwrap();
+            let mut ack = [0u8; 13];
+            s.read_exact(&mut ack).unwrap();
+            acks_tx.send(u64::from_le_bytes(ack[5..].try_into().unwrap())).unwrap();
+        });
+        let e = r.recv().unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidData(m) if m.contains("id 7, which this receiver does not keep")),
+            "{e}"
+        );
+        assert!(r.recv().unwrap().is_none(), "the end of the stream");
+        assert_eq!(acks_rx.recv_timeout(Duration::from_secs(10)).unwrap(), 42);
+        fake.join().unwrap();
+    }
+
     #[test]
     fn corrupt_frames_keep_the_stream_in_step() {
         // A malformed batch (acknowledged all the same) and an unknown kind through the ring; then
@@ -622,11 +665,12 @@ mod tests {
         let (mut r, fake) = fake_sender("corrupt", move |ring, s| {
             let mut bad = vec![2u8];
             bad.extend_from_slice(&42u64.to_le_bytes());
-            bad.extend_from_slice(&[0, 0xde, 0xad, 0xbe, 0xef]);
+            bad.extend_from_slice(&[0, 0, 0, 0, 0, 0xde, 0xad, 0xbe, 0xef]);
             ring.push(Some(&bad), s).unwrap();
             ring.push(Some(&[99, 1, 2, 3]), s).unwrap();
             let mut good = vec![2u8];
             good.extend_from_slice(&44u64.to_le_bytes());
+            good.extend_from_slice(&0u32.to_le_bytes());
             good.push(0);
             good.extend_from_slice(&descriptor);
             ring.push(None, s).unwrap();
