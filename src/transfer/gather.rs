@@ -1,6 +1,8 @@
 //! Planning and issuing a download: the buffers of each allocation are grouped into spans (nearby
 //! buffers of one allocation share one), each span is copied in one DMA into one host block, and
-//! each array's [`Layout`] in that block is worked out from where its buffers landed.
+//! each array's [`Layout`] in that block is worked out from where its buffers landed. A batch in
+//! one allocation (uploaded or received in one) takes one span, found in the walk that checks its
+//! buffers, so its copy leaves before anything else is planned.
 
 use std::ops::Range;
 
@@ -42,19 +44,28 @@ pub(crate) fn gather(
     stream: &Stream,
 ) -> Result<Gathered> {
     let mut laps = Laps::start();
-    check_all(arrays.iter().flat_map(DeviceArrayData::all_buffers))?;
+    let buffers = || arrays.iter().flat_map(DeviceArrayData::all_buffers);
+    // One walk checks the buffers and finds whether one span covers them: the copy leaves soon.
+    let mut extent = Extent::default();
+    check_all(buffers().inspect(|b| extent.add(b)))?;
     laps.lap("dtoh.check");
     let stream = stream_for(stream, device, Device::Cpu)?;
     if let Some(ready) = ready {
         stream.wait(ready)?;
     }
     laps.lap("dtoh.wait_ready");
-    // Group buffers by allocation, in address order; nearby buffers of one allocation share a span.
-    let all: Vec<&DeviceBuffer> = arrays.iter().flat_map(|a| a.all_buffers()).collect();
-    let mut order: Vec<usize> = (0..all.len()).collect();
-    order.sort_by_key(|&i| all[i].address());
-    let buffers: Vec<&DeviceBuffer> = order.iter().map(|&i| all[i]).collect();
-    let (spans, span_of, size) = plan_spans(&buffers);
+    // Where each buffer lands, in the order of `all_buffers` (which `host_layout` walks too), is
+    // worked out once the copy is on its way when one span covers them.
+    let (spans, placed, size) = match extent.span() {
+        Some(span) => {
+            let size = span.dst + span.len;
+            (vec![span], None, size)
+        }
+        None => {
+            let (spans, place, size) = plan_spans(&buffers().collect::<Vec<_>>());
+            (spans, Some(place), size)
+        }
+    };
     laps.lap("dtoh.spans");
     let mut memory = match device {
         Device::Cpu => DeviceBuffer::alloc(MemoryResource::Host, size, &stream)?,
@@ -75,22 +86,94 @@ pub(crate) fn gather(
     }
     let event = stream.record()?;
     laps.lap("dtoh.copy");
-    // Where each buffer landed, in the order of `all_buffers`, which `host_layout` walks too.
-    let mut place = vec![0..0; buffers.len()];
-    for ((b, &si), &i) in buffers.iter().zip(&span_of).zip(&order) {
-        let s = &spans[si];
-        let start = s.dst + (b.address() - s.src) as usize;
-        place[i] = start..start + b.len();
-    }
-    let mut place = place.into_iter();
-    let layouts = arrays.iter().map(|a| host_layout(a, &mut place)).collect();
+    let layouts = match placed {
+        Some(place) => {
+            let mut place = place.into_iter();
+            arrays.iter().map(|a| host_layout(a, &mut place)).collect()
+        }
+        None => {
+            let mut place = buffers().map(|b| spans[0].place(b));
+            arrays.iter().map(|a| host_layout(a, &mut place)).collect()
+        }
+    };
     laps.lap("dtoh.layouts");
     Ok(Gathered { memory, layouts, event })
 }
 
-/// The spans that cover `buffers` (in address order) in one host block: the spans, the span of each
-/// buffer, and the block's size.
-fn plan_spans(buffers: &[&DeviceBuffer]) -> (Vec<Span>, Vec<usize>, usize) {
+/// Spans, where each buffer lands in the host block, and the block's size.
+type Planned = (Vec<Span>, Vec<Range<usize>>, usize);
+
+/// The bytes between two buffers of one allocation up to which one span covers both.
+const JOIN_GAP: u64 = 4096;
+
+impl Span {
+    /// Where `buffer`, one of the span's, lands in the host block (an empty one anywhere).
+    fn place(&self, buffer: &DeviceBuffer) -> Range<usize> {
+        match buffer.is_empty() {
+            true => 0..0,
+            false => {
+                let start = self.dst + (buffer.address() - self.src) as usize;
+                start..start + buffer.len()
+            }
+        }
+    }
+}
+
+/// The bytes of a download's buffers, taken one at a time, while they are views of one
+/// allocation: one span covers them (a batch uploaded or received in one allocation) unless the
+/// bytes between them come to more than [`JOIN_GAP`] per buffer.
+#[derive(Default)]
+struct Extent<'a> {
+    first: Option<&'a DeviceBuffer>,
+    start: u64,
+    end: u64,
+    bytes: u64,
+    count: u64,
+    /// A buffer with bytes in another allocation was seen.
+    scattered: bool,
+}
+
+impl<'a> Extent<'a> {
+    fn add(&mut self, b: &'a DeviceBuffer) {
+        if b.is_empty() || self.scattered {
+            return;
+        }
+        let (start, end) = (b.address(), b.address() + b.len() as u64);
+        match self.first {
+            None => {
+                self.first = Some(b);
+                (self.start, self.end) = (start, end);
+            }
+            Some(first) if b.shares_allocation(first) => {
+                self.start = self.start.min(start);
+                self.end = self.end.max(end);
+            }
+            Some(_) => self.scattered = true,
+        }
+        self.bytes += b.len() as u64;
+        self.count += 1;
+    }
+
+    /// The one span that covers the buffers, if one does.
+    fn span(&self) -> Option<Span> {
+        let covers = self.first.is_some()
+            && !self.scattered
+            && self.end - self.start <= self.bytes.saturating_add(JOIN_GAP * self.count);
+        // The span's address modulo the alignment is kept, so aligned buffers stay aligned.
+        covers.then(|| Span {
+            src: self.start,
+            len: (self.end - self.start) as usize,
+            dst: (self.start % ALIGNMENT as u64) as usize,
+        })
+    }
+}
+
+/// The spans that cover `buffers` in one host block, grouped by allocation in address order
+/// (nearby buffers of one allocation share a span).
+fn plan_spans(all: &[&DeviceBuffer]) -> Planned {
+    let mut order: Vec<usize> = (0..all.len()).collect();
+    order.sort_by_key(|&i| all[i].address());
+    let buffers: Vec<&DeviceBuffer> = order.iter().map(|&i| all[i]).collect();
     let mut spans: Vec<Span> = Vec::new();
     let mut span_of = Vec::with_capacity(buffers.len());
     let mut size = 0usize;
@@ -99,7 +182,7 @@ fn plan_spans(buffers: &[&DeviceBuffer]) -> (Vec<Span>, Vec<usize>, usize) {
             && b.shares_allocation(buffers[i - 1])
             && spans.last().is_some_and(|s| {
                 let end = s.src + s.len as u64;
-                b.address() <= end + 4096
+                b.address() <= end + JOIN_GAP
             });
         if joins {
             let s = spans.last_mut().expect("joined span");
@@ -117,7 +200,13 @@ fn plan_spans(buffers: &[&DeviceBuffer]) -> (Vec<Span>, Vec<usize>, usize) {
         size = size.max(s.dst + s.len);
         span_of.push(spans.len() - 1);
     }
-    (spans, span_of, size)
+    let mut place = vec![0..0; all.len()];
+    for ((b, &si), &i) in buffers.iter().zip(&span_of).zip(&order) {
+        let s = &spans[si];
+        let start = s.dst + (b.address() - s.src) as usize;
+        place[i] = start..start + b.len();
+    }
+    (spans, place, size)
 }
 
 /// Issues the copies of `spans` from `device` into `memory` (a host block) on `stream`, a CUDA
@@ -164,5 +253,63 @@ fn host_layout(a: &DeviceArrayData, place: &mut impl Iterator<Item = Range<usize
         buffers,
         children: a.children.iter().map(|c| host_layout(c, place)).collect(),
         trusted: a.is_trusted(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn views(of: &DeviceBuffer, at: &[(usize, usize)]) -> Vec<DeviceBuffer> {
+        at.iter().map(|&(offset, len)| of.slice(offset, len).unwrap()).collect()
+    }
+
+    /// The one span's plan, if one span covers `buffers`, and the sorting plan.
+    fn plans(buffers: &[DeviceBuffer]) -> (Option<Planned>, Planned) {
+        let mut extent = Extent::default();
+        buffers.iter().for_each(|b| extent.add(b));
+        let one = extent.span().map(|span| {
+            let place = buffers.iter().map(|b| span.place(b)).collect();
+            let size = span.dst + span.len;
+            (vec![span], place, size)
+        });
+        let refs: Vec<&DeviceBuffer> = buffers.iter().collect();
+        (one, plan_spans(&refs))
+    }
+
+    fn spans(p: &Planned) -> Vec<(u64, usize, usize)> {
+        p.0.iter().map(|s| (s.src, s.len, s.dst)).collect()
+    }
+
+    /// Views of one allocation close together, in any order, take one span planned without
+    /// sorting, placed exactly as the sorting plan places them; others take the sorting plan.
+    #[test]
+    fn views_of_one_allocation_take_one_span() {
+        let stream = Stream::cpu();
+        let block = DeviceBuffer::alloc(MemoryResource::Host, 1 << 20, &stream).unwrap();
+        // Out of address order, one empty, gaps below the join distance, an unaligned start.
+        let near = views(&block, &[(9000, 64), (100, 800), (4000, 0), (1000, 5000), (6100, 2000)]);
+        let (one, sorted) = plans(&near);
+        let one = one.expect("one span");
+        assert_eq!(spans(&one), spans(&sorted));
+        assert_eq!(spans(&one), vec![(block.address() + 100, 8964, 100 % ALIGNMENT)]);
+        assert_eq!(one.2, sorted.2);
+        for (i, (a, b)) in one.1.iter().zip(&sorted.1).enumerate() {
+            if !near[i].is_empty() {
+                assert_eq!(a, b, "buffer {i}");
+            }
+        }
+        // Sparse views: the sorting plan, which leaves the gaps out.
+        let sparse = views(&block, &[(0, 64), (500_000, 64), (1_000_000, 64)]);
+        let (one, sorted) = plans(&sparse);
+        assert!(one.is_none());
+        assert_eq!(sorted.0.len(), 3);
+        // Two allocations.
+        let other = DeviceBuffer::alloc(MemoryResource::Host, 4096, &stream).unwrap();
+        let mut two = views(&block, &[(0, 64)]);
+        two.extend(views(&other, &[(0, 64)]));
+        assert!(plans(&two).0.is_none());
+        // Nothing with bytes.
+        assert!(plans(&views(&block, &[(0, 0)])).0.is_none());
     }
 }
