@@ -430,28 +430,23 @@ impl BatchDescriptor {
                         handle,
                     }
                 }
-                REGION_SHARED_CUDA => {
+                kind @ (REGION_SHARED_CUDA | REGION_SHARED_CUDA_KEPT) => {
                     let uuid = DeviceUuid(r.array::<UUID_LEN>()?);
                     let id = r.u64()?;
-                    let size = size(r)?;
-                    let handle = SharedDeviceHandle::from_fd(fd("shared device")?, id, size);
-                    if let Some(kept) = kept.as_deref_mut() {
-                        kept.keep(&handle);
-                    }
-                    RegionHandle::SharedCuda {
-                        ordinal: local_ordinal(uuid, theirs)?,
-                        uuid,
-                        handle,
-                    }
-                }
-                REGION_SHARED_CUDA_KEPT => {
-                    let uuid = DeviceUuid(r.array::<UUID_LEN>()?);
-                    let id = r.u64()?;
-                    let handle = kept.as_deref().and_then(|k| k.handle(id)).ok_or_else(|| {
-                        invalid(format!(
-                            "a shared device region named by id {id}, which this receiver does not keep"
-                        ))
-                    })?;
+                    let handle = match kind {
+                        REGION_SHARED_CUDA => {
+                            let handle = SharedDeviceHandle::from_fd(fd("shared device")?, id, size(r)?);
+                            if let Some(kept) = kept.as_deref_mut() {
+                                kept.keep(&handle);
+                            }
+                            handle
+                        }
+                        _ => kept.as_deref().and_then(|k| k.handle(id)).ok_or_else(|| {
+                            invalid(format!(
+                                "a shared device region named by id {id}, which this receiver does not keep"
+                            ))
+                        })?,
+                    };
                     RegionHandle::SharedCuda {
                         ordinal: local_ordinal(uuid, theirs)?,
                         uuid,
