@@ -374,14 +374,15 @@ impl BatchDescriptor {
     /// Reads a descriptor from a frame payload, taking the descriptors of regions that travel as
     /// file descriptors from `fds` in order, and finds the devices it names among this process's
     /// by UUID. A channel's receiver passes the regions it keeps (`kept`): those named by id are
-    /// found there, and those sent with their descriptors are kept from then on. Every count
+    /// found there, and those sent with their descriptors are kept once the descriptor is read
+    /// whole. Every count
     /// is checked against the bytes left; malformed input, and a region named by an id not kept,
     /// is [`Error::InvalidData`], another version of the encoding [`Error::Unsupported`], and a
     /// device this process does not see [`Error::UnknownDevice`].
     pub(crate) fn decode(
         r: &mut Reader<'_>,
         fds: &mut std::vec::IntoIter<OwnedFd>,
-        mut kept: Option<&mut OpenedRegions>,
+        kept: Option<&mut OpenedRegions>,
     ) -> Result<BatchDescriptor> {
         let invalid = |m: String| Error::InvalidData(m);
         let format = r.array::<4>()?;
@@ -433,25 +434,18 @@ impl BatchDescriptor {
                 kind @ (REGION_SHARED_CUDA | REGION_SHARED_CUDA_KEPT) => {
                     let uuid = DeviceUuid(r.array::<UUID_LEN>()?);
                     let id = r.u64()?;
+                    // A device this process does not see is told first, whether the region came
+                    // with its descriptor or is named by id (it was never kept then).
+                    let ordinal = local_ordinal(uuid, theirs)?;
                     let handle = match kind {
-                        REGION_SHARED_CUDA => {
-                            let handle = SharedDeviceHandle::from_fd(fd("shared device")?, id, size(r)?);
-                            if let Some(kept) = kept.as_deref_mut() {
-                                kept.keep(&handle);
-                            }
-                            handle
-                        }
+                        REGION_SHARED_CUDA => SharedDeviceHandle::from_fd(fd("shared device")?, id, size(r)?),
                         _ => kept.as_deref().and_then(|k| k.handle(id)).ok_or_else(|| {
                             invalid(format!(
                                 "a shared device region named by id {id}, which this receiver does not keep"
                             ))
                         })?,
                     };
-                    RegionHandle::SharedCuda {
-                        ordinal: local_ordinal(uuid, theirs)?,
-                        uuid,
-                        handle,
-                    }
+                    RegionHandle::SharedCuda { ordinal, uuid, handle }
                 }
                 REGION_HOST => {
                     let size = size(r)?;
@@ -487,6 +481,15 @@ impl BatchDescriptor {
                 len: word(&l[12..]),
             })
             .collect();
+        // A descriptor read whole: the regions sent with their descriptors are kept from now on
+        // (those already kept stay as they are).
+        if let Some(kept) = kept {
+            for r in &regions {
+                if let RegionHandle::SharedCuda { handle, .. } = r {
+                    kept.keep(handle);
+                }
+            }
+        }
         Ok(BatchDescriptor {
             device,
             device_uuid,

@@ -418,6 +418,21 @@ impl OpenedRegions {
         self.regions.remove(&id);
     }
 
+    /// Lets go of every kept region but those of `current` (ids) when the others come to more
+    /// than `regions` or `bytes`, which a sender that counts what it had kept never lets happen;
+    /// returns whether it did.
+    pub(crate) fn bound(&mut self, regions: usize, bytes: usize, current: &[u64]) -> bool {
+        let others = self.regions.iter().filter(|(id, _)| !current.contains(id));
+        let (n, held) = others.fold((0, 0usize), |(n, held), (_, k)| {
+            (n + 1, held.saturating_add(k.handle.size))
+        });
+        let over = n > regions || held > bytes;
+        if over {
+            self.regions.retain(|id, _| current.contains(id));
+        }
+        over
+    }
+
     /// The number of regions kept.
     pub(crate) fn len(&self) -> usize {
         self.regions.len()
@@ -426,5 +441,48 @@ impl OpenedRegions {
     /// The bytes of the regions kept.
     pub(crate) fn bytes(&self) -> usize {
         self.regions.values().map(|k| k.handle.size).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsRawFd;
+
+    use super::*;
+
+    /// A handle of `size` bytes under `id`, of a descriptor that is not device memory: keeping one
+    /// maps nothing.
+    fn handle(id: u64, size: usize) -> SharedDeviceHandle {
+        let fd = OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+        SharedDeviceHandle::from_fd(fd, id, size)
+    }
+
+    /// A receiver keeps what it is sent, finds it by id, lets it go when told, and lets go of
+    /// everything but the batch at hand when the sender had it keep more than the bounds.
+    #[test]
+    fn kept_regions_are_found_by_id_and_bounded() {
+        let mut kept = OpenedRegions::default();
+        for id in 1..=3 {
+            kept.keep(&handle(id, 100));
+        }
+        assert_eq!((kept.len(), kept.bytes()), (3, 300));
+        assert_eq!(kept.handle(2).map(|h| (h.id(), h.size())), Some((2, 100)));
+        assert!(kept.handle(9).is_none());
+        // Sent again with its descriptor: the region kept stays.
+        let before = kept.handle(1).unwrap().fd().as_raw_fd();
+        kept.keep(&handle(1, 100));
+        assert_eq!(kept.handle(1).unwrap().fd().as_raw_fd(), before);
+        kept.forget(2);
+        assert!(kept.handle(2).is_none());
+        // Within the bounds besides the batch at hand (1): nothing goes.
+        assert!(!kept.bound(1, 100, &[1]));
+        assert_eq!(kept.len(), 2);
+        // Past them: all but the batch's regions go.
+        assert!(kept.bound(1, 99, &[1]));
+        assert_eq!((kept.len(), kept.bytes()), (1, 100));
+        kept.keep(&handle(4, 100));
+        kept.keep(&handle(5, 100));
+        assert!(kept.bound(1, 1000, &[]), "two regions, one allowed");
+        assert_eq!(kept.len(), 0);
     }
 }

@@ -36,8 +36,12 @@ const MAGIC: &[u8; 8] = b"ACUDAIPC";
 const VERSION: u32 = 6;
 
 /// The most bytes of a sender's regions of shared device memory a receiver keeps mapped between
-/// batches (more while one batch's regions alone take more).
+/// batches, besides the regions of the batch at hand.
 pub(crate) const KEPT_BYTES: usize = 256 << 20;
+
+/// The most regions a receiver keeps besides those of the batch at hand (regions are 2 MiB or
+/// more, so the bytes bound first; this bounds the descriptors a sender can make it hold).
+pub(crate) const KEPT_REGIONS: usize = 256;
 
 const HELLO: u8 = 1;
 const BATCH: u8 = 2;
@@ -188,6 +192,16 @@ impl Frame {
                         k => return Err(Error::InvalidData(format!("event flag {k}"))),
                     };
                     let descriptor = BatchDescriptor::decode(&mut r, &mut fds, opened.as_deref_mut())?;
+                    if let Some(opened) = opened.as_deref_mut() {
+                        let current: Vec<u64> = descriptor.shared_regions().iter().map(|(id, _)| *id).collect();
+                        if opened.bound(KEPT_REGIONS, KEPT_BYTES, &current) {
+                            return Err(Error::InvalidData(format!(
+                                "the sender had this receiver keep more than {KEPT_REGIONS} of its \
+                                 regions or {KEPT_BYTES} bytes of them besides a batch's; the \
+                                 receiver let go of them"
+                            )));
+                        }
+                    }
                     finish(&r, &mut fds)?;
                     Ok((event, descriptor))
                 })();
@@ -217,8 +231,8 @@ fn finish(r: &Reader<'_>, fds: &mut impl Iterator) -> Result<()> {
 }
 
 /// The regions of shared device memory a receiver keeps mapped, as its sender counts them: by id
-/// and size, the most recently sent first, at most [`KEPT_BYTES`] beyond the regions of the batch
-/// being sent.
+/// and size, the most recently sent first; with the regions of the batch being sent, at most
+/// [`KEPT_BYTES`] and [`KEPT_REGIONS`], or those regions alone where they take more.
 #[derive(Debug, Default)]
 pub(crate) struct KeptRegions {
     regions: VecDeque<(u64, usize)>,
@@ -227,7 +241,7 @@ pub(crate) struct KeptRegions {
 impl KeptRegions {
     /// A batch frame with `regions` (id and size) goes to the receiver, which keeps them from then
     /// on: the ids of those it keeps already, and of those it is to let go of (the least recently
-    /// sent, past [`KEPT_BYTES`]; never one of `regions`).
+    /// sent, past [`KEPT_BYTES`] or [`KEPT_REGIONS`]; never one of `regions`).
     pub(crate) fn send(&mut self, regions: &[(u64, usize)]) -> (Vec<u64>, Vec<u64>) {
         let sent = |id: &u64| regions.iter().any(|(r, _)| r == id);
         let mut known = Vec::new();
@@ -241,10 +255,11 @@ impl KeptRegions {
         for r in regions.iter().rev() {
             self.regions.push_front(*r);
         }
-        let (mut held, mut forget) = (0, Vec::new());
+        let (mut held, mut count, mut forget) = (0, 0, Vec::new());
         self.regions.retain(|(id, size)| {
             held += size;
-            let keep = held <= KEPT_BYTES || sent(id);
+            count += 1;
+            let keep = (held <= KEPT_BYTES && count <= KEPT_REGIONS) || sent(id);
             if !keep {
                 forget.push(*id);
             }
@@ -322,6 +337,70 @@ mod tests {
         assert_eq!(kept.send(&[(6, 2 * MIB)]), (vec![6], vec![5]));
         assert_eq!(kept.send(&[(7, 2 * MIB)]), (vec![], vec![]));
         assert_eq!(kept.send(&[(6, 2 * MIB), (7, 2 * MIB)]), (vec![7, 6], vec![]));
+        // Small regions: the count bounds them.
+        let mut kept = KeptRegions::default();
+        for id in 0..KEPT_REGIONS as u64 {
+            assert_eq!(kept.send(&[(id, 4096)]), (vec![], vec![]));
+        }
+        assert_eq!(kept.send(&[(1000, 4096)]), (vec![], vec![0]));
+    }
+
+    /// A sender that has its receiver keep more than the bounds besides a batch's regions gets
+    /// that batch refused, and the receiver lets go of all but the batch's regions. (Regions of
+    /// descriptors that are not device memory: decoding keeps them and maps nothing.) Without a
+    /// GPU, the device the regions name is what is refused.
+    #[test]
+    fn a_receiver_keeps_no_more_than_the_bounds() {
+        use crate::device::{Device, DeviceUuid};
+        use crate::ipc::descriptor::RegionHandle;
+        use crate::memory::SharedDeviceHandle;
+
+        let gpu = DeviceUuid::of(0).ok();
+        let uuid = gpu.unwrap_or_default();
+        let mut kept = OpenedRegions::default();
+        let mut receive = |id: u64| {
+            let null = std::fs::File::open("/dev/null").unwrap();
+            let descriptor = BatchDescriptor {
+                device: Device::Cuda(0),
+                device_uuid: Some(uuid),
+                dictionaries: Vec::new(),
+                metadata: Vec::new(),
+                regions: vec![RegionHandle::SharedCuda {
+                    ordinal: 0,
+                    uuid,
+                    handle: SharedDeviceHandle::from_fd(null.into(), id, 200 * MIB),
+                }],
+                locations: Vec::new(),
+            };
+            let batch = Frame::Batch {
+                id,
+                event: None,
+                descriptor,
+            };
+            let (payload, fds) = batch.encode(None);
+            let fds = fds.iter().map(|fd| fd.try_clone_to_owned().unwrap()).collect();
+            let frame = wire::Frame { payload: &payload, fds };
+            match Frame::decode(frame, Some(&mut kept)).unwrap() {
+                Frame::Batch { .. } => Ok(()),
+                Frame::BadBatch { error, .. } => Err(error),
+                other => panic!("{other:?}"),
+            }
+        };
+        match gpu {
+            Some(_) => {
+                receive(1).unwrap();
+                receive(2).unwrap();
+                let e = receive(3).unwrap_err();
+                assert!(e.to_string().contains("let go of them"), "{e}");
+                assert_eq!((kept.len(), kept.bytes()), (1, 200 * MIB), "the batch's region alone");
+                assert!(kept.handle(3).is_some());
+            }
+            None => {
+                let e = receive(1).unwrap_err();
+                assert!(matches!(e, Error::UnknownDevice { .. }), "{e}");
+                assert_eq!(kept.len(), 0);
+            }
+        }
     }
 
     /// A batch frame's list of regions to let go of comes before its descriptor: it is read when
