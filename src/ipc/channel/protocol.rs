@@ -10,7 +10,8 @@
 //!
 //! A receiver keeps every region of shared device memory it is sent mapped, under the sender's id
 //! for it, until a later batch frame lets it go; the sender keeps count ([`KeptRegions`]: the most
-//! recently sent, up to [`KEPT_BYTES`]) and names a kept region by its id alone. Its batches then
+//! recently sent, up to [`KEPT_BYTES`] and [`KEPT_REGIONS`], bounds the receiver checks) and names a
+//! kept region by its id alone. Its batches then
 //! carry no file descriptor and travel through the ring, with no system call when the receiver
 //! polls. Frames reach a receiver in the order they were encoded for it, so a region is never
 //! named after the frame that lets it go.
