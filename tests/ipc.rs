@@ -1257,6 +1257,7 @@ fn peer() {
             // one size.
             let mut r = Receiver::connect(&socket, patient()).unwrap();
             let shared = matches!(lendable(device), MemoryResource::SharedDevice(_));
+            let mut most = 0;
             for i in 0..count + 2 {
                 let batch = r.recv().unwrap().expect("a batch");
                 check_batch(
@@ -1266,7 +1267,7 @@ fn peer() {
                 );
                 drop(batch);
                 let (kept, bytes) = ipc::testing::kept_regions(&r);
-                let most = match shared {
+                most = match shared {
                     true => (256 << 20) / (bytes / kept),
                     false => 0,
                 };
@@ -1284,6 +1285,17 @@ fn peer() {
                     );
                 }
             }
+            // The sender dropped every batch: more regions than its idle pool holds, the last
+            // dropped (among the last sent) freed. The next batch lets those go.
+            let batch = r.recv().unwrap().expect("a batch");
+            check_batch("the last batch", &dtoh(&batch, &stream).unwrap(), &keep_batch(2));
+            drop(batch);
+            let (kept, _) = ipc::testing::kept_regions(&r);
+            assert!(
+                kept < most || !shared,
+                "{kept} regions kept of {most} once some were freed"
+            );
+            assert_eq!(ipc::testing::open_shared_device_regions(), kept);
             assert!(r.recv().unwrap().is_none(), "the end of the stream");
             drop(r);
             assert_eq!(
@@ -1538,7 +1550,8 @@ fn one_allocation_is_opened_once_per_process() {
 
 /// A receiver keeps the sender's most recently used regions of shared device memory mapped, up to
 /// the sender's budget, and the sender names them by id alone: batches read intact as regions are
-/// let go of and sent again, and the receiver maps only what it keeps.
+/// let go of and sent again, the receiver maps only what it keeps, and it lets go of regions the
+/// sender freed.
 /// Batch `i` of `receivers_keep_the_senders_most_recent_regions`: small enough that its region is
 /// the device's smallest, so that every batch's region has one size.
 fn keep_batch(i: usize) -> RecordBatch {
@@ -1560,6 +1573,10 @@ fn receivers_keep_the_senders_most_recent_regions() {
         for batch in batches.iter().chain(&batches[..2]) {
             sender.send(batch).unwrap();
         }
+        // Regions beyond the idle pool's 256 MiB are freed: the receiver is told so.
+        sender.wait_idle(Duration::from_secs(30)).unwrap();
+        drop(batches);
+        sender.send(&upload(&keep_batch(2), lendable(device), stream)).unwrap();
         sender.finish().unwrap();
         peer.passed();
         sender.wait_idle(Duration::from_secs(30)).unwrap();

@@ -102,8 +102,15 @@ impl<V: Region> Registry<V> {
 
     /// The number of live regions for which `pred` holds.
     pub(crate) fn count(&self, pred: impl Fn(&V) -> bool) -> usize {
+        let mut n = 0;
+        self.for_each(|r| n += usize::from(pred(r)));
+        n
+    }
+
+    /// Visits every live region.
+    pub(crate) fn for_each(&self, mut visit: impl FnMut(&V)) {
         let map = self.lock();
-        map.values().filter_map(Weak::upgrade).filter(|r| pred(r)).count()
+        map.values().filter_map(Weak::upgrade).for_each(|r| visit(&r));
     }
 
     /// The live region holding all of `address..address + len`, and the offset of `address` in it.

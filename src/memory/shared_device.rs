@@ -25,7 +25,7 @@
 //! behind any [`DeviceBuffer`] that views it, including buffers received from another process,
 //! which can therefore be passed on without a copy (with the descriptor they came with).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -81,6 +81,10 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 /// The live [`KeepIdle`]s.
 static KEEPERS: Mutex<usize> = Mutex::new(0);
 
+/// How many regions this process has let go of for good (freed, or unmapped when mapped from a
+/// peer): counted once each is neither live nor idle. Their ids never come back.
+static RETIRED: AtomicU64 = AtomicU64::new(0);
+
 /// The region's first byte in this process, and its size (a multiple of the device's granularity).
 impl Region for SharedDeviceRegion {
     fn address(&self) -> u64 {
@@ -132,6 +136,7 @@ impl Drop for KeepIdle {
             let idle: Vec<_> = IDLE.lock().unwrap_or_else(|p| p.into_inner()).drain(..).collect();
             for region in idle {
                 free(region.ordinal, &region.memory);
+                RETIRED.fetch_add(1, Ordering::SeqCst);
             }
         }
     }
@@ -235,6 +240,24 @@ impl SharedDeviceRegion {
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
     }
 
+    /// How many regions this process has let go of for good so far: when it has not changed, every
+    /// region seen live before still is (or is idle, to be reused under its id).
+    pub(crate) fn retired() -> u64 {
+        RETIRED.load(Ordering::SeqCst)
+    }
+
+    /// Those of `ids` that name no region of this process any more, live or idle: let go of for
+    /// good (a region being let go of may be named too early, never too late once
+    /// [`SharedDeviceRegion::retired`] counts it).
+    pub(crate) fn retired_among(ids: impl Iterator<Item = u64>) -> Vec<u64> {
+        let mut live = HashSet::new();
+        REGISTRY.for_each(|r| {
+            live.insert(r.id);
+        });
+        live.extend(IDLE.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|r| r.id));
+        ids.filter(|id| !live.contains(id)).collect()
+    }
+
     /// The number of regions mapped from other processes' descriptors in this process now (a hook
     /// for the crate's tests).
     pub(crate) fn mapped_from_peers() -> usize {
@@ -279,6 +302,7 @@ impl Drop for SharedDeviceRegion {
         }
         drop(keepers);
         free(ordinal, &memory);
+        RETIRED.fetch_add(1, Ordering::SeqCst);
     }
 }
 

@@ -10,11 +10,11 @@
 //!
 //! A receiver keeps every region of shared device memory it is sent mapped, under the sender's id
 //! for it, until a later batch frame lets it go; the sender keeps count ([`KeptRegions`]: the most
-//! recently sent, up to [`KEPT_BYTES`] and [`KEPT_REGIONS`], bounds the receiver checks) and names a
-//! kept region by its id alone. Its batches then
-//! carry no file descriptor and travel through the ring, with no system call when the receiver
-//! polls. Frames reach a receiver in the order they were encoded for it, so a region is never
-//! named after the frame that lets it go.
+//! recently sent, up to [`KEPT_BYTES`] and [`KEPT_REGIONS`], bounds the receiver checks, and none
+//! the sender has freed) and names a kept region by its id alone. Its batches then carry no file
+//! descriptor and travel through the ring, with no system call when the receiver polls. Frames
+//! reach a receiver in the order they were encoded for it, so a region is never named after the
+//! frame that lets it go.
 
 use std::collections::VecDeque;
 use std::io;
@@ -28,7 +28,7 @@ use crate::ipc::descriptor::BatchDescriptor;
 use crate::ipc::event::IpcEventHandle;
 use crate::ipc::handle::HANDLE_BYTES;
 use crate::ipc::wire::{self, Reader, Writer};
-use crate::memory::shared_device::OpenedRegions;
+use crate::memory::shared_device::{OpenedRegions, SharedDeviceRegion};
 
 const MAGIC: &[u8; 8] = b"ACUDAIPC";
 /// 4: devices by UUID in batch descriptors (issue #23, finding 8). 5: regions of shared device
@@ -115,7 +115,12 @@ impl Frame {
                 w.u64(*id);
                 let regions = descriptor.shared_regions();
                 let (known, forget) = match kept {
-                    Some(kept) => kept.send(&regions),
+                    Some(kept) => {
+                        let mut forget = kept.retire();
+                        let (known, evicted) = kept.send(&regions);
+                        forget.extend(evicted);
+                        (known, forget)
+                    }
                     None => (Vec::new(), Vec::new()),
                 };
                 w.u32(forget.len() as u32);
@@ -237,9 +242,25 @@ fn finish(r: &Reader<'_>, fds: &mut impl Iterator) -> Result<()> {
 #[derive(Debug, Default)]
 pub(crate) struct KeptRegions {
     regions: VecDeque<(u64, usize)>,
+    /// [`SharedDeviceRegion::retired`] when the regions were last checked for retired ones.
+    retired: u64,
 }
 
 impl KeptRegions {
+    /// The ids of kept regions that this process has let go of for good, which the receiver is to
+    /// let go of too (it would keep their memory otherwise): looked for only when some region was
+    /// let go of since the last look.
+    pub(crate) fn retire(&mut self) -> Vec<u64> {
+        let now = SharedDeviceRegion::retired();
+        if now == self.retired {
+            return Vec::new();
+        }
+        self.retired = now;
+        let gone = SharedDeviceRegion::retired_among(self.regions.iter().map(|(id, _)| *id));
+        self.regions.retain(|(id, _)| !gone.contains(id));
+        gone
+    }
+
     /// A batch frame with `regions` (id and size) goes to the receiver, which keeps them from then
     /// on: the ids of those it keeps already, and of those it is to let go of (the least recently
     /// sent, past [`KEPT_BYTES`] or [`KEPT_REGIONS`]; never one of `regions`).
