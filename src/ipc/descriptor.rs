@@ -375,10 +375,9 @@ impl BatchDescriptor {
     /// file descriptors from `fds` in order, and finds the devices it names among this process's
     /// by UUID. A channel's receiver passes the regions it keeps (`kept`): those named by id are
     /// found there, and those sent with their descriptors are kept once the descriptor is read
-    /// whole. Every count
-    /// is checked against the bytes left; malformed input, and a region named by an id not kept,
-    /// is [`Error::InvalidData`], another version of the encoding [`Error::Unsupported`], and a
-    /// device this process does not see [`Error::UnknownDevice`].
+    /// whole. Every count is checked against the bytes left; malformed input, and a region named
+    /// by an id not kept, is [`Error::InvalidData`], another version of the encoding
+    /// [`Error::Unsupported`], and a device this process does not see [`Error::UnknownDevice`].
     pub(crate) fn decode(
         r: &mut Reader<'_>,
         fds: &mut std::vec::IntoIter<OwnedFd>,

@@ -442,17 +442,18 @@ impl OpenedRegions {
         self.regions.remove(&id);
     }
 
-    /// Lets go of every kept region but those of `current` (ids) when the others come to more
-    /// than `regions` or `bytes`, which a sender that counts what it had kept never lets happen;
-    /// returns whether it did.
-    pub(crate) fn bound(&mut self, regions: usize, bytes: usize, current: &[u64]) -> bool {
-        let others = self.regions.iter().filter(|(id, _)| !current.contains(id));
+    /// Lets go of every kept region but those of `current` (ids and sizes) when the others come to
+    /// more than `regions` or `bytes`, which a sender that counts what it had kept never lets
+    /// happen; returns whether it did.
+    pub(crate) fn bound(&mut self, regions: usize, bytes: usize, current: &[(u64, usize)]) -> bool {
+        let current = |id: &u64| current.iter().any(|(c, _)| c == id);
+        let others = self.regions.iter().filter(|(id, _)| !current(id));
         let (n, held) = others.fold((0, 0usize), |(n, held), (_, k)| {
             (n + 1, held.saturating_add(k.handle.size))
         });
         let over = n > regions || held > bytes;
         if over {
-            self.regions.retain(|id, _| current.contains(id));
+            self.regions.retain(|id, _| current(id));
         }
         over
     }
@@ -499,10 +500,10 @@ mod tests {
         kept.forget(2);
         assert!(kept.handle(2).is_none());
         // Within the bounds besides the batch at hand (1): nothing goes.
-        assert!(!kept.bound(1, 100, &[1]));
+        assert!(!kept.bound(1, 100, &[(1, 100)]));
         assert_eq!(kept.len(), 2);
         // Past them: all but the batch's regions go.
-        assert!(kept.bound(1, 99, &[1]));
+        assert!(kept.bound(1, 99, &[(1, 100)]));
         assert_eq!((kept.len(), kept.bytes()), (1, 100));
         kept.keep(&handle(4, 100));
         kept.keep(&handle(5, 100));

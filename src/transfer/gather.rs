@@ -202,9 +202,7 @@ fn plan_spans(all: &[&DeviceBuffer]) -> Planned {
     }
     let mut place = vec![0..0; all.len()];
     for ((b, &si), &i) in buffers.iter().zip(&span_of).zip(&order) {
-        let s = &spans[si];
-        let start = s.dst + (b.address() - s.src) as usize;
-        place[i] = start..start + b.len();
+        place[i] = spans[si].place(b);
     }
     (spans, place, size)
 }

@@ -198,15 +198,14 @@ impl Frame {
                         k => return Err(Error::InvalidData(format!("event flag {k}"))),
                     };
                     let descriptor = BatchDescriptor::decode(&mut r, &mut fds, opened.as_deref_mut())?;
-                    if let Some(opened) = opened.as_deref_mut() {
-                        let current: Vec<u64> = descriptor.shared_regions().iter().map(|(id, _)| *id).collect();
-                        if opened.bound(KEPT_REGIONS, KEPT_BYTES, &current) {
-                            return Err(Error::InvalidData(format!(
-                                "the sender had this receiver keep more than {KEPT_REGIONS} of its \
-                                 regions or {KEPT_BYTES} bytes of them besides a batch's; the \
-                                 receiver let go of them"
-                            )));
-                        }
+                    if let Some(opened) = opened.as_deref_mut()
+                        && opened.bound(KEPT_REGIONS, KEPT_BYTES, &descriptor.shared_regions())
+                    {
+                        return Err(Error::InvalidData(format!(
+                            "the sender had this receiver keep more than {KEPT_REGIONS} of its \
+                             regions or {KEPT_BYTES} bytes of them besides a batch's; the \
+                             receiver let go of them"
+                        )));
                     }
                     finish(&r, &mut fds)?;
                     Ok((event, descriptor))
