@@ -438,6 +438,19 @@ pub(crate) fn estimated_size(array: &dyn Array) -> usize {
         }
 }
 
+/// The most buffers an array of a flat type has: a validity bitmap, offsets and values.
+const FLAT_BUFFERS: usize = 3;
+
+/// When every array is of a [flat type](is_flat), a size the plan of them cannot exceed, known
+/// without planning them: their [`estimated_size`]s (exact for these types, slices included) and
+/// the alignment of each of their buffers.
+pub(crate) fn flat_size_bound(arrays: &[&dyn Array]) -> Option<usize> {
+    arrays
+        .iter()
+        .map(|a| is_flat(a.data_type()).then(|| estimated_size(*a) + FLAT_BUFFERS * ALIGNMENT))
+        .sum()
+}
+
 /// The `ArrayData` [`Plan::column`] needs for each of `arrays`: none for a [flat type](is_flat).
 pub(crate) fn column_data(arrays: &[&dyn Array]) -> Vec<Option<ArrayData>> {
     arrays
@@ -483,12 +496,10 @@ mod tests {
 
     use super::*;
 
-    /// Planned from their typed buffers, flat arrays (sliced, with nulls at bit offsets, empty) get
-    /// the layouts and bytes that planning their `ArrayData` gives.
-    #[test]
-    fn flat_columns_plan_as_their_array_data_does() {
+    /// Arrays of flat types: sliced, with nulls at bit offsets, empty.
+    fn flat_arrays() -> Vec<ArrayRef> {
         let strings = StringArray::from_iter((0..300).map(|i| (i % 7 != 0).then(|| format!("s{i}"))));
-        let arrays: Vec<ArrayRef> = vec![
+        vec![
             Arc::new(PrimitiveArray::<Int64Type>::from_iter(
                 (0..100).map(|i| (i % 3 != 0).then_some(i)),
             )),
@@ -510,7 +521,14 @@ mod tests {
                     .with_timezone("+01:00")
                     .slice(1, 2),
             ),
-        ];
+        ]
+    }
+
+    /// Planned from their typed buffers, flat arrays get the layouts and bytes that planning their
+    /// `ArrayData` gives.
+    #[test]
+    fn flat_columns_plan_as_their_array_data_does() {
+        let arrays = flat_arrays();
         for array in &arrays {
             assert!(is_flat(array.data_type()), "{}", array.data_type());
             let data = array.to_data();
@@ -526,5 +544,30 @@ mod tests {
         }
         assert_eq!(column_data(&[arrays[0].as_ref()]).len(), 1);
         assert!(column_data(&[arrays[0].as_ref()])[0].is_none());
+    }
+
+    /// The plan of flat columns, in any order and one by one, stays within the bound its upload
+    /// allocates before planning; a column of another type has none.
+    #[test]
+    fn flat_columns_plan_within_their_bound() {
+        let mut arrays = flat_arrays();
+        for _ in 0..2 {
+            let refs: Vec<&dyn Array> = arrays.iter().map(|a| a.as_ref()).collect();
+            let mut plan = Plan::default();
+            for a in &refs {
+                plan.column(*a, None).unwrap();
+                let bound = flat_size_bound(&[*a]).unwrap();
+                let mut alone = Plan::default();
+                alone.column(*a, None).unwrap();
+                assert!(alone.size() <= bound, "{}: {} > {bound}", a.data_type(), alone.size());
+            }
+            let bound = flat_size_bound(&refs).unwrap();
+            assert!(plan.size() <= bound, "{} > {bound}", plan.size());
+            arrays.reverse();
+        }
+        let list: ArrayRef = Arc::new(arrow_array::ListArray::from_iter_primitive::<Int64Type, _, _>([Some(
+            [Some(1)],
+        )]));
+        assert_eq!(flat_size_bound(&[arrays[0].as_ref(), list.as_ref()]), None);
     }
 }
