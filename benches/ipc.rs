@@ -16,6 +16,9 @@
 //!   and the consumer keeps its mappings by their ids); `copied_100_columns_polling_cuda_ipc`
 //!   beside it writes the messages into new CUDA IPC memory each time instead
 //!   (`SenderOptions::message_resource`), which the consumer opens and closes.
+//! - `ipc_latency/lent_100_columns_new_region_polling` (printed after the latency cases, not
+//!   measured by criterion, as each region is opened once): the polling case with every batch in a
+//!   region of shared device memory the consumer has not mapped yet, mean of 64 batches.
 //! - `stream_1GiB/device_ipc` beside `stream_1GiB/host_ipc`: a producer streams 1 GiB batches to a
 //!   consumer process that reads them on the device (a device-to-device copy of every buffer), through
 //!   CUDA IPC, and through the host: device to host, arrow-ipc over a Unix socket, host to device.
@@ -90,13 +93,15 @@ fn stop(mut child: Child) {
 
 /// One-way latency: from the sender's `send` call to the moment the consumer's `recv` returns the
 /// batch, read from one clock in both processes. The consumer writes that moment to its stdout;
-/// each iteration then waits for the acknowledgement (not timed) before the next send.
-fn latency(c: &mut Criterion, device: Device, stream: &Stream) {
+/// each iteration then waits for the acknowledgement (not timed) before the next send. Returns
+/// whether any case ran.
+fn latency(c: &mut Criterion, device: Device, stream: &Stream) -> bool {
     let template = small_batch();
     let mut g = c.benchmark_group("ipc_latency");
     g.measurement_time(Duration::from_secs(3));
     let (lent, pool) = (MemoryResource::shared_for(device), MemoryResource::default_for(device));
     let cuda_ipc = Some(default_message_resource(device));
+    let mut any_ran = false;
     // (name, consumer, the batch's memory, the messages' memory)
     for (name, role, resource, messages) in [
         ("lent_100_columns", "retain", lent, None),
@@ -137,6 +142,7 @@ fn latency(c: &mut Criterion, device: Device, stream: &Stream) {
             ran = true;
             b.iter_custom(|iters| (0..iters).map(|_| one_way(&on_device)).sum())
         });
+        any_ran |= ran;
         if ran {
             // The whole call here: send, the consumer's receive time, the acknowledgement.
             common::print_steps(&format!("{name} (send to acknowledgement)"), &["send."], |t| {
@@ -148,7 +154,48 @@ fn latency(c: &mut Criterion, device: Device, stream: &Stream) {
         stop(child);
     }
     g.finish();
+    any_ran
 }
+
+/// One-way latency of batches lent from regions the consumer has not mapped yet: each of
+/// [`FIRST_OPENS`] batches is uploaded (untimed) into a region of its own, all kept to the end so
+/// that none is reused, and sent to a polling consumer. Printed with the sender's steps (the
+/// consumer prints its own as it ends, `recv.open` among them), not measured by criterion: each
+/// region is opened once.
+fn first_opens(device: Device, stream: &Stream) {
+    let template = small_batch();
+    let path = socket("first-opens");
+    let sender = Sender::bind(&path, template.schema(), SenderOptions::default()).expect("bind");
+    let mut child = consumer("retain-poll", &path, device);
+    let mut stamps = child.stdout.take().expect("consumer stdout");
+    sender.wait_for_receivers(1, Duration::from_secs(60)).expect("consumer");
+    let mut trace = Trace::default();
+    let mut kept = Vec::with_capacity(FIRST_OPENS);
+    let mut total = Duration::ZERO;
+    for _ in 0..FIRST_OPENS {
+        let batch = upload(&template, MemoryResource::shared_for(device), stream);
+        let sent = monotonic_ns();
+        trace.record(|| sender.send(&batch)).expect("send");
+        let at = stamp(&mut stamps, true);
+        while sender.status().in_flight_batches > 0 {
+            std::hint::spin_loop();
+        }
+        total += Duration::from_nanos(at.saturating_sub(sent));
+        kept.push(batch);
+    }
+    println!(
+        "ipc_latency/lent_100_columns_new_region_polling: {:.1} µs one way, mean of {FIRST_OPENS} \
+         batches, each in a region the consumer maps first\n{}",
+        total.as_secs_f64() * 1e6 / FIRST_OPENS as f64,
+        trace.means("send.", FIRST_OPENS as u64)
+    );
+    sender.finish().expect("finish");
+    drop(sender);
+    stop(child);
+}
+
+/// The batches [`first_opens`] sends, each in a new region.
+const FIRST_OPENS: usize = 64;
 
 /// The next receive time the consumer wrote, read by polling the pipe when `busy`.
 fn stamp(stamps: &mut ChildStdout, busy: bool) -> u64 {
@@ -307,7 +354,9 @@ fn main() {
     };
     let stream = Stream::new(device).expect("stream");
     let mut c = Criterion::default().configure_from_args();
-    latency(&mut c, device, &stream);
+    if latency(&mut c, device, &stream) {
+        first_opens(device, &stream);
+    }
     streaming(
         &mut c,
         device,
