@@ -38,7 +38,8 @@ const SEGMENT: usize = 64 << 10;
 /// The least of the block's packed bytes sent in one copy before the last. Each copy costs the
 /// calling thread about 1.7 µs to issue and the link about 2.7 µs besides its bytes (on an H100,
 /// 1.3 MB of pinned memory took 28.5 µs to the device in one copy, 39.3 µs in five, 52.0 µs in
-/// ten); from about 256 KiB on, the copies carry bytes faster than the crew packs them.
+/// ten: `scripts/probes/split_copies.cu`); from about 256 KiB on, the copies carry bytes faster
+/// than the crew packs them.
 const SEND_MIN: usize = 256 << 10;
 /// Chunks whose DMA may be in flight while the next is packed.
 const IN_FLIGHT: usize = 4;
