@@ -253,10 +253,13 @@ fn upload_staged(
             }
         };
         laps.lap("htod.alloc");
-        send_packed(&memory, &parts, &mut next, SEND_MIN)?;
+        // Whatever is packed by now is sent, however little, so that the link is busy while the
+        // device arrays are built; and again after them.
+        send_packed(&memory, &parts, &mut next, 1)?;
         // The device arrays are built while the crew packs the rest and the first copies travel.
         let columns = try_collect(layouts.iter().map(|l| l.to_device(&memory)))?;
         laps.lap("htod.arrays");
+        send_packed(&memory, &parts, &mut next, 1)?;
         let sink = Sink {
             memory: &memory,
             pool: &pool,
