@@ -195,13 +195,20 @@ fn upload_staged(
         })
     };
     // Sends the packed parts from `*next` on in one copy, if they come to at least `min` bytes
-    // and lie in `memory`.
-    let send_packed = |memory: &DeviceBuffer, parts: &[Arc<Part<'_>>], next: &mut usize, min: usize| {
+    // and lie in `memory`. The copy is traced as `htod.copy`, apart from the `step` it interrupts.
+    let send_packed = |laps: &mut Laps,
+                       step: &'static str,
+                       memory: &DeviceBuffer,
+                       parts: &[Arc<Part<'_>>],
+                       next: &mut usize,
+                       min: usize| {
         let packed = parts[*next..].iter().take_while(|p| p.is_packed()).count();
         if packed > 0 {
             let range = parts[*next].range().start..parts[*next + packed - 1].range().end;
             if range.len() >= min && range.end <= memory.len() {
+                laps.lap(step);
                 send_early(memory, range)?;
+                laps.lap("htod.copy");
                 *next += packed;
             }
         }
@@ -231,7 +238,7 @@ fn upload_staged(
                 parts.push(part);
             }
             if let Some(memory) = &early_memory {
-                send_packed(memory, &parts, &mut next, SEND_MIN)?;
+                send_packed(&mut laps, "htod.plan", memory, &parts, &mut next, SEND_MIN)?;
             }
         }
         for part in cutter.cut(&plan, plan.size().min(EARLY)) {
@@ -255,11 +262,11 @@ fn upload_staged(
         laps.lap("htod.alloc");
         // Whatever is packed by now is sent, however little, so that the link is busy while the
         // device arrays are built; and again after them.
-        send_packed(&memory, &parts, &mut next, 1)?;
+        send_packed(&mut laps, "htod.arrays", &memory, &parts, &mut next, 1)?;
         // The device arrays are built while the crew packs the rest and the first copies travel.
         let columns = try_collect(layouts.iter().map(|l| l.to_device(&memory)))?;
         laps.lap("htod.arrays");
-        send_packed(&memory, &parts, &mut next, 1)?;
+        send_packed(&mut laps, "htod.pack", &memory, &parts, &mut next, 1)?;
         let sink = Sink {
             memory: &memory,
             pool: &pool,
@@ -270,9 +277,9 @@ fn upload_staged(
         // is packed is sent as soon as it is, at least SEND_MIN bytes at a time.
         for part in &parts {
             part.pack();
-            send_packed(&memory, &parts, &mut next, SEND_MIN)?;
+            send_packed(&mut laps, "htod.pack", &memory, &parts, &mut next, SEND_MIN)?;
         }
-        send_packed(&memory, &parts, &mut next, 1)?;
+        send_packed(&mut laps, "htod.pack", &memory, &parts, &mut next, 1)?;
         if next < parts.len() {
             // Only a crew thread that panicked leaves a part unpacked.
             return Err(Error::InvalidData(format!(
