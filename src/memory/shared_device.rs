@@ -400,16 +400,20 @@ impl OpenedRegions {
     /// Keeps `handle`, just received, under its id (a region kept under it already, of its
     /// size, stays as it is).
     pub(crate) fn keep(&mut self, handle: &SharedDeviceHandle) {
-        match self.regions.get(&handle.id) {
-            Some(k) if k.handle.size == handle.size => {}
-            _ => {
-                let kept = Kept {
-                    handle: handle.clone(),
-                    mapped: None,
-                };
-                self.regions.insert(handle.id, kept);
-            }
+        self.kept(handle);
+    }
+
+    /// [`Self::keep`], returning what is kept.
+    fn kept(&mut self, handle: &SharedDeviceHandle) -> &mut Kept {
+        let fresh = || Kept {
+            handle: handle.clone(),
+            mapped: None,
+        };
+        let kept = self.regions.entry(handle.id).or_insert_with(fresh);
+        if kept.handle.size != handle.size {
+            *kept = fresh();
         }
+        kept
     }
 
     /// The handle kept under the sender's id `id`; `None` when none is.
@@ -418,13 +422,10 @@ impl OpenedRegions {
     }
 
     /// The region `handle` names, mapped on device `ordinal`: the mapping kept under its id (of
-    /// its size and device), or a new one, kept from then on.
+    /// its size and device), or a new one, kept from then on (with `handle`, as [`Self::keep`]
+    /// keeps it).
     pub(crate) fn open(&mut self, handle: SharedDeviceHandle, ordinal: usize) -> Result<Arc<SharedDeviceRegion>> {
-        let id = handle.id;
-        let kept = self.regions.entry(id).or_insert_with(|| Kept {
-            handle: handle.clone(),
-            mapped: None,
-        });
+        let kept = self.kept(&handle);
         if let Some(r) = &kept.mapped
             && r.size() == handle.size
             && r.ordinal() == ordinal
