@@ -210,15 +210,11 @@ mod tests {
         handoff: &Handoff<'a>,
     ) -> Vec<Arc<Part<'a>>> {
         let mut parts = vec![];
-        let mut give = |cut: Vec<Arc<Part<'a>>>| {
-            cut.iter().for_each(|p| handoff.push(Arc::clone(p)));
-            parts.extend(cut);
-        };
         for d in data {
             plan.array(d).unwrap();
-            give(cutter.cut_whole(plan, plan.size()));
+            handoff.push_all(cutter.cut_whole(plan, plan.size()), &mut parts);
         }
-        give(cutter.cut(plan, plan.size()));
+        handoff.push_all(cutter.cut(plan, plan.size()), &mut parts);
         parts
     }
 

@@ -255,6 +255,14 @@ impl<'a> Handoff<'a> {
         self.queued.fetch_add(1, Ordering::Release);
     }
 
+    /// Queues each of `cut`, in order, and adds it to `parts` (the upload's list of its parts).
+    pub fn push_all(&self, cut: Vec<Arc<Part<'a>>>, parts: &mut Vec<Arc<Part<'a>>>) {
+        for part in cut {
+            self.push(Arc::clone(&part));
+            parts.push(part);
+        }
+    }
+
     /// Whether parts wait for a thread.
     pub fn has_queued(&self) -> bool {
         self.queued.load(Ordering::Acquire) > 0

@@ -36,10 +36,10 @@ const EARLY: usize = 4 << 20;
 /// microseconds, so the packed bytes grow in small steps and are sent soon after they are packed.
 const SEGMENT: usize = 64 << 10;
 /// The least of the block's packed bytes sent in one copy before the last. Each copy costs the
-/// calling thread about 1.7 µs to issue and the link about 2.7 µs besides its bytes (on an H100,
-/// 1.3 MB of pinned memory took 28.5 µs to the device in one copy, 39.3 µs in five, 52.0 µs in
-/// ten: `scripts/probes/split_copies.cu`); from about 256 KiB on, the copies carry bytes faster
-/// than the crew packs them.
+/// calling thread about 2 µs to issue (`scripts/probes/copy_issue.c`) and the link about 2.7 µs
+/// besides its bytes (on an H100, 1.3 MB of pinned memory took 29.2-29.4 µs to the device in one
+/// copy, 39.4-39.5 µs in five, 53.0-53.1 µs in ten: `scripts/probes/split_copies.cu`); from about
+/// 256 KiB on, the copies carry bytes faster than the crew packs them.
 const SEND_MIN: usize = 256 << 10;
 /// Chunks whose DMA may be in flight while the next is packed.
 const IN_FLIGHT: usize = 4;
@@ -233,18 +233,12 @@ fn upload_staged(
         // they are packed while the rest is planned.
         for (array, data) in arrays.iter().zip(data) {
             layouts.push(plan.column(*array, data.as_ref())?);
-            for part in cutter.cut_whole(&plan, plan.size().min(EARLY)) {
-                handoff.push(Arc::clone(&part));
-                parts.push(part);
-            }
+            handoff.push_all(cutter.cut_whole(&plan, plan.size().min(EARLY)), &mut parts);
             if let Some(memory) = &early_memory {
                 send_packed(&mut laps, "htod.plan", memory, &parts, &mut next, SEND_MIN)?;
             }
         }
-        for part in cutter.cut(&plan, plan.size().min(EARLY)) {
-            handoff.push(Arc::clone(&part));
-            parts.push(part);
-        }
+        handoff.push_all(cutter.cut(&plan, plan.size().min(EARLY)), &mut parts);
         help.close();
         let (plan, rest) = (&plan, cutter.at()..plan.size());
         laps.lap("htod.plan");
