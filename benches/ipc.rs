@@ -18,7 +18,8 @@
 //!   (`SenderOptions::message_resource`), which the consumer opens and closes.
 //! - `ipc_latency/lent_100_columns_new_region_polling` (printed after the latency cases, not
 //!   measured by criterion, as each region is opened once): the polling case with every batch in a
-//!   region of shared device memory the consumer has not mapped yet, mean of 64 batches.
+//!   region of shared device memory the consumer has not mapped yet, mean of 64 batches (the
+//!   consumer polls for up to 50 ms, as the sender makes each region between batches).
 //! - `stream_1GiB/device_ipc` beside `stream_1GiB/host_ipc`: a producer streams 1 GiB batches to a
 //!   consumer process that reads them on the device (a device-to-device copy of every buffer), through
 //!   CUDA IPC, and through the host: device to host, arrow-ipc over a Unix socket, host to device.
@@ -26,6 +27,9 @@
 //! After each latency measurement the producer prints the steps of `send` and, as it ends, the
 //! consumer those of `recv` (see `arrow_cuda::trace`), each with its mean time per call; the
 //! consumer's `recv.wait` counts from the call, so it holds the time before the batch was sent.
+//! The producer also splits the one-way time: its `send`; from `send`'s return to the consumer
+//! having read the frame; the consumer's `recv` after that (which the consumer reports with each
+//! receive time).
 //!
 //! Consumers are this binary started again with `ARROW_CUDA_IPC_BENCH` naming their part.
 //! `cargo bench --bench ipc`; without a CUDA device it prints `skipped: no CUDA device` and returns
@@ -56,6 +60,9 @@ const SOCKET: &str = "ARROW_CUDA_IPC_BENCH_SOCKET";
 const DEVICE: &str = "ARROW_CUDA_IPC_BENCH_DEVICE";
 /// How long the polling consumers poll before they sleep.
 const POLL: Duration = Duration::from_millis(2);
+/// How long the consumer of [`first_opens`] polls: longer than the sender takes to make a new
+/// region and upload the next batch into it, so that no thread wake-up is timed.
+const POLL_FIRST_OPENS: Duration = Duration::from_millis(50);
 
 fn upload(batch: &RecordBatch, resource: MemoryResource, stream: &Stream) -> DeviceRecordBatch {
     let b = htod_async(batch, resource, stream).expect("upload");
@@ -125,7 +132,8 @@ fn latency(c: &mut Criterion, device: Device, stream: &Stream) -> bool {
         let mut one_way = |b: &DeviceRecordBatch| {
             let sent = monotonic_ns();
             sender.send(b).expect("send");
-            let at = stamp(&mut stamps, busy);
+            let returned = monotonic_ns();
+            let received = stamp(&mut stamps, busy);
             match busy {
                 true => {
                     while sender.status().in_flight_batches > 0 {
@@ -134,20 +142,23 @@ fn latency(c: &mut Criterion, device: Device, stream: &Stream) -> bool {
                 }
                 false => sender.wait_idle(Duration::from_secs(60)).expect("acknowledged"),
             }
-            Duration::from_nanos(at.saturating_sub(sent))
+            OneWay::of(sent, returned, received)
         };
         one_way(&on_device);
         let mut ran = false;
         g.bench_function(name, |b| {
             ran = true;
-            b.iter_custom(|iters| (0..iters).map(|_| one_way(&on_device)).sum())
+            b.iter_custom(|iters| (0..iters).map(|_| one_way(&on_device).total()).sum())
         });
         any_ran |= ran;
         if ran {
             // The whole call here: send, the consumer's receive time, the acknowledgement.
+            let (mut split, mut calls) = (OneWay::default(), 0);
             common::print_steps(&format!("{name} (send to acknowledgement)"), &["send."], |t| {
-                t.record(|| one_way(&on_device));
+                split += t.record(|| one_way(&on_device));
+                calls += 1;
             });
+            println!("{}", split.means(calls));
         }
         sender.finish().expect("finish");
         drop(sender);
@@ -166,27 +177,28 @@ fn first_opens(device: Device, stream: &Stream) {
     let template = small_batch();
     let path = socket("first-opens");
     let sender = Sender::bind(&path, template.schema(), SenderOptions::default()).expect("bind");
-    let mut child = consumer("retain-poll", &path, device);
+    let mut child = consumer("first-opens", &path, device);
     let mut stamps = child.stdout.take().expect("consumer stdout");
     sender.wait_for_receivers(1, Duration::from_secs(60)).expect("consumer");
     let mut trace = Trace::default();
     let mut kept = Vec::with_capacity(FIRST_OPENS);
-    let mut total = Duration::ZERO;
+    let mut split = OneWay::default();
     for _ in 0..FIRST_OPENS {
         let batch = upload(&template, MemoryResource::shared_for(device), stream);
         let sent = monotonic_ns();
         trace.record(|| sender.send(&batch)).expect("send");
-        let at = stamp(&mut stamps, true);
+        let returned = monotonic_ns();
+        split += OneWay::of(sent, returned, stamp(&mut stamps, true));
         while sender.status().in_flight_batches > 0 {
             std::hint::spin_loop();
         }
-        total += Duration::from_nanos(at.saturating_sub(sent));
         kept.push(batch);
     }
     println!(
         "ipc_latency/lent_100_columns_new_region_polling: {:.1} µs one way, mean of {FIRST_OPENS} \
-         batches, each in a region the consumer maps first\n{}",
-        total.as_secs_f64() * 1e6 / FIRST_OPENS as f64,
+         batches, each in a region the consumer maps first\n{}\n{}",
+        split.total().as_secs_f64() * 1e6 / FIRST_OPENS as f64,
+        split.means(FIRST_OPENS as u32),
         trace.means("send.", FIRST_OPENS as u64)
     );
     sender.finish().expect("finish");
@@ -194,12 +206,86 @@ fn first_opens(device: Device, stream: &Stream) {
     stop(child);
 }
 
+/// Where the time of one-way latencies went: the sender's `send`; from its return to the consumer
+/// having read the frame (the frame on its way, and the consumer noticing it); the consumer's
+/// `recv` after that.
+#[derive(Clone, Copy, Default)]
+struct OneWay {
+    send: Duration,
+    /// From `send`'s return to the consumer's call of `recv` (when it called it later).
+    late: Duration,
+    between: Duration,
+    receive: Duration,
+}
+
+impl OneWay {
+    /// A batch sent at `sent` (from `CLOCK_MONOTONIC`), its `send` returning at `returned`, and
+    /// `received` as the consumer stamped it.
+    fn of(sent: u64, returned: u64, received: Stamp) -> OneWay {
+        let ns = Duration::from_nanos;
+        let read = received.at.saturating_sub(received.handling);
+        let waiting = returned.max(received.called);
+        OneWay {
+            send: ns(returned.saturating_sub(sent)),
+            late: ns(waiting.saturating_sub(returned)),
+            between: ns(read.saturating_sub(waiting)),
+            receive: ns(received.handling),
+        }
+    }
+
+    fn total(&self) -> Duration {
+        self.send + self.late + self.between + self.receive
+    }
+
+    /// Its parts' means over `calls`, one line.
+    fn means(&self, calls: u32) -> String {
+        let us = |d: Duration| d.as_secs_f64() * 1e6 / calls.max(1) as f64;
+        format!(
+            "  one way, mean of {calls}: send {:.2} µs, until the consumer called recv {:.2} µs, the \
+             frame on its way and noticed {:.2} µs, recv after reading it {:.2} µs",
+            us(self.send),
+            us(self.late),
+            us(self.between),
+            us(self.receive)
+        )
+    }
+}
+
+impl std::ops::AddAssign for OneWay {
+    fn add_assign(&mut self, other: OneWay) {
+        self.send += other.send;
+        self.late += other.late;
+        self.between += other.between;
+        self.receive += other.receive;
+    }
+}
+
 /// The batches [`first_opens`] sends, each in a new region.
 const FIRST_OPENS: usize = 64;
 
-/// The next receive time the consumer wrote, read by polling the pipe when `busy`.
-fn stamp(stamps: &mut ChildStdout, busy: bool) -> u64 {
-    let mut at = [0u8; 8];
+/// The time a `recv` of the consumer spent in its steps after it read the frame (all but
+/// `recv.wait`), summed over its calls so far.
+fn handled(trace: &Trace) -> Duration {
+    trace
+        .steps()
+        .iter()
+        .filter(|s| s.name != "recv.wait")
+        .map(|s| s.total)
+        .sum()
+}
+
+/// When the consumer received a batch, as it wrote it: the moment its `recv` returned and the
+/// nanoseconds that call spent after it had read the frame.
+struct Stamp {
+    at: u64,
+    handling: u64,
+    /// When the consumer called that `recv`.
+    called: u64,
+}
+
+/// The next [`Stamp`] the consumer wrote, read by polling the pipe when `busy`.
+fn stamp(stamps: &mut ChildStdout, busy: bool) -> Stamp {
+    let mut at = [0u8; 24];
     let mut got = 0;
     while got < at.len() {
         if busy {
@@ -210,7 +296,9 @@ fn stamp(stamps: &mut ChildStdout, busy: bool) -> u64 {
             n => n,
         };
     }
-    u64::from_le_bytes(at)
+    let [at, handling, called] =
+        [&at[..8], &at[8..16], &at[16..]].map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")));
+    Stamp { at, handling, called }
 }
 
 /// Spins until `fd` has bytes to read.
@@ -296,10 +384,11 @@ fn consume(role: &str) {
         return;
     }
     let options = ReceiverOptions {
-        retain_mappings: role.starts_with("retain"),
-        poll: match role.ends_with("-poll") {
-            true => POLL,
-            false => Duration::ZERO,
+        retain_mappings: role.starts_with("retain") || role == "first-opens",
+        poll: match role {
+            "first-opens" => POLL_FIRST_OPENS,
+            r if r.ends_with("-poll") => POLL,
+            _ => Duration::ZERO,
         },
         ..ReceiverOptions::default()
     };
@@ -308,11 +397,21 @@ fn consume(role: &str) {
     let mut stamps = std::io::stdout().lock();
     let mut trace = Trace::default();
     let mut received = 0;
-    while let Some(batch) = trace.record(|| receiver.recv()).expect("receive") {
+    loop {
+        let handled_before = handled(&trace);
+        let called = monotonic_ns();
+        let Some(batch) = trace.record(|| receiver.recv()).expect("receive") else {
+            break;
+        };
+        let arrived = monotonic_ns();
         received += 1;
         if role != "device-reader" {
-            // The moment the batch arrived, for the latency benchmark.
-            stamps.write_all(&monotonic_ns().to_le_bytes()).expect("stamp");
+            // The moment the batch arrived and the time `recv` took once it had read the frame,
+            // for the latency benchmark.
+            let handling = (handled(&trace) - handled_before).as_nanos() as u64;
+            stamps.write_all(&arrived.to_le_bytes()).expect("stamp");
+            stamps.write_all(&handling.to_le_bytes()).expect("stamp");
+            stamps.write_all(&called.to_le_bytes()).expect("stamp");
             stamps.flush().expect("stamp");
         }
         if role == "device-reader" {
