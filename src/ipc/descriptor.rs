@@ -736,7 +736,7 @@ impl Located<'_> {
                 RegionKind::SharedCuda(region) => Ok(RegionHandle::SharedCuda {
                     ordinal: region.ordinal(),
                     uuid: DeviceUuid::of(region.ordinal())?,
-                    handle: region.handle()?,
+                    handle: region.handle(),
                 }),
                 RegionKind::Host(region) => Ok(RegionHandle::Host(region.handle()?)),
             })

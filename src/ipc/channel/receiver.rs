@@ -15,7 +15,7 @@ use crate::array::DeviceRecordBatch;
 use crate::device::{Device, Event, Stream};
 use crate::error::{Error, Result};
 use crate::ipc::channel::access::{check_peer, peer_pid};
-use crate::ipc::channel::protocol::{Frame, Link};
+use crate::ipc::channel::protocol::{Frame, KEPT_REGIONS, Link};
 use crate::ipc::channel::ring::{Entry, RingReader, Woken};
 use crate::ipc::descriptor::{BatchDescriptor, Mapping};
 use crate::ipc::event::{IpcEvent, IpcEventHandle, wait_local};
@@ -199,6 +199,9 @@ impl Receiver {
         };
         check_peer(&socket, options.allowed_uids.as_deref())
             .map_err(|e| Error::io(format!("connecting to {}", path.display()), e))?;
+        // Room for the descriptors of the regions it may keep, and as many more for the rest of
+        // the process, before any batch waits for them.
+        wire::reserve_descriptors(socket.as_fd(), 2 * KEPT_REGIONS);
         socket
             .set_write_timeout(Some(options.ack_timeout))
             .map_err(|e| Error::io("configuring the channel socket", e))?;
