@@ -137,16 +137,20 @@ pub(crate) fn send_frame(socket: BorrowedFd<'_>, payload: &[u8], fds: &[Borrowed
 /// descriptors received later (one per region of memory a receiver keeps) do not grow it while a
 /// batch waits: the kernel grows the table of a process with several threads (a CUDA process
 /// has) only after an RCU grace period, and one `recvmsg` that did so took 5.4 ms on an H200
-/// machine, 84 µs a batch over 64 first opens of regions. Best effort: a limit on descriptors
-/// below `slots` leaves the table as it is.
-pub(crate) fn reserve_descriptors(fd: BorrowedFd<'_>, slots: usize) {
+/// machine, 84 µs a batch over 64 first opens of regions. The table grows to hold a copy of
+/// `/dev/null`'s descriptor made at `slots - 1`, closed at once. Best effort: a limit on
+/// descriptors below `slots` leaves the table as it is.
+pub(crate) fn reserve_descriptors(slots: usize) {
     let Ok(last) = libc::c_int::try_from(slots.saturating_sub(1)) else {
+        return;
+    };
+    let Ok(null) = std::fs::File::open("/dev/null") else {
         return;
     };
     // SAFETY: duplicates a valid descriptor at `last` or above (growing the table to hold it);
     // the copy, this function's own, is closed at once.
     unsafe {
-        let copy = libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, last);
+        let copy = libc::fcntl(null.as_raw_fd(), libc::F_DUPFD_CLOEXEC, last);
         if copy >= 0 {
             libc::close(copy);
         }
@@ -521,7 +525,6 @@ mod tests {
     /// the copy it made for that closed; reserving more than any table may hold does nothing.
     #[test]
     fn reserving_descriptors_grows_the_table_and_keeps_nothing_open() {
-        let (a, _b) = UnixStream::pair().unwrap();
         let mut limit = libc::rlimit {
             rlim_cur: 0,
             rlim_max: 0,
@@ -529,13 +532,13 @@ mod tests {
         // SAFETY: a valid out-parameter.
         assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) }, 0);
         let slots = 2048.min(limit.rlim_cur as usize);
-        reserve_descriptors(a.as_fd(), slots);
+        reserve_descriptors(slots);
         let size = descriptor_table();
         assert!(size >= slots, "a table of {size} slots, {slots} reserved");
         // The copy went to the last slot (nothing else of the process is that high) and is closed.
         // SAFETY: only asks about a descriptor number.
         assert_eq!(unsafe { libc::fcntl(slots as libc::c_int - 1, libc::F_GETFD) }, -1);
-        reserve_descriptors(a.as_fd(), usize::MAX);
+        reserve_descriptors(usize::MAX);
         assert_eq!(descriptor_table(), size);
     }
 

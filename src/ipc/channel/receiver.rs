@@ -185,6 +185,10 @@ impl Receiver {
     pub fn connect(path: impl AsRef<Path>, options: ReceiverOptions) -> Result<Receiver> {
         let path = path.as_ref();
         let deadline = Instant::now() + options.connect_timeout;
+        // Room for the descriptors of the regions it may keep, and as many more for the rest of
+        // the process, made before the sender can count this receiver: growing the table may
+        // take milliseconds, which no batch then waits for.
+        wire::reserve_descriptors(2 * KEPT_REGIONS);
         let socket = loop {
             match UnixStream::connect(path) {
                 Ok(s) => break s,
@@ -199,9 +203,6 @@ impl Receiver {
         };
         check_peer(&socket, options.allowed_uids.as_deref())
             .map_err(|e| Error::io(format!("connecting to {}", path.display()), e))?;
-        // Room for the descriptors of the regions it may keep, and as many more for the rest of
-        // the process, before any batch waits for them.
-        wire::reserve_descriptors(socket.as_fd(), 2 * KEPT_REGIONS);
         socket
             .set_write_timeout(Some(options.ack_timeout))
             .map_err(|e| Error::io("configuring the channel socket", e))?;
