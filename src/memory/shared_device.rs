@@ -158,7 +158,7 @@ impl SharedDeviceRegion {
     /// A region of at least `size` bytes on device `ordinal`: an idle one of that size, or a new one.
     ///
     /// A new region is exported as it is made, not when it is first sent: the export
-    /// (`cuMemExportToShareableHandle`) costs 70-200 µs (H100, H200), which the first batch sent in
+    /// (`cuMemExportToShareableHandle`) costs 80-290 µs (H100, H200), which the first batch sent in
     /// the region would otherwise wait for on its way to another process.
     pub(crate) fn create(ordinal: usize, size: usize) -> Result<Arc<SharedDeviceRegion>> {
         let ctx = Self::bound(ordinal)?;
