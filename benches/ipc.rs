@@ -27,9 +27,10 @@
 //! After each latency measurement the producer prints the steps of `send` and, as it ends, the
 //! consumer those of `recv` (see `arrow_cuda::trace`), each with its mean time per call; the
 //! consumer's `recv.wait` counts from the call, so it holds the time before the batch was sent.
-//! The producer also splits the one-way time: its `send`; from `send`'s return to the consumer
-//! having read the frame; the consumer's `recv` after that (which the consumer reports with each
-//! receive time).
+//! The producer also splits the one-way time: its `send`; from `send`'s return to the consumer's
+//! call of `recv`, when it called it later; from then to the consumer having read the frame; the
+//! consumer's `recv` after that (the consumer reports its call and that time with each receive
+//! time).
 //!
 //! Consumers are this binary started again with `ARROW_CUDA_IPC_BENCH` naming their part.
 //! `cargo bench --bench ipc`; without a CUDA device it prints `skipped: no CUDA device` and returns
@@ -177,7 +178,7 @@ fn first_opens(device: Device, stream: &Stream) {
     let template = small_batch();
     let path = socket("first-opens");
     let sender = Sender::bind(&path, template.schema(), SenderOptions::default()).expect("bind");
-    let mut child = consumer("first-opens", &path, device);
+    let mut child = consumer("retain-first-opens", &path, device);
     let mut stamps = child.stdout.take().expect("consumer stdout");
     sender.wait_for_receivers(1, Duration::from_secs(60)).expect("consumer");
     let mut trace = Trace::default();
@@ -206,15 +207,16 @@ fn first_opens(device: Device, stream: &Stream) {
     stop(child);
 }
 
-/// Where the time of one-way latencies went: the sender's `send`; from its return to the consumer
-/// having read the frame (the frame on its way, and the consumer noticing it); the consumer's
-/// `recv` after that.
+/// Where the time of one-way latencies went.
 #[derive(Clone, Copy, Default)]
 struct OneWay {
+    /// The sender's `send`.
     send: Duration,
     /// From `send`'s return to the consumer's call of `recv` (when it called it later).
     late: Duration,
+    /// From then to the consumer having read the frame: the frame on its way, and noticed.
     between: Duration,
+    /// The consumer's `recv` after it read the frame.
     receive: Duration,
 }
 
@@ -384,9 +386,9 @@ fn consume(role: &str) {
         return;
     }
     let options = ReceiverOptions {
-        retain_mappings: role.starts_with("retain") || role == "first-opens",
+        retain_mappings: role.starts_with("retain"),
         poll: match role {
-            "first-opens" => POLL_FIRST_OPENS,
+            "retain-first-opens" => POLL_FIRST_OPENS,
             r if r.ends_with("-poll") => POLL,
             _ => Duration::ZERO,
         },
