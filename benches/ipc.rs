@@ -19,7 +19,10 @@
 //! - `ipc_latency/lent_100_columns_new_region_polling` (printed after the latency cases, not
 //!   measured by criterion, as each region is opened once): the polling case with every batch in a
 //!   region of shared device memory the consumer has not mapped yet, mean of 64 batches (the
-//!   consumer polls for up to 50 ms, as the sender makes each region between batches).
+//!   consumer polls for up to 50 ms, as the sender makes each region between batches);
+//!   `lent_100_columns_new_region_announced_polling` beside it: the same with the regions announced
+//!   as they are made (`SenderOptions::announce_regions`), which the consumer maps while it waits,
+//!   as the producer fills them.
 //! - `stream_1GiB/device_ipc` beside `stream_1GiB/host_ipc`: a producer streams 1 GiB batches to a
 //!   consumer process that reads them on the device (a device-to-device copy of every buffer), through
 //!   CUDA IPC, and through the host: device to host, arrow-ipc over a Unix socket, host to device.
@@ -171,13 +174,18 @@ fn latency(c: &mut Criterion, device: Device, stream: &Stream) -> bool {
 
 /// One-way latency of batches lent from regions the consumer has not mapped yet: each of
 /// [`FIRST_OPENS`] batches is uploaded (untimed) into a region of its own, all kept to the end so
-/// that none is reused, and sent to a polling consumer. Printed with the sender's steps (the
-/// consumer prints its own as it ends, `recv.open` among them), not measured by criterion: each
-/// region is opened once.
-fn first_opens(device: Device, stream: &Stream) {
+/// that none is reused, and sent to a polling consumer; with `announce_regions`, each region is
+/// announced as it is made, and the consumer maps it as the batch is uploaded into it. Printed
+/// with the sender's steps (the consumer prints its own as it ends, `recv.open` and `recv.ahead`
+/// among them), not measured by criterion: each region is opened once.
+fn first_opens(device: Device, stream: &Stream, announce_regions: bool) {
     let template = small_batch();
     let path = socket("first-opens");
-    let sender = Sender::bind(&path, template.schema(), SenderOptions::default()).expect("bind");
+    let options = SenderOptions {
+        announce_regions,
+        ..SenderOptions::default()
+    };
+    let sender = Sender::bind(&path, template.schema(), options).expect("bind");
     let mut child = consumer("retain-first-opens", &path, device);
     let mut stamps = child.stdout.take().expect("consumer stdout");
     sender.wait_for_receivers(1, Duration::from_secs(60)).expect("consumer");
@@ -195,9 +203,13 @@ fn first_opens(device: Device, stream: &Stream) {
         }
         kept.push(batch);
     }
+    let (name, how) = match announce_regions {
+        true => ("new_region_announced", "announced as it is made"),
+        false => ("new_region", "that the consumer maps first"),
+    };
     println!(
-        "ipc_latency/lent_100_columns_new_region_polling: {:.1} µs one way, mean of {FIRST_OPENS} \
-         batches, each in a region the consumer maps first\n{}\n{}",
+        "ipc_latency/lent_100_columns_{name}_polling: {:.1} µs one way, mean of {FIRST_OPENS} \
+         batches, each in a region {how}\n{}\n{}",
         split.total().as_secs_f64() * 1e6 / FIRST_OPENS as f64,
         split.means(FIRST_OPENS as u32),
         trace.means("send.", FIRST_OPENS as u64)
@@ -265,13 +277,14 @@ impl std::ops::AddAssign for OneWay {
 /// The batches [`first_opens`] sends, each in a new region.
 const FIRST_OPENS: usize = 64;
 
-/// The time a `recv` of the consumer spent in its steps after it read the frame (all but
-/// `recv.wait`), summed over its calls so far.
+/// The time a `recv` of the consumer spent in its steps after it read the batch's frame (all but
+/// `recv.wait` and `recv.ahead`, the mapping of regions announced before it), summed over its
+/// calls so far.
 fn handled(trace: &Trace) -> Duration {
     trace
         .steps()
         .iter()
-        .filter(|s| s.name != "recv.wait")
+        .filter(|s| s.name != "recv.wait" && s.name != "recv.ahead")
         .map(|s| s.total)
         .sum()
 }
@@ -456,7 +469,8 @@ fn main() {
     let stream = Stream::new(device).expect("stream");
     let mut c = Criterion::default().configure_from_args();
     if latency(&mut c, device, &stream) {
-        first_opens(device, &stream);
+        first_opens(device, &stream, false);
+        first_opens(device, &stream, true);
     }
     streaming(
         &mut c,

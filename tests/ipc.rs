@@ -1250,6 +1250,35 @@ fn peer() {
             assert_eq!(open(), kept, "after the last view");
             say("done");
         }
+        "ahead" => {
+            // Waits in `recv`, 50 ms at a time, until the region the sender announced is mapped,
+            // says so, then takes the batch lent from it: built on that mapping, none made for it.
+            let options = ReceiverOptions {
+                recv_timeout: Some(Duration::from_millis(50)),
+                ..patient()
+            };
+            let mut r = Receiver::connect(&socket, options).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let mut mapped = false;
+            let batch = loop {
+                match r.recv() {
+                    Ok(Some(batch)) => break batch,
+                    Err(e) if e.io_kind() == Some(std::io::ErrorKind::TimedOut) => {
+                        assert!(Instant::now() < deadline, "no region announced within 60 s");
+                        if !mapped && ipc::testing::open_shared_device_regions() == 1 {
+                            mapped = true;
+                            say("mapped");
+                        }
+                    }
+                    other => panic!("{other:?}"),
+                }
+            };
+            assert!(mapped, "the batch came before its region was announced");
+            assert_eq!(ipc::testing::open_shared_device_regions(), 1, "mapped once, ahead");
+            check_batch("the batch", &dtoh(&batch, &stream).unwrap(), &ahead_batch());
+            drop(batch);
+            assert!(r.recv().unwrap().is_none(), "the end of the stream");
+        }
         "keep" => {
             // `count` batches, each in a region of its own (all of one size), then the first two
             // again. Regions of shared device memory are kept up to the sender's 256 MiB; shared
@@ -1581,6 +1610,42 @@ fn receivers_keep_the_senders_most_recent_regions() {
         peer.passed();
         sender.wait_idle(Duration::from_secs(30)).unwrap();
     });
+}
+
+/// The batch of [`receivers_map_announced_regions_ahead_of_their_batches`]: 5 MB, in a region of
+/// a size (6 MiB) no other case of this binary makes.
+fn ahead_batch() -> RecordBatch {
+    let ints: ArrayRef = Arc::new(Int64Array::from_iter_values(0..640_000));
+    RecordBatch::try_from_iter([("ints", ints)]).unwrap()
+}
+
+/// With [`SenderOptions::announce_regions`], a region of shared device memory is announced to the
+/// receivers as it is made, and a receiver waiting for batches maps it then: the batch later lent
+/// from it is built on that mapping (the peer checks), and reads intact.
+#[test]
+fn receivers_map_announced_regions_ahead_of_their_batches() {
+    // Alone: the sender announces every region its process makes, so no other case may make one.
+    let _alone = DEVICE_MEMORY.write().unwrap_or_else(PoisonError::into_inner);
+    let Some(device) = common::cuda() else { return };
+    if !matches!(lendable(device), MemoryResource::SharedDevice(_)) {
+        eprintln!("skipped on {device}: the GPU has no shared device memory");
+        return;
+    }
+    let stream = Stream::new(device).unwrap();
+    let path = socket_path("ahead");
+    let options = SenderOptions {
+        announce_regions: true,
+        ..SenderOptions::default()
+    };
+    let sender = Sender::bind(&path, ahead_batch().schema(), options).unwrap();
+    let mut peer = Peer::spawn("ahead", &path, device, 1);
+    sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
+    let batch = upload(&ahead_batch(), lendable(device), &stream);
+    peer.wait_for("mapped");
+    sender.send(&batch).unwrap();
+    sender.finish().unwrap();
+    peer.passed();
+    sender.wait_idle(Duration::from_secs(30)).unwrap();
 }
 
 #[test]
@@ -2604,7 +2669,7 @@ fn hello(magic: &[u8; 8], version: u32, schema: &Schema) -> Vec<u8> {
 }
 
 /// The channel protocol's version (`src/ipc/channel/protocol.rs`).
-const PROTOCOL: u32 = 6;
+const PROTOCOL: u32 = 7;
 
 /// A fake sender: accepts one receiver, writes `greeting`, then runs `script` on the socket in a
 /// thread of its own while the receiver is returned.

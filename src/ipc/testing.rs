@@ -51,8 +51,8 @@ pub fn is_trusted(array: &crate::array::DeviceArrayData) -> bool {
 
 /// The channel's frames as the fuzz targets start from them: the payloads of a greeting with
 /// `schema` (an IPC schema message), a batch frame carrying `descriptor` (with an IPC event handle
-/// when `event`), an end, an abort, an acknowledgement and a detach. The batch frame's descriptors
-/// are duplicated into the second part.
+/// when `event`), an end, an abort, an acknowledgement, a detach and an announcement of no
+/// regions. The batch frame's descriptors are duplicated into the second part.
 pub fn frame_payloads(
     schema: Vec<u8>,
     descriptor: BatchDescriptor,
@@ -74,6 +74,7 @@ pub fn frame_payloads(
         Frame::Abort("stop".into()),
         Frame::Ack(7),
         Frame::Detach,
+        Frame::Regions(Vec::new()),
     ];
     let mut payloads = vec![payload];
     payloads.extend(others.iter().map(|f| f.encode(None).0));

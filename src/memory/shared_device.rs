@@ -19,7 +19,9 @@
 //! - every region, made or mapped, has an id unique in its process, which travels with its
 //!   descriptor: a receiver keeps the regions it mapped ([`OpenedRegions`], one per sender, by the
 //!   sender's ids) until the sender tells it to let one go, and the sender names a region the
-//!   receiver keeps by its id alone, without its descriptor (see the IPC channel's protocol).
+//!   receiver keeps by its id alone, without its descriptor (see the IPC channel's protocol);
+//! - a watcher ([`SharedDeviceRegion::watch_made`]) is told of each region made, so that the IPC
+//!   channel can announce it to receivers, which map it before any batch in it is sent.
 //!
 //! Every live region, made or mapped, is registered by address, so the IPC layer finds the region
 //! behind any [`DeviceBuffer`] that views it, including buffers received from another process,
@@ -28,7 +30,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use cudarc::driver::CudaContext;
 
@@ -84,6 +86,13 @@ static KEEPERS: Mutex<usize> = Mutex::new(0);
 /// How many regions this process has let go of for good (freed, or unmapped when mapped from a
 /// peer): counted once each is neither live nor idle. Their ids never come back.
 static RETIRED: AtomicU64 = AtomicU64::new(0);
+
+/// Told of each region this process makes (not one reused from the idle pool), once it is
+/// exported, on the thread that made it: see [`SharedDeviceRegion::watch_made`].
+pub(crate) type MadeWatcher = dyn Fn(&Arc<SharedDeviceRegion>) + Send + Sync;
+
+/// The watchers of regions being made, as long as their owners keep them.
+static WATCHERS: Mutex<Vec<Weak<MadeWatcher>>> = Mutex::new(Vec::new());
 
 /// The region's first byte in this process, and its size (a multiple of the device's granularity).
 impl Region for SharedDeviceRegion {
@@ -169,6 +178,7 @@ impl SharedDeviceRegion {
             let found = idle.iter().position(|r| r.ordinal == ordinal && r.memory.size == size);
             found.and_then(|i| idle.remove(i))
         };
+        let made = reused.is_none();
         let (id, memory, fd) = match reused {
             Some(r) => (r.id, r.memory, r.fd),
             None => {
@@ -186,14 +196,34 @@ impl SharedDeviceRegion {
                 (NEXT_ID.fetch_add(1, Ordering::Relaxed), memory, fd)
             }
         };
-        Ok(Self::register(SharedDeviceRegion {
+        let region = Self::register(SharedDeviceRegion {
             memory: Some(memory),
             ctx,
             id,
             fd,
             from_peer: false,
             outstanding: AtomicUsize::new(0),
-        }))
+        });
+        if made {
+            let watchers: Vec<_> = {
+                let mut watchers = WATCHERS.lock().unwrap_or_else(|p| p.into_inner());
+                watchers.retain(|w| w.strong_count() > 0);
+                watchers.iter().filter_map(Weak::upgrade).collect()
+            };
+            watchers.iter().for_each(|w| w(&region));
+        }
+        Ok(region)
+    }
+
+    /// Calls `watcher` with each region this process makes from now on (not those reused from the
+    /// idle pool), once it is exported, on the thread that made it, until the caller drops its
+    /// last `Arc` of the watcher. The allocation waits for the watcher, which must not make a
+    /// region itself, nor wait for a lock held while regions are made.
+    pub(crate) fn watch_made(watcher: &Arc<MadeWatcher>) {
+        WATCHERS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Arc::downgrade(watcher));
     }
 
     /// Device `ordinal`'s context, bound to this thread, where it supports shared device memory.
@@ -228,6 +258,17 @@ impl SharedDeviceRegion {
     /// region mapped from a peer), its id and its size.
     pub(crate) fn handle(&self) -> SharedDeviceHandle {
         self.outstanding.fetch_add(1, Ordering::AcqRel);
+        SharedDeviceHandle {
+            fd: self.fd.clone(),
+            id: self.id,
+            size: self.size(),
+        }
+    }
+
+    /// A handle for a process that maps the region ahead of any batch in it (the IPC channel's
+    /// announcements of regions as they are made): it lends nothing, so it is not counted against
+    /// reusing the region; a batch in the region later goes with a [counted](Self::handle) one.
+    pub(crate) fn announced(&self) -> SharedDeviceHandle {
         SharedDeviceHandle {
             fd: self.fd.clone(),
             id: self.id,

@@ -4,7 +4,11 @@
 //! `Ring` (the ring's size, with its memfd and doorbell attached) on the socket; then, through the
 //! ring (`ring.rs`), any number of `Batch` frames (an id, the ids of the regions the receiver may
 //! let go of, the IPC event to wait on for CUDA batches, and the batch's descriptor, with the
-//! regions' file descriptors attached), then `End`, or `Abort` with a reason. Receiver to sender,
+//! regions' file descriptors attached), then `End`, or `Abort` with a reason; between them, from a
+//! sender that announces regions (`SenderOptions::announce_regions`), `Regions` frames (the ids of
+//! regions the receiver may let go of, then regions of shared device memory just made, each with
+//! its device's UUID, id, size and file descriptor), which the receiver keeps and maps while it
+//! waits for batches. Receiver to sender,
 //! on the socket: `Ack` with a batch id when the last view of that batch has dropped, and `Detach`
 //! when the receiver stops receiving (it may still hold batches).
 //!
@@ -22,19 +26,21 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Mutex;
 
+use crate::device::DeviceUuid;
 use crate::error::{Error, Result};
 use crate::ipc::channel::ring::{CAPACITY, RingWriter};
 use crate::ipc::descriptor::BatchDescriptor;
 use crate::ipc::event::IpcEventHandle;
 use crate::ipc::handle::HANDLE_BYTES;
 use crate::ipc::wire::{self, Reader, Writer};
+use crate::memory::SharedDeviceHandle;
 use crate::memory::shared_device::{OpenedRegions, SharedDeviceRegion};
 
 const MAGIC: &[u8; 8] = b"ACUDAIPC";
 /// 4: devices by UUID in batch descriptors (issue #23, finding 8). 5: regions of shared device
 /// memory, by file descriptor (the default for messages on a GPU). 6: regions a receiver keeps,
-/// by id.
-const VERSION: u32 = 6;
+/// by id. 7: regions announced as they are made.
+const VERSION: u32 = 7;
 
 /// The most bytes of a sender's regions of shared device memory a receiver keeps mapped between
 /// batches, besides the regions of the batch at hand.
@@ -49,6 +55,7 @@ const BATCH: u8 = 2;
 const END: u8 = 3;
 const ABORT: u8 = 4;
 const RING: u8 = 5;
+const REGIONS: u8 = 6;
 const ACK: u8 = 16;
 const DETACH: u8 = 17;
 
@@ -73,6 +80,9 @@ pub(crate) enum Frame {
         id: u64,
         error: Error,
     },
+    /// Regions of shared device memory the sender's process just made, for the receiver to keep
+    /// and map before a batch names them (those it keeps already are not sent again).
+    Regions(Vec<(DeviceUuid, SharedDeviceHandle)>),
     End,
     Abort(String),
     Ack(u64),
@@ -113,18 +123,7 @@ impl Frame {
             Frame::Batch { id, event, descriptor } => {
                 w.u8(BATCH);
                 w.u64(*id);
-                let regions = descriptor.shared_regions();
-                let (known, forget) = match kept {
-                    Some(kept) => {
-                        let mut forget = kept.retire();
-                        let (known, evicted) = kept.send(&regions);
-                        forget.extend(evicted);
-                        (known, forget)
-                    }
-                    None => (Vec::new(), Vec::new()),
-                };
-                w.u32(forget.len() as u32);
-                forget.iter().for_each(|id| w.u64(*id));
+                let known = kept_after(kept, &descriptor.shared_regions(), &mut w);
                 match event {
                     Some(h) => {
                         w.u8(1);
@@ -133,6 +132,19 @@ impl Frame {
                     None => w.u8(0),
                 }
                 descriptor.encode(&mut w, &mut fds, |id| known.contains(&id));
+            }
+            Frame::Regions(regions) => {
+                w.u8(REGIONS);
+                let ids: Vec<_> = regions.iter().map(|(_, h)| (h.id(), h.size())).collect();
+                let known = kept_after(kept, &ids, &mut w);
+                let new: Vec<_> = regions.iter().filter(|(_, h)| !known.contains(&h.id())).collect();
+                w.u32(new.len() as u32);
+                for (uuid, handle) in new {
+                    w.raw(&uuid.0);
+                    w.u64(handle.id());
+                    w.u64(handle.size() as u64);
+                    fds.push(handle.fd());
+                }
             }
             Frame::BadBatch { .. } => unreachable!("never sent"),
             Frame::End => w.u8(END),
@@ -179,34 +191,14 @@ impl Frame {
             BATCH => {
                 let id = r.u64()?;
                 let rest = (|| {
-                    let n = r.u32()? as usize;
-                    if n > r.remaining() / 8 {
-                        return Err(Error::InvalidData(format!(
-                            "{n} regions to let go of in a frame of {} bytes",
-                            r.remaining()
-                        )));
-                    }
-                    for _ in 0..n {
-                        let region = r.u64()?;
-                        if let Some(opened) = opened.as_deref_mut() {
-                            opened.forget(region);
-                        }
-                    }
+                    let_go(&mut r, opened.as_deref_mut())?;
                     let event = match r.u8()? {
                         0 => None,
                         1 => Some(IpcEventHandle(r.array::<HANDLE_BYTES>()?)),
                         k => return Err(Error::InvalidData(format!("event flag {k}"))),
                     };
                     let descriptor = BatchDescriptor::decode(&mut r, &mut fds, opened.as_deref_mut())?;
-                    if let Some(opened) = opened.as_deref_mut()
-                        && opened.bound(KEPT_REGIONS, KEPT_BYTES, &descriptor.shared_regions())
-                    {
-                        return Err(Error::InvalidData(format!(
-                            "the sender had this receiver keep more than {KEPT_REGIONS} of its \
-                             regions or {KEPT_BYTES} bytes of them besides a batch's; the \
-                             receiver let go of them"
-                        )));
-                    }
+                    check_bound(opened.as_deref_mut(), &descriptor.shared_regions())?;
                     finish(&r, &mut fds)?;
                     Ok((event, descriptor))
                 })();
@@ -214,6 +206,34 @@ impl Frame {
                     Ok((event, descriptor)) => Frame::Batch { id, event, descriptor },
                     Err(error) => Frame::BadBatch { id, error },
                 });
+            }
+            REGIONS => {
+                let_go(&mut r, opened.as_deref_mut())?;
+                let n = r.u32()? as usize;
+                if n > r.remaining() / 32 {
+                    return Err(Error::InvalidData(format!(
+                        "{n} regions announced in a frame of {} bytes",
+                        r.remaining()
+                    )));
+                }
+                let mut regions = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let uuid = DeviceUuid(r.array::<16>()?);
+                    let id = r.u64()?;
+                    let size = usize::try_from(r.u64()?)
+                        .map_err(|_| Error::InvalidData("a region size out of range".into()))?;
+                    let fd = fds
+                        .next()
+                        .ok_or_else(|| Error::InvalidData("an announced region without its descriptor".into()))?;
+                    regions.push((uuid, SharedDeviceHandle::from_fd(fd, id, size)));
+                }
+                finish(&r, &mut fds)?;
+                if let Some(opened) = opened.as_deref_mut() {
+                    regions.iter().for_each(|(_, handle)| opened.keep(handle));
+                }
+                let ids: Vec<_> = regions.iter().map(|(_, h)| (h.id(), h.size())).collect();
+                check_bound(opened, &ids)?;
+                return Ok(Frame::Regions(regions));
             }
             END => Frame::End,
             ABORT => Frame::Abort(String::from_utf8_lossy(r.bytes()?).into_owned()),
@@ -224,6 +244,54 @@ impl Frame {
         finish(&r, &mut fds)?;
         Ok(out)
     }
+}
+
+/// Writes the ids of the regions the receiver is to let go of, before a frame with `regions` (id
+/// and size) goes to it, and returns the ids of those of `regions` it keeps already; with no
+/// count of what it keeps (`kept`), none.
+fn kept_after(kept: Option<&mut KeptRegions>, regions: &[(u64, usize)], w: &mut Writer) -> Vec<u64> {
+    let (known, forget) = match kept {
+        Some(kept) => {
+            let mut forget = kept.retire();
+            let (known, evicted) = kept.send(regions);
+            forget.extend(evicted);
+            (known, forget)
+        }
+        None => (Vec::new(), Vec::new()),
+    };
+    w.u32(forget.len() as u32);
+    forget.iter().for_each(|id| w.u64(*id));
+    known
+}
+
+/// Reads the ids of the regions to let go of that start batch and region frames, and lets them go.
+fn let_go(r: &mut Reader<'_>, mut opened: Option<&mut OpenedRegions>) -> Result<()> {
+    let n = r.u32()? as usize;
+    if n > r.remaining() / 8 {
+        return Err(Error::InvalidData(format!(
+            "{n} regions to let go of in a frame of {} bytes",
+            r.remaining()
+        )));
+    }
+    for _ in 0..n {
+        let region = r.u64()?;
+        if let Some(opened) = opened.as_deref_mut() {
+            opened.forget(region);
+        }
+    }
+    Ok(())
+}
+
+/// Checks that the sender had the receiver keep no more than the bounds besides `current` (the
+/// regions of the frame at hand); past them the receiver lets go of all others.
+fn check_bound(opened: Option<&mut OpenedRegions>, current: &[(u64, usize)]) -> Result<()> {
+    if opened.is_some_and(|opened| opened.bound(KEPT_REGIONS, KEPT_BYTES, current)) {
+        return Err(Error::InvalidData(format!(
+            "the sender had this receiver keep more than {KEPT_REGIONS} of its regions or \
+             {KEPT_BYTES} bytes of them besides a frame's; the receiver let go of them"
+        )));
+    }
+    Ok(())
 }
 
 /// Checks that every byte and every descriptor of a frame was used.
@@ -422,6 +490,106 @@ mod tests {
                 assert_eq!(kept.len(), 0);
             }
         }
+    }
+
+    /// Regions announced as they are made are kept by the receiver, each sent once: a region the
+    /// receiver keeps already is not sent again, the announcement lets go of the least recently
+    /// sent past the bounds, and a batch frame names an announced region by id alone.
+    #[test]
+    fn announced_regions_are_kept_and_named_by_id() {
+        use crate::device::{Device, DeviceUuid};
+        use crate::ipc::descriptor::RegionHandle;
+
+        let uuid = DeviceUuid([7; 16]);
+        let handle = |id: u64, size: usize| {
+            let null = std::fs::File::open("/dev/null").unwrap();
+            SharedDeviceHandle::from_fd(null.into(), id, size)
+        };
+        let (mut kept, mut opened) = (KeptRegions::default(), OpenedRegions::default());
+        // Encodes `frame` for the receiver and decodes it there: the frame read, and the number of
+        // descriptors it carried.
+        let deliver = |frame: Frame, kept: &mut KeptRegions, opened: &mut OpenedRegions| {
+            let (payload, fds) = frame.encode(Some(kept));
+            let carried = fds.len();
+            let fds = fds.iter().map(|fd| fd.try_clone_to_owned().unwrap()).collect();
+            let frame = wire::Frame { payload: &payload, fds };
+            (Frame::decode(frame, Some(opened)).unwrap(), carried)
+        };
+        let announce = |regions: &[(u64, usize)]| {
+            Frame::Regions(regions.iter().map(|&(id, size)| (uuid, handle(id, size))).collect())
+        };
+        match deliver(announce(&[(1, 2 * MIB), (2, 2 * MIB)]), &mut kept, &mut opened) {
+            (Frame::Regions(got), 2) => {
+                let got: Vec<_> = got.iter().map(|(u, h)| (*u, h.id(), h.size())).collect();
+                assert_eq!(got, [(uuid, 1, 2 * MIB), (uuid, 2, 2 * MIB)]);
+            }
+            other => panic!("{other:?}"),
+        }
+        // Region 2 is kept: announced again, it is not sent again.
+        match deliver(announce(&[(2, 2 * MIB), (3, 2 * MIB)]), &mut kept, &mut opened) {
+            (Frame::Regions(got), 1) => assert_eq!(got.iter().map(|(_, h)| h.id()).collect::<Vec<_>>(), [3]),
+            other => panic!("{other:?}"),
+        }
+        // A batch in region 1 names it by id alone (no descriptor), and the receiver finds it.
+        let batch = Frame::Batch {
+            id: 9,
+            event: None,
+            descriptor: BatchDescriptor {
+                device: Device::Cpu,
+                device_uuid: None,
+                dictionaries: Vec::new(),
+                metadata: Vec::new(),
+                regions: vec![RegionHandle::SharedCuda {
+                    ordinal: 0,
+                    uuid,
+                    handle: handle(1, 2 * MIB),
+                }],
+                locations: Vec::new(),
+            },
+        };
+        assert!(
+            batch.encode(Some(&mut kept)).1.is_empty(),
+            "a kept region travels by id"
+        );
+        // A region that fills the budget lets the least recently sent go: region 3 (1 went in the
+        // batch since, and 2 went before 3 in their announcement).
+        let big = KEPT_BYTES - 4 * MIB;
+        let (frame, carried) = deliver(announce(&[(4, big)]), &mut kept, &mut opened);
+        assert!(matches!(frame, Frame::Regions(_)) && carried == 1);
+        assert!(opened.handle(3).is_none(), "let go of");
+        assert!(opened.handle(1).is_some() && opened.handle(2).is_some() && opened.handle(4).is_some());
+        assert_eq!(opened.bytes(), KEPT_BYTES);
+    }
+
+    /// A region frame that claims more regions than its bytes, or a region without its descriptor,
+    /// is refused.
+    #[test]
+    fn malformed_region_frames_are_refused() {
+        let decode = |payload: &[u8]| {
+            let frame = wire::Frame {
+                payload,
+                fds: Vec::new(),
+            };
+            Frame::decode(frame, Some(&mut OpenedRegions::default()))
+                .unwrap_err()
+                .to_string()
+        };
+        let mut payload = vec![REGIONS];
+        payload.extend_from_slice(&0u32.to_le_bytes());
+        payload.extend_from_slice(&1000u32.to_le_bytes());
+        assert!(
+            decode(&payload).contains("1000 regions announced"),
+            "{}",
+            decode(&payload)
+        );
+        payload.truncate(5);
+        payload.extend_from_slice(&1u32.to_le_bytes());
+        payload.extend_from_slice(&[0; 32]);
+        assert!(
+            decode(&payload).contains("without its descriptor"),
+            "{}",
+            decode(&payload)
+        );
     }
 
     /// A batch frame's list of regions to let go of comes before its descriptor: it is read when

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use arrow_schema::{ArrowError, SchemaRef};
 
 use crate::array::DeviceRecordBatch;
-use crate::device::{Device, Event, Stream};
+use crate::device::{Device, DeviceUuid, Event, Stream};
 use crate::error::{Error, Result};
 use crate::ipc::channel::access::{check_peer, peer_pid};
 use crate::ipc::channel::protocol::{Frame, KEPT_REGIONS, Link};
@@ -22,6 +22,7 @@ use crate::ipc::event::{IpcEvent, IpcEventHandle, wait_local};
 use crate::ipc::handle::HANDLE_BYTES;
 use crate::ipc::message::decode_schema;
 use crate::ipc::wire::{self, FrameReader, RecvError};
+use crate::memory::SharedDeviceHandle;
 use crate::memory::fence::Fence;
 use crate::memory::shared_device::OpenedRegions;
 use crate::trace::Laps;
@@ -282,7 +283,17 @@ impl Receiver {
             State::Broken(why) => return Err(Error::Arrow(ArrowError::IpcError(why.clone()))),
         }
         let mut laps = Laps::start();
-        let frame = match self.next_frame(&mut laps) {
+        let start = Instant::now();
+        let frame = loop {
+            match self.next_frame(start, &mut laps) {
+                Ok(Ok(Frame::Regions(regions))) => {
+                    self.map_ahead(regions);
+                    laps.lap("recv.ahead");
+                }
+                other => break other,
+            }
+        };
+        let frame = match frame {
             Ok(decoded) => decoded?,
             Err(RecvError::Idle(_)) => {
                 // Only a limit ends a wait with nothing read.
@@ -326,12 +337,24 @@ impl Receiver {
         }
     }
 
+    /// Maps regions the sender announced as they were made, ahead of the batches that will name
+    /// them (they are kept already: see [`Frame::decode`]). A region that fails to map, or is on a
+    /// device this process does not see, is tried again by the first batch that names it, which
+    /// reports the error.
+    fn map_ahead(&mut self, regions: Vec<(DeviceUuid, SharedDeviceHandle)>) {
+        for (uuid, handle) in regions {
+            if let Ok(ordinal) = uuid.ordinal() {
+                let _ = self.opened.open(handle, ordinal);
+            }
+        }
+    }
+
     /// The next frame from the ring, or from the socket where the ring announces one: polling
-    /// for [`ReceiverOptions::poll`], then asleep. The inner error is a malformed frame, after which
+    /// until [`ReceiverOptions::poll`] has passed since `start`, then asleep until
+    /// [`ReceiverOptions::recv_timeout`] has. The inner error is a malformed frame, after which
     /// the stream is still in step. The wait, counted from the call (so with any time before the
     /// sender sent), is the step `recv.wait` of `laps`.
-    fn next_frame(&mut self, laps: &mut Laps) -> std::result::Result<Result<Frame>, RecvError> {
-        let start = Instant::now();
+    fn next_frame(&mut self, start: Instant, laps: &mut Laps) -> std::result::Result<Result<Frame>, RecvError> {
         let left = |timeout: Option<Duration>| timeout.map(|t| t.saturating_sub(start.elapsed()));
         let socket = self.link.socket.as_fd();
         while !self.on_socket {
