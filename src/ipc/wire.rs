@@ -134,8 +134,9 @@ pub(crate) fn send_frame(socket: BorrowedFd<'_>, payload: &[u8], fds: &[Borrowed
 }
 
 /// Grows this process's table of descriptors to hold at least `slots` of them, so that
-/// descriptors received later (one per region of memory a receiver keeps) do not grow it while a
-/// batch waits: the kernel grows the table of a process with several threads (a CUDA process
+/// descriptors received later (one per region of memory a receiver keeps), or made (one per region
+/// of shared device memory a sender's process makes), do not grow it while a batch waits: the
+/// kernel grows the table of a process with several threads (a CUDA process
 /// has) only after an RCU grace period, and one `recvmsg` that did so took 5.4 ms on an H200
 /// machine, 84 µs a batch over 64 first opens of regions. The table grows to hold a copy of
 /// `/dev/null`'s descriptor made at `slots - 1`, closed at once. Best effort: a limit on

@@ -275,7 +275,8 @@ impl Receiver {
     /// died; [`std::io::ErrorKind::UnexpectedEof`]), a timeout, malformed frames
     /// ([`Error::InvalidData`]). After a malformed batch frame the receiver can go on receiving;
     /// after a broken connection every call fails. A receive waits at most
-    /// [`ReceiverOptions::recv_timeout`] (60 seconds unless set otherwise).
+    /// [`ReceiverOptions::recv_timeout`] (60 seconds unless set otherwise); while it waits, it maps
+    /// the regions a sender announces ([`SenderOptions::announce_regions`](crate::ipc::SenderOptions::announce_regions)).
     pub fn recv(&mut self) -> Result<Option<DeviceRecordBatch>> {
         match &self.state {
             State::Open => {}

@@ -18,10 +18,11 @@ use crate::device::{Device, DeviceUuid, Event, Stream};
 use crate::error::{Error, Result};
 use crate::ipc::channel::access::check_owner;
 use crate::ipc::channel::peers::{InFlight, SenderEvent, SenderStatus, Shared, State, accept_loop};
-use crate::ipc::channel::protocol::{Frame, KEPT_BYTES};
+use crate::ipc::channel::protocol::{Frame, KEPT_BYTES, KEPT_REGIONS};
 use crate::ipc::descriptor::{BatchDescriptor, Route};
 use crate::ipc::event::{IpcEvent, IpcEventHandle};
 use crate::ipc::message::{encode_schema, write_message_to};
+use crate::ipc::wire;
 use crate::memory::MemoryResource;
 use crate::memory::cache::Region as _;
 use crate::memory::shared_device::{KeepIdle, MadeWatcher, SharedDeviceRegion};
@@ -136,6 +137,10 @@ impl Sender {
     pub fn bind(path: impl AsRef<Path>, schema: SchemaRef, options: SenderOptions) -> Result<Sender> {
         let path = path.as_ref().to_path_buf();
         check_owner(&path)?;
+        // This process holds a descriptor of each region of shared device memory it makes (each is
+        // exported as it is made): room for as many as a receiver keeps, and as many more, so that
+        // making one for a batch does not wait for the table to grow.
+        wire::reserve_descriptors(2 * KEPT_REGIONS);
         let listener = match UnixListener::bind(&path) {
             Ok(l) => l,
             Err(e) if e.kind() == io::ErrorKind::AddrInUse && is_stale(&path) => {
