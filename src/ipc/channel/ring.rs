@@ -73,7 +73,7 @@ unsafe impl Sync for Shared {}
 impl Shared {
     /// Maps the ring, every page faulted in: the first pass of frames through the ring would
     /// otherwise fault in each page it writes (the sender) and reads (the receiver). On an H200
-    /// machine a first 8 KiB frame cost the sender's copy 8-10 µs where a later one took 1.3-1.6,
+    /// machine a first 8 KiB frame cost the sender's copy 7.7-9.6 µs where a later one took 1.3-1.6,
     /// and a first 8 KiB copy into a fresh memfd mapping 5.1-5.2 µs
     /// (`scripts/probes/first_touch.c`).
     fn map(memory: BorrowedFd<'_>, capacity: usize) -> Result<Shared> {
