@@ -258,11 +258,7 @@ impl SharedDeviceRegion {
     /// region mapped from a peer), its id and its size.
     pub(crate) fn handle(&self) -> SharedDeviceHandle {
         self.outstanding.fetch_add(1, Ordering::AcqRel);
-        SharedDeviceHandle {
-            fd: self.fd.clone(),
-            id: self.id,
-            size: self.size(),
-        }
+        self.announced()
     }
 
     /// A handle for a process that maps the region ahead of any batch in it (the IPC channel's
