@@ -11,7 +11,7 @@ use arrow_array::types::{Int16Type, Int32Type, UInt8Type};
 use arrow_array::*;
 use arrow_buffer::{NullBuffer, OffsetBuffer, ScalarBuffer};
 use arrow_cuda::transfer::{dtoh, dtoh_array, dtoh_async, htod, htod_array, htod_async};
-use arrow_cuda::{Device, DeviceArrayData, DeviceRecordBatch, MemoryResource, Stream};
+use arrow_cuda::{Device, DeviceArrayData, DeviceBuffer, DeviceRecordBatch, MemoryResource, Stream};
 use arrow_schema::{DataType, Field, FieldRef, Fields, Schema};
 use common::corpus::{ROWS, every_type, every_type_batch, slice_cuts, sliced};
 use common::{check_batch, each_device};
@@ -443,6 +443,40 @@ fn downloads_outlive_the_device_batch() {
         }
         check_batch("after the device batch dropped", &back, &batch.slice(3, 100));
         assert_eq!(array.as_ref(), batch.column(0).as_ref());
+    });
+}
+
+/// A batch dropped while its upload is still queued (behind 8 GiB of other copies) lets go of its
+/// device memory only once the device is done with it, in every kind of device memory: the stream
+/// then finishes without a fault, and the device goes on working.
+#[test]
+fn batches_dropped_before_their_upload_finished_wait_for_it() {
+    let batch = every_type_batch();
+    each_device(|device, stream| {
+        let Device::Cuda(o) = device else { return };
+        let busy = 1 << 30;
+        let from = DeviceBuffer::alloc(MemoryResource::Device(o), busy, stream).unwrap();
+        let mut to = DeviceBuffer::alloc(MemoryResource::Device(o), busy, stream).unwrap();
+        let mut resources = vec![MemoryResource::DevicePool(o), MemoryResource::Device(o)];
+        if MemoryResource::default_for(device) == MemoryResource::SharedDevice(o) {
+            resources.push(MemoryResource::SharedDevice(o));
+        }
+        for resource in resources {
+            // Another test's device-wide synchronisation can let the copies finish early: then
+            // this tries again.
+            let queued = (0..5).any(|_| {
+                for _ in 0..8 {
+                    // SAFETY: both buffers outlive the copies (the stream is synchronised below).
+                    unsafe { to.copy_from_async(0, &from, stream) }.unwrap();
+                }
+                let on_device = htod_async(&batch, resource, stream).unwrap();
+                !on_device.ready().is_complete().unwrap()
+            });
+            assert!(queued, "{resource:?}: an upload still queued when its batch dropped");
+            stream.synchronize().unwrap();
+            let back = dtoh(&htod_async(&batch, resource, stream).unwrap(), stream).unwrap();
+            check_batch(&format!("{resource:?}, after a batch dropped early"), &back, &batch);
+        }
     });
 }
 

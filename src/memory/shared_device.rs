@@ -23,6 +23,10 @@
 //! - a watcher ([`SharedDeviceRegion::watch_made`]) is told of each region made, so that the IPC
 //!   channel can announce it to receivers, which map it before any batch in it is sent.
 //!
+//! A region whose last buffer drops waits for the device (`cuCtxSynchronize`) before it is reused
+//! or unmapped, as `cuMemFree` does: work still queued on it would otherwise write or read memory
+//! no longer mapped, which faults the whole context (`cuMemUnmap` does not wait).
+//!
 //! Every live region, made or mapped, is registered by address, so the IPC layer finds the region
 //! behind any [`DeviceBuffer`] that views it, including buffers received from another process,
 //! which can therefore be passed on without a copy (with the descriptor they came with).
@@ -323,11 +327,13 @@ impl Drop for SharedDeviceRegion {
         let Some(memory) = self.memory.take() else { return };
         REGISTRY.remove(memory.ptr);
         let ordinal = self.ctx.ordinal();
+        // Work of any stream may still read or write the region (an upload into a batch dropped
+        // before it finished, a read of a received batch). Neither reuse nor `cuMemUnmap` waits
+        // for it, and work on memory no longer mapped faults the whole context: the region is
+        // let go of once the device is done, as `cuMemFree` and `PinnedRegion` wait.
+        let done = self.ctx.bind_to_thread().is_ok() && self.ctx.synchronize().is_ok();
         let keepers = KEEPERS.lock().unwrap_or_else(|p| p.into_inner());
         if *keepers > 0 && !self.from_peer && *self.outstanding.get_mut() == 0 {
-            // Reused only once the device is done with it: work of any stream may still read or
-            // write it (freeing it would wait for that too).
-            let done = self.ctx.bind_to_thread().is_ok() && self.ctx.synchronize().is_ok();
             let mut idle = IDLE.lock().unwrap_or_else(|p| p.into_inner());
             let held: usize = idle.iter().map(|r| r.memory.size).sum();
             if done && held + memory.size <= IDLE_BYTES {
@@ -521,6 +527,74 @@ mod tests {
     fn handle(id: u64, size: usize) -> SharedDeviceHandle {
         let fd = OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
         SharedDeviceHandle::from_fd(fd, id, size)
+    }
+
+    /// A region dropped while a copy out of it is still queued, behind 8 GiB of other copies, is
+    /// let go of only once the copy is done, whether it was made here (and is freed: a handle of
+    /// it went to another process, so it is not kept for reuse) or mapped from a descriptor (as a
+    /// receiver maps a sender's): the stream then finishes without a fault and the copy read the
+    /// region's bytes.
+    #[test]
+    fn regions_dropped_with_a_copy_queued_wait_for_it() {
+        use crate::device::Stream;
+        use crate::memory::MemoryResource;
+        let Some(device) = crate::device::cuda_for_tests() else {
+            return;
+        };
+        if !supported(0) {
+            eprintln!("skipped: no shared device memory on cuda:0");
+            return;
+        }
+        let stream = Stream::new(device).unwrap();
+        let busy = 1 << 30;
+        let from = DeviceBuffer::alloc(MemoryResource::Device(0), busy, &stream).unwrap();
+        let mut to = DeviceBuffer::alloc(MemoryResource::Device(0), busy, &stream).unwrap();
+        for mapped in [false, true] {
+            let made = SharedDeviceRegion::create(0, 1).unwrap();
+            let size = made.size();
+            let pattern: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+            let view = made.buffer(made.clone());
+            // SAFETY: the region holds `size` bytes; `pattern` outlives the copy (synchronised).
+            unsafe {
+                crate::memory::buffer::copy(
+                    view.address(),
+                    device,
+                    pattern.as_ptr() as u64,
+                    Device::Cpu,
+                    size,
+                    &stream,
+                )
+            }
+            .unwrap();
+            stream.synchronize().unwrap();
+            let mut out = DeviceBuffer::alloc(MemoryResource::Device(0), size, &stream).unwrap();
+            // Another test's device-wide synchronisation can let the copies finish early: then
+            // this tries again.
+            let queued = (0..5).any(|_| {
+                let region = if mapped {
+                    made.announced().open(0).unwrap()
+                } else {
+                    drop(made.handle());
+                    made.clone()
+                };
+                let view = region.buffer(region.clone());
+                for _ in 0..8 {
+                    // SAFETY: both buffers outlive the copies (the stream is synchronised below).
+                    unsafe { to.copy_from_async(0, &from, &stream) }.unwrap();
+                }
+                // SAFETY: `out` outlives the copy; the view and its region need not, which is what
+                // this tests: a region's drop waits for the device before it lets the memory go.
+                let copied = unsafe { out.copy_from_async(0, &view, &stream) }.unwrap();
+                !copied.is_complete().unwrap()
+            });
+            assert!(queued, "mapped {mapped}: a copy still queued when its region dropped");
+            drop((view, made));
+            stream.synchronize().unwrap();
+            assert!(
+                out.to_vec(&stream).unwrap() == pattern,
+                "mapped {mapped}: the copy read the region"
+            );
+        }
     }
 
     /// A receiver keeps what it is sent, finds it by id, lets it go when told, and lets go of
