@@ -458,7 +458,7 @@ fn batches_dropped_before_their_upload_finished_wait_for_it() {
         let from = DeviceBuffer::alloc(MemoryResource::Device(o), busy, stream).unwrap();
         let mut to = DeviceBuffer::alloc(MemoryResource::Device(o), busy, stream).unwrap();
         let mut resources = vec![MemoryResource::DevicePool(o), MemoryResource::Device(o)];
-        if MemoryResource::default_for(device) == MemoryResource::SharedDevice(o) {
+        if MemoryResource::shared_for(device) == MemoryResource::SharedDevice(o) {
             resources.push(MemoryResource::SharedDevice(o));
         }
         for resource in resources {
