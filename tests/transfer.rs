@@ -458,7 +458,9 @@ fn batches_dropped_before_their_upload_finished_wait_for_it() {
         let from = DeviceBuffer::alloc(MemoryResource::Device(o), busy, stream).unwrap();
         let mut to = DeviceBuffer::alloc(MemoryResource::Device(o), busy, stream).unwrap();
         let mut resources = vec![MemoryResource::DevicePool(o), MemoryResource::Device(o)];
-        if MemoryResource::shared_for(device) == MemoryResource::SharedDevice(o) {
+        // Under compute-sanitizer an upload into new shared device memory always finished before
+        // it returned (five tries in a row on an H200): that case runs in the plain pass.
+        if MemoryResource::shared_for(device) == MemoryResource::SharedDevice(o) && !common::under_sanitizer() {
             resources.push(MemoryResource::SharedDevice(o));
         }
         for resource in resources {
