@@ -23,9 +23,13 @@
 //!   `lent_100_columns_new_region_announced_polling` beside it: the same with the regions announced
 //!   as they are made (`SenderOptions::announce_regions`), which the consumer maps while it waits,
 //!   as the producer fills them.
-//! - `stream_1GiB/device_ipc` beside `stream_1GiB/host_ipc`: a producer streams 1 GiB batches to a
-//!   consumer process that reads them on the device (a device-to-device copy of every buffer), through
-//!   CUDA IPC, and through the host: device to host, arrow-ipc over a Unix socket, host to device.
+//! - `stream_1024MiB/device_ipc_lent`, `stream_1024MiB/device_ipc_copied` and
+//!   `stream_1024MiB/host_ipc`: a producer streams one 1 GiB batch over and over to a consumer process
+//!   that reads it on the device (a device-to-device copy of every buffer): lent from memory other
+//!   processes can map (`MemoryResource::shared_for`), copied from device memory into a message of
+//!   such memory (what the channel does with a batch in memory it cannot lend, and with CUDA IPC
+//!   memory where the GPU has shared device memory), and through the host: device to host,
+//!   arrow-ipc over a Unix socket, host to device.
 //!
 //! After each latency measurement the producer prints the steps of `send` and, as it ends, the
 //! consumer those of `recv` (see `arrow_cuda::trace`), each with its mean time per call; the
@@ -332,7 +336,6 @@ fn wait_readable(fd: BorrowedFd<'_>) {
 fn streaming(c: &mut Criterion, device: Device, stream: &Stream, bytes: usize) {
     let columns = 8;
     let template = int64_batch(columns, bytes / 8 / columns);
-    let on_device = upload(&template, default_message_resource(device), stream);
     let mut g = c.benchmark_group(format!("stream_{}MiB", bytes >> 20));
     g.throughput(Throughput::Bytes(bytes as u64));
     g.sampling_mode(SamplingMode::Flat);
@@ -340,20 +343,27 @@ fn streaming(c: &mut Criterion, device: Device, stream: &Stream, bytes: usize) {
     g.warm_up_time(Duration::from_millis(500));
     g.measurement_time(Duration::from_secs(5));
 
-    // Through CUDA IPC: the body never leaves the device.
-    let path = socket("stream-device");
-    let sender = Sender::bind(&path, template.schema(), SenderOptions::default()).expect("bind");
-    let child = consumer("device-reader", &path, device);
-    sender.wait_for_receivers(1, Duration::from_secs(60)).expect("consumer");
-    g.bench_function("device_ipc", |b| {
-        b.iter(|| {
-            sender.send(&on_device).expect("send");
-            sender.wait_idle(Duration::from_secs(120)).expect("acknowledged");
-        })
-    });
-    sender.finish().expect("finish");
-    drop(sender);
-    stop(child);
+    // Between the processes' device memory: the body never leaves the device.
+    for (name, resource) in [
+        ("device_ipc_lent", MemoryResource::shared_for(device)),
+        ("device_ipc_copied", default_message_resource(device)),
+    ] {
+        let on_device = upload(&template, resource, stream);
+        let path = socket(&format!("stream-{name}"));
+        let sender = Sender::bind(&path, template.schema(), SenderOptions::default()).expect("bind");
+        let child = consumer("device-reader", &path, device);
+        sender.wait_for_receivers(1, Duration::from_secs(60)).expect("consumer");
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                sender.send(&on_device).expect("send");
+                sender.wait_idle(Duration::from_secs(120)).expect("acknowledged");
+            })
+        });
+        sender.finish().expect("finish");
+        drop(sender);
+        stop(child);
+    }
+    let on_device = upload(&template, default_message_resource(device), stream);
 
     // Through the host: device to host, arrow-ipc over a socket, host to device.
     let path = socket("stream-host");
