@@ -1314,8 +1314,9 @@ fn peer() {
                     );
                 }
             }
-            // The sender dropped every batch: more regions than its idle pool holds, the last
-            // dropped (among the last sent) freed. The next batch lets those go.
+            // The sender dropped every batch: more regions than its idle pool holds, the first
+            // dropped (sent again last) freed to make room for the others. The next batch lets
+            // those go.
             let batch = r.recv().unwrap().expect("a batch");
             check_batch("the last batch", &dtoh(&batch, &stream).unwrap(), &keep_batch(2));
             drop(batch);
@@ -1602,7 +1603,8 @@ fn receivers_keep_the_senders_most_recent_regions() {
         for batch in batches.iter().chain(&batches[..2]) {
             sender.send(batch).unwrap();
         }
-        // Regions beyond the idle pool's 256 MiB are freed: the receiver is told so.
+        // Regions beyond the idle pool's 256 MiB are freed (the first dropped): the receiver is
+        // told so.
         sender.wait_idle(Duration::from_secs(30)).unwrap();
         drop(batches);
         sender.send(&upload(&keep_batch(2), lendable(device), stream)).unwrap();

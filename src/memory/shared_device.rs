@@ -14,8 +14,9 @@
 //!   this process made goes back to an idle pool when its last buffer drops (after the device
 //!   finished with it) and serves the next allocation of its device and size, unless a handle of
 //!   it went to another process that may still read it: only the IPC channel, which knows when
-//!   every receiver let go of a batch, returns handles. The pool holds at most [`IDLE_BYTES`],
-//!   and is freed when the last [`KeepIdle`] drops;
+//!   every receiver let go of a batch, returns handles. The pool holds at most [`IDLE_BYTES`]
+//!   (the oldest regions freed first to make room), or the region dropped last alone where it is
+//!   larger, and is freed when the last [`KeepIdle`] drops;
 //! - every region, made or mapped, has an id unique in its process, which travels with its
 //!   descriptor: a receiver keeps the regions it mapped ([`OpenedRegions`], one per sender, by the
 //!   sender's ids) until the sender tells it to let one go, and the sender names a region the
@@ -44,7 +45,8 @@ use crate::error::{Error, Result};
 use crate::memory::DeviceBuffer;
 use crate::memory::cache::{Region, Registry};
 
-/// The most bytes of idle regions this process keeps for reuse.
+/// The most bytes of idle regions this process keeps for reuse, unless the one region it keeps is
+/// larger.
 pub(crate) const IDLE_BYTES: usize = 256 << 20;
 
 /// One region of shared device memory mapped into this process.
@@ -333,18 +335,31 @@ impl Drop for SharedDeviceRegion {
         // let go of once the device is done, as `cuMemFree` and `PinnedRegion` wait.
         let done = self.ctx.bind_to_thread().is_ok() && self.ctx.synchronize().is_ok();
         let keepers = KEEPERS.lock().unwrap_or_else(|p| p.into_inner());
-        if *keepers > 0 && !self.from_peer && *self.outstanding.get_mut() == 0 {
+        if done && *keepers > 0 && !self.from_peer && *self.outstanding.get_mut() == 0 {
+            // The region dropped last is the likeliest to serve the next allocation (a stream of
+            // batches of one size): the oldest idle regions make room for it, and it is kept
+            // alone where it is larger than the pool.
             let mut idle = IDLE.lock().unwrap_or_else(|p| p.into_inner());
-            let held: usize = idle.iter().map(|r| r.memory.size).sum();
-            if done && held + memory.size <= IDLE_BYTES {
-                idle.push_back(Idle {
-                    ordinal,
-                    id: self.id,
-                    memory,
-                    fd: self.fd.clone(),
-                });
-                return;
+            let mut held: usize = idle.iter().map(|r| r.memory.size).sum();
+            let mut evicted = Vec::new();
+            while held + memory.size > IDLE_BYTES
+                && let Some(old) = idle.pop_front()
+            {
+                held -= old.memory.size;
+                evicted.push(old);
             }
+            idle.push_back(Idle {
+                ordinal,
+                id: self.id,
+                memory,
+                fd: self.fd.clone(),
+            });
+            drop((idle, keepers));
+            for old in evicted {
+                free(old.ordinal, &old.memory);
+                RETIRED.fetch_add(1, Ordering::SeqCst);
+            }
+            return;
         }
         drop(keepers);
         free(ordinal, &memory);
@@ -529,6 +544,46 @@ mod tests {
         SharedDeviceHandle::from_fd(fd, id, size)
     }
 
+    /// Serialises this module's cases that make regions on the GPU: each reads the idle pool,
+    /// which the regions another drops would change.
+    static GPU: Mutex<()> = Mutex::new(());
+
+    /// While something keeps the idle pool, the region dropped last is kept for reuse even where
+    /// it is larger than the pool: the oldest idle regions are freed to make room, and the next
+    /// allocation of its size gets it back. (A sender streaming batches larger than the pool
+    /// copies each into a message of one size.)
+    #[test]
+    fn the_region_dropped_last_is_kept_whatever_its_size() {
+        let _gpu = GPU.lock().unwrap_or_else(|p| p.into_inner());
+        if crate::device::cuda_for_tests().is_none() {
+            return;
+        }
+        if !supported(0) {
+            eprintln!("skipped: no shared device memory on cuda:0");
+            return;
+        }
+        let _keep = KeepIdle::new();
+        // Sizes no other case makes.
+        let small = SharedDeviceRegion::create(0, 14 << 20).unwrap();
+        let small_id = small.id;
+        drop(small);
+        assert!(
+            IDLE.lock().unwrap().iter().any(|r| r.id == small_id),
+            "a small region is kept"
+        );
+        let big = SharedDeviceRegion::create(0, IDLE_BYTES + (6 << 20)).unwrap();
+        let (big_id, big_size) = (big.id, big.size());
+        assert!(big_size > IDLE_BYTES);
+        drop(big);
+        assert_eq!(
+            SharedDeviceRegion::retired_among([small_id, big_id].into_iter()),
+            [small_id],
+            "the small region freed to make room, the big one kept"
+        );
+        let again = SharedDeviceRegion::create(0, big_size).unwrap();
+        assert_eq!(again.id, big_id, "the big region reused");
+    }
+
     /// A region dropped while a copy out of it is still queued, behind 8 GiB of other copies, is
     /// let go of only once the copy is done, whether it was made here (and is freed: a handle of
     /// it went to another process, so it is not kept for reuse) or mapped from a descriptor (as a
@@ -538,6 +593,7 @@ mod tests {
     fn regions_dropped_with_a_copy_queued_wait_for_it() {
         use crate::device::Stream;
         use crate::memory::MemoryResource;
+        let _gpu = GPU.lock().unwrap_or_else(|p| p.into_inner());
         let Some(device) = crate::device::cuda_for_tests() else {
             return;
         };
