@@ -344,18 +344,16 @@ fn streaming(c: &mut Criterion, device: Device, stream: &Stream, bytes: usize) {
     g.measurement_time(Duration::from_secs(5));
 
     // Between the processes' device memory: the body never leaves the device.
-    for (name, resource) in [
-        ("device_ipc_lent", MemoryResource::shared_for(device)),
-        ("device_ipc_copied", default_message_resource(device)),
-    ] {
-        let on_device = upload(&template, resource, stream);
+    let lendable = upload(&template, MemoryResource::shared_for(device), stream);
+    let on_device = upload(&template, default_message_resource(device), stream);
+    for (name, batch) in [("device_ipc_lent", &lendable), ("device_ipc_copied", &on_device)] {
         let path = socket(&format!("stream-{name}"));
         let sender = Sender::bind(&path, template.schema(), SenderOptions::default()).expect("bind");
         let child = consumer("device-reader", &path, device);
         sender.wait_for_receivers(1, Duration::from_secs(60)).expect("consumer");
         g.bench_function(name, |b| {
             b.iter(|| {
-                sender.send(&on_device).expect("send");
+                sender.send(batch).expect("send");
                 sender.wait_idle(Duration::from_secs(120)).expect("acknowledged");
             })
         });
@@ -363,7 +361,7 @@ fn streaming(c: &mut Criterion, device: Device, stream: &Stream, bytes: usize) {
         drop(sender);
         stop(child);
     }
-    let on_device = upload(&template, default_message_resource(device), stream);
+    drop(lendable);
 
     // Through the host: device to host, arrow-ipc over a socket, host to device.
     let path = socket("stream-host");

@@ -149,12 +149,15 @@ impl Drop for KeepIdle {
         *keepers -= 1;
         if *keepers == 0 {
             let idle: Vec<_> = IDLE.lock().unwrap_or_else(|p| p.into_inner()).drain(..).collect();
-            for region in idle {
-                free(region.ordinal, &region.memory);
-                RETIRED.fetch_add(1, Ordering::SeqCst);
-            }
+            idle.iter().for_each(|r| retire(r.ordinal, &r.memory));
         }
     }
+}
+
+/// Lets go of a region for good: [`free`]s it and counts it in [`RETIRED`].
+fn retire(ordinal: usize, memory: &ShareableMemory) {
+    free(ordinal, memory);
+    RETIRED.fetch_add(1, Ordering::SeqCst);
 }
 
 /// Unmaps `memory` and releases this process's handle of it.
@@ -355,15 +358,11 @@ impl Drop for SharedDeviceRegion {
                 fd: self.fd.clone(),
             });
             drop((idle, keepers));
-            for old in evicted {
-                free(old.ordinal, &old.memory);
-                RETIRED.fetch_add(1, Ordering::SeqCst);
-            }
+            evicted.iter().for_each(|r| retire(r.ordinal, &r.memory));
             return;
         }
         drop(keepers);
-        free(ordinal, &memory);
-        RETIRED.fetch_add(1, Ordering::SeqCst);
+        retire(ordinal, &memory);
     }
 }
 
