@@ -102,7 +102,23 @@ impl MemoryResource {
 
     /// Allocates `size` bytes. Pool memory is allocated in the order of `stream` (the device's shared
     /// stream when `stream` is the CPU's) and later freed on that stream.
+    ///
+    /// Device memory that runs out is tried once more after the idle regions of shared device
+    /// memory kept for reuse on that device were freed, if there were any: they serve only
+    /// allocations of their own size. (What the device's memory pool keeps, the driver gives back
+    /// itself to an allocation that would otherwise fail.)
     pub(crate) fn allocate(self, size: usize, stream: &Stream) -> Result<Allocation> {
+        let first = self.allocate_once(size, stream);
+        match (&first, self) {
+            (
+                Err(Error::OutOfMemory { .. }),
+                MemoryResource::DevicePool(o) | MemoryResource::Device(o) | MemoryResource::SharedDevice(o),
+            ) if crate::memory::shared_device::free_idle(o) > 0 => self.allocate_once(size, stream),
+            _ => first,
+        }
+    }
+
+    fn allocate_once(self, size: usize, stream: &Stream) -> Result<Allocation> {
         let device = self.device();
         if size == 0 {
             return Ok(Allocation {

@@ -16,7 +16,8 @@
 //!   it went to another process that may still read it: only the IPC channel, which knows when
 //!   every receiver let go of a batch, returns handles. The pool holds at most [`IDLE_BYTES`]
 //!   (the oldest regions freed first to make room), or the region dropped last alone where it is
-//!   larger, and is freed when the last [`KeepIdle`] drops;
+//!   larger, and is freed when the last [`KeepIdle`] drops, and for an allocation of its device
+//!   that runs out of memory ([`free_idle`]);
 //! - every region, made or mapped, has an id unique in its process, which travels with its
 //!   descriptor: a receiver keeps the regions it mapped ([`OpenedRegions`], one per sender, by the
 //!   sender's ids) until the sender tells it to let one go, and the sender names a region the
@@ -152,6 +153,19 @@ impl Drop for KeepIdle {
             idle.iter().for_each(|r| retire(r.ordinal, &r.memory));
         }
     }
+}
+
+/// Frees the idle regions of device `ordinal`, for an allocation there that ran out of memory;
+/// returns their bytes.
+pub(crate) fn free_idle(ordinal: usize) -> usize {
+    let freed: VecDeque<Idle> = {
+        let mut idle = IDLE.lock().unwrap_or_else(|p| p.into_inner());
+        let (freed, kept) = idle.drain(..).partition(|r| r.ordinal == ordinal);
+        *idle = kept;
+        freed
+    };
+    freed.iter().for_each(|r| retire(r.ordinal, &r.memory));
+    freed.iter().map(|r| r.memory.size).sum()
 }
 
 /// Lets go of a region for good: [`free`]s it and counts it in [`RETIRED`].
