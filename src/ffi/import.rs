@@ -141,6 +141,8 @@ impl<'a> Parts<'a> {
     ///
     /// # Safety
     /// `a` must be a valid, unreleased `ArrowArray` whose pointers are valid per the spec.
+    // Inlined into the walk, for the reason [`view`] is.
+    #[inline(always)]
     unsafe fn of(
         a: &'a FFI_ArrowArray,
         dt: &'a DataType,
@@ -528,6 +530,10 @@ impl Walker {
 /// The view of `size` bytes at `ptr` of the import's `span`, which covers every non-null address
 /// (producers give empty buffers any address, `0x1` or `0x8` too); an empty buffer with a null
 /// pointer views address [`ALIGNMENT`], aligned and non-null as some consumers insist.
+///
+/// Inlined into its callers: a view returned through memory is read back before the stores that
+/// wrote it have landed, a stall on each of a batch's few hundred buffers.
+#[inline(always)]
 fn view(span: &DeviceBuffer, ptr: u64, size: usize) -> Result<DeviceBuffer> {
     if ptr == 0 {
         return match size {

@@ -304,13 +304,13 @@ impl<'m, 'r, 'f, 'd> Decoder<'m, 'r, 'f, 'd> {
             let device = self.device;
             return Ok(self.empty.get_or_insert_with(|| empty_buffer(device)).clone());
         }
-        let buffer = (self.resolve)(self.first_buffer + index, offset, len)?;
+        let mut buffer = (self.resolve)(self.first_buffer + index, offset, len)?;
         // A fixed-size buffer is cut to its size: the bytes past it belong to no element, and
         // arrow-rs refuses (panics on) typed buffers whose length is not a multiple of the width.
-        match min {
-            Some(min) if min < len => buffer.slice(0, min),
-            _ => Ok(buffer),
+        if let Some(min) = min {
+            buffer.truncate(min);
         }
+        Ok(buffer)
     }
 
     /// The next arrays, of `fields`.

@@ -597,19 +597,21 @@ pub(crate) enum Route<'a> {
 }
 
 impl<'a> Route<'a> {
-    /// Decides how `batch` travels. Errors are malformed batches and memory another process lent
-    /// and no longer keeps ([`DeviceRecordBatch::check_readable`]); a batch that cannot be lent as
-    /// it is is [`Route::Copy`].
+    /// Decides how `batch` travels, in one walk of its buffers. Errors are malformed batches and,
+    /// for a batch lent as it is, memory another process lent and no longer keeps
+    /// ([`DeviceBuffer::check_readable`]; a copy checks its sources itself); a batch that cannot
+    /// be lent as it is is [`Route::Copy`].
     pub(crate) fn of(batch: &'a DeviceRecordBatch) -> Result<Route<'a>> {
-        // Lent on or copied, the memory is read or handed on: not once its lender let go of it.
-        batch.check_readable()?;
-        if needs_normalising(batch) {
-            return Ok(Route::Copy(
-                "an array with an offset or an unknown null count has no IPC layout as it is".into(),
-            ));
-        }
+        let layouts = match BodyLayout::of(batch) {
+            Ok(layouts) => layouts,
+            Err(_) if needs_normalising(batch) => {
+                return Ok(Route::Copy(
+                    "an array with an offset or an unknown null count has no IPC layout as it is".into(),
+                ));
+            }
+            Err(e) => return Err(e),
+        };
         let device = batch.device();
-        let layouts = BodyLayout::of(batch)?;
         let mut regions: Vec<Region<'a>> = Vec::new();
         // Region index by the region's address in this process.
         let mut index: HashMap<u64, u32> = HashMap::new();
@@ -625,6 +627,7 @@ impl<'a> Route<'a> {
             if let Some((prev, region, prev_offset)) = last
                 && src.shares_allocation(prev)
             {
+                // Checked readable with `prev`.
                 // Views of one allocation lie in one region at the distance they lie apart.
                 let offset = prev_offset
                     .wrapping_add(src.offset() as u64)
@@ -637,6 +640,9 @@ impl<'a> Route<'a> {
                 last = Some((src, region, offset));
                 continue;
             }
+            // Lent on, the memory is handed on: not once its lender let go of it (a copy checks
+            // its sources itself).
+            src.check_readable()?;
             let (key, offset, kind) = match (device, src.resource()) {
                 (Device::Cuda(o), MemoryResource::Device(r)) if r == o => {
                     (src.address() - src.offset() as u64, src.offset(), RegionKind::Cuda)

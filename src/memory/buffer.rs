@@ -186,6 +186,11 @@ impl DeviceBuffer {
         Arc::ptr_eq(&self.alloc, &other.alloc) && !self.alloc.is_span()
     }
 
+    /// Shortens the buffer to its first `len` bytes; a buffer no longer than that stays as it is.
+    pub(crate) fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
     /// A zero-copy view of `len` bytes from `offset`, sharing ownership of the memory.
     pub fn slice(&self, offset: usize, len: usize) -> Result<DeviceBuffer> {
         check_range(offset, len, self.len)?;
