@@ -92,7 +92,10 @@ pub(crate) fn gather(
             arrays.iter().map(|a| host_layout(a, &mut place)).collect()
         }
         None => {
-            let mut place = buffers().map(|b| spans[0].place(b));
+            // Placed first, in a loop of their own: the walk below then takes each place without
+            // a call through the iterators that find them.
+            let places: Vec<Range<usize>> = buffers().map(|b| spans[0].place(b)).collect();
+            let mut place = places.into_iter();
             arrays.iter().map(|a| host_layout(a, &mut place)).collect()
         }
     };
