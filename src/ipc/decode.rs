@@ -47,8 +47,19 @@ pub(crate) fn empty_buffer(device: Device) -> DeviceBuffer {
     unsafe { DeviceBuffer::from_raw_parts(ALIGNMENT as u64, 0, device, ()) }
 }
 
-/// Resolves IPC buffer `index` with the metadata's `(offset, length)` to device memory.
-pub(crate) type Resolve<'r> = dyn FnMut(usize, usize, usize) -> Result<DeviceBuffer> + 'r;
+/// Where the IPC buffers of a message lie in device memory.
+pub(crate) trait Resolve {
+    /// The memory that holds IPC buffer `index` (`len` bytes at `offset` in the metadata) and where
+    /// in it the buffer starts, once checked to lie inside it ([`Error::InvalidData`] otherwise).
+    fn check(&self, index: usize, offset: usize, len: usize) -> Result<(&DeviceBuffer, usize)>;
+
+    /// [`Resolve::check`] without its error, which comes back in registers where a `Result` comes
+    /// back through memory, to be read before the stores that wrote it have landed: the decoder
+    /// asks for every buffer of a batch, and for the error of a buffer not found only.
+    fn find(&self, index: usize, offset: usize, len: usize) -> Option<(&DeviceBuffer, usize)> {
+        self.check(index, offset, len).ok()
+    }
+}
 
 /// The dictionaries received so far, by id.
 pub(crate) type Dictionaries = HashMap<i64, DeviceArrayData>;
@@ -115,7 +126,7 @@ pub(crate) fn batch(
     schema: &SchemaRef,
     header: &Header<'_>,
     device: Device,
-    resolve: &mut Resolve<'_>,
+    resolve: &dyn Resolve,
     first_buffer: usize,
     dictionaries: &Dictionaries,
     ready: Event,
@@ -145,7 +156,7 @@ pub(crate) fn dictionary(
     schema: &Schema,
     header: &Header<'_>,
     device: Device,
-    resolve: &mut Resolve<'_>,
+    resolve: &dyn Resolve,
     first_buffer: usize,
     dictionaries: &mut Dictionaries,
 ) -> Result<()> {
@@ -206,7 +217,7 @@ fn pair(vector: &[u8], i: usize) -> Option<(i64, i64)> {
     Some((word(&entry[..8]), word(&entry[8..])))
 }
 
-struct Decoder<'m, 'r, 'f, 'd> {
+struct Decoder<'m, 'r, 'd> {
     version: MetadataVersion,
     /// The metadata's field nodes and buffers, as the bytes of their vectors.
     nodes: &'m [u8],
@@ -221,16 +232,16 @@ struct Decoder<'m, 'r, 'f, 'd> {
     next_dictionary: i64,
     dictionaries: &'d Dictionaries,
     device: Device,
-    resolve: &'r mut Resolve<'f>,
+    resolve: &'r dyn Resolve,
     /// The zero-length buffer every empty buffer shares, once one is met.
     empty: Option<DeviceBuffer>,
 }
 
-impl<'m, 'r, 'f, 'd> Decoder<'m, 'r, 'f, 'd> {
+impl<'m, 'r, 'd> Decoder<'m, 'r, 'd> {
     fn new(
         header: &Header<'m>,
         device: Device,
-        resolve: &'r mut Resolve<'f>,
+        resolve: &'r dyn Resolve,
         first_buffer: usize,
         first_dictionary: i64,
         dictionaries: &'d Dictionaries,
@@ -289,6 +300,7 @@ impl<'m, 'r, 'f, 'd> Decoder<'m, 'r, 'f, 'd> {
         Ok(())
     }
 
+    #[inline(always)]
     fn buffer(&mut self, dt: &DataType, min: Option<usize>) -> Result<DeviceBuffer> {
         let index = self.next_buffer;
         let (offset, len) = pair(self.buffers, index)
@@ -304,7 +316,12 @@ impl<'m, 'r, 'f, 'd> Decoder<'m, 'r, 'f, 'd> {
             let device = self.device;
             return Ok(self.empty.get_or_insert_with(|| empty_buffer(device)).clone());
         }
-        let mut buffer = (self.resolve)(self.first_buffer + index, offset, len)?;
+        let at = self.first_buffer + index;
+        let Some((memory, start)) = self.resolve.find(at, offset, len) else {
+            let e = self.resolve.check(at, offset, len).err();
+            return Err(e.unwrap_or_else(|| invalid(format!("IPC buffer {at} was not found"))));
+        };
+        let mut buffer = memory.slice(start, len)?;
         // A fixed-size buffer is cut to its size: the bytes past it belong to no element, and
         // arrow-rs refuses (panics on) typed buffers whose length is not a multiple of the width.
         if let Some(min) = min {

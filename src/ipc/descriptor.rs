@@ -269,7 +269,10 @@ impl BatchDescriptor {
             .map(decode::header)
             .collect::<Result<Vec<_>>>()?;
         let locations = self.locations;
-        let mut resolve = |index: usize, _offset: usize, len: usize| locate(&locations, &regions, index, len);
+        let resolve = Placed {
+            locations: &locations,
+            regions: &regions,
+        };
         let n_buffers: usize = headers.iter().map(|h| h.batch.buffers().map_or(0, |b| b.len())).sum();
         if n_buffers != locations.len() {
             return Err(Error::InvalidData(format!(
@@ -282,10 +285,10 @@ impl BatchDescriptor {
         let mut values = decode::Dictionaries::new();
         let mut first = 0;
         for h in dictionary_headers {
-            decode::dictionary(schema, h, device, &mut resolve, first, &mut values)?;
+            decode::dictionary(schema, h, device, &resolve, first, &mut values)?;
             first += h.batch.buffers().map_or(0, |b| b.len());
         }
-        let batch = decode::batch(schema, header, device, &mut resolve, first, &values, ready)?;
+        let batch = decode::batch(schema, header, device, &resolve, first, &values, ready)?;
         laps.lap("recv.build");
         Ok((batch, mappings))
     }
@@ -553,38 +556,48 @@ fn local_ordinal(uuid: DeviceUuid, theirs: Device) -> Result<usize> {
     })
 }
 
-/// IPC buffer `index`, of `len` bytes according to the metadata, as a view of its region, once its
-/// location is checked against the metadata and the region ([`Error::InvalidData`] otherwise).
-fn locate(locations: &[BufferLocation], regions: &[DeviceBuffer], index: usize, len: usize) -> Result<DeviceBuffer> {
-    let loc = locations
-        .get(index)
-        .ok_or_else(|| Error::InvalidData(format!("no location for IPC buffer {index}")))?;
-    if loc.len != len as u64 {
-        return Err(Error::InvalidData(format!(
-            "IPC buffer {index} has {len} bytes in the metadata and {} in its location",
-            loc.len
-        )));
+/// The IPC buffers of a descriptor's batch: each at its location in one of the regions opened.
+struct Placed<'a> {
+    locations: &'a [BufferLocation],
+    regions: &'a [DeviceBuffer],
+}
+
+impl decode::Resolve for Placed<'_> {
+    /// IPC buffer `index`'s region and offset there, once its location is checked against the
+    /// metadata's length and the region.
+    #[inline]
+    fn check(&self, index: usize, _offset: usize, len: usize) -> Result<(&DeviceBuffer, usize)> {
+        let loc = self
+            .locations
+            .get(index)
+            .ok_or_else(|| Error::InvalidData(format!("no location for IPC buffer {index}")))?;
+        if loc.len != len as u64 {
+            return Err(Error::InvalidData(format!(
+                "IPC buffer {index} has {len} bytes in the metadata and {} in its location",
+                loc.len
+            )));
+        }
+        let region = self.regions.get(loc.region as usize).ok_or_else(|| {
+            Error::InvalidData(format!(
+                "IPC buffer {index} in region {} of {}",
+                loc.region,
+                self.regions.len()
+            ))
+        })?;
+        let fits = loc
+            .offset
+            .checked_add(loc.len)
+            .is_some_and(|end| end <= region.len() as u64);
+        if !fits {
+            return Err(Error::InvalidData(format!(
+                "IPC buffer {index} ({}..+{}) overruns its region of {} bytes",
+                loc.offset,
+                loc.len,
+                region.len()
+            )));
+        }
+        Ok((region, loc.offset as usize))
     }
-    let region = regions.get(loc.region as usize).ok_or_else(|| {
-        Error::InvalidData(format!(
-            "IPC buffer {index} in region {} of {}",
-            loc.region,
-            regions.len()
-        ))
-    })?;
-    let fits = loc
-        .offset
-        .checked_add(loc.len)
-        .is_some_and(|end| end <= region.len() as u64);
-    if !fits {
-        return Err(Error::InvalidData(format!(
-            "IPC buffer {index} ({}..+{}) overruns its region of {} bytes",
-            loc.offset,
-            loc.len,
-            region.len()
-        )));
-    }
-    region.slice(loc.offset as usize, len)
 }
 
 /// How a batch can reach another process, decided before anything is exported or copied.

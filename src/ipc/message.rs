@@ -328,24 +328,13 @@ pub fn read_message(buffer: &DeviceBuffer, schema: &SchemaRef, stream: &Stream) 
                 buffer.len()
             ))
         })?;
-        let mut resolve = |index: usize, offset: usize, len: usize| {
-            offset
-                .checked_add(len)
-                .filter(|end| *end <= body.len())
-                .map(|_| body.slice(offset, len))
-                .ok_or_else(|| {
-                    Error::InvalidData(format!(
-                        "IPC buffer {index} ({offset}..+{len}) overruns a body of {} bytes",
-                        body.len()
-                    ))
-                })?
-        };
+        let resolve = Body(&body);
         if header.dictionary.is_none() {
             let stream = stream_for(stream, buffer.device(), buffer.device())?;
             let ready = stream.record()?;
-            return decode::batch(schema, &header, buffer.device(), &mut resolve, 0, &dictionaries, ready);
+            return decode::batch(schema, &header, buffer.device(), &resolve, 0, &dictionaries, ready);
         }
-        decode::dictionary(schema, &header, buffer.device(), &mut resolve, 0, &mut dictionaries)?;
+        decode::dictionary(schema, &header, buffer.device(), &resolve, 0, &mut dictionaries)?;
         start = body_start + header.body_len;
     }
 }
@@ -393,6 +382,22 @@ fn prefix(head: &[u8]) -> Result<(usize, usize)> {
         0 => Err(Error::InvalidData("an IPC end-of-stream marker, not a message".into())),
         n if n < 0 => Err(Error::InvalidData(format!("IPC metadata length {n}"))),
         n => Ok((prefix, n as usize)),
+    }
+}
+
+/// The IPC buffers of a message: ranges of its body.
+struct Body<'a>(&'a DeviceBuffer);
+
+impl decode::Resolve for Body<'_> {
+    #[inline]
+    fn check(&self, index: usize, offset: usize, len: usize) -> Result<(&DeviceBuffer, usize)> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.0.len() => Ok((self.0, offset)),
+            _ => Err(Error::InvalidData(format!(
+                "IPC buffer {index} ({offset}..+{len}) overruns a body of {} bytes",
+                self.0.len()
+            ))),
+        }
     }
 }
 
