@@ -84,11 +84,13 @@ struct Walker {
     open: bool,
 }
 
-/// An array to be filled in by [`Walker::node`], built where it ends up (a parent's list of
-/// children): arrays are large, and a batch has hundreds.
-fn blank() -> DeviceArrayData {
+/// An array of `data_type` to be filled in by [`Walker::node`], built where it ends up (a parent's
+/// list of children): arrays are large, and a batch has hundreds. The type is cloned here, into
+/// its place, rather than assigned later over a placeholder, which cost a drop and a read back of
+/// the clone through memory.
+fn blank(data_type: &DataType) -> DeviceArrayData {
     DeviceArrayData {
-        data_type: DataType::Null,
+        data_type: data_type.clone(),
         len: 0,
         offset: 0,
         null_count: None,
@@ -192,7 +194,6 @@ impl<'a> Parts<'a> {
             kids,
             depth,
         };
-        node.data_type = dt.clone();
         node.len = len;
         node.offset = offset;
         node.null_count = null_count;
@@ -310,7 +311,7 @@ impl Walker {
         parent: &mut DeviceArrayData,
     ) -> Result<usize> {
         self.end_slots();
-        parent.children.push(blank());
+        parent.children.push(blank(dt));
         let child = parent.children.last_mut().expect("a child was pushed");
         // SAFETY: forwarded from the caller.
         unsafe { self.node(a, dt, depth, child)? };
@@ -603,7 +604,7 @@ pub unsafe fn import_array(
     let ready = wait_for_producer(&array, device, &stream)?;
     laps.lap("import.wait");
     let mut walker = Walker::default();
-    let mut data = blank();
+    let mut data = blank(data_type);
     // SAFETY: valid per the caller.
     unsafe { walker.node(&array.array, data_type, 0, &mut data)? };
     laps.lap("import.walk");
