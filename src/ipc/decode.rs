@@ -300,6 +300,8 @@ impl<'m, 'r, 'd> Decoder<'m, 'r, 'd> {
         Ok(())
     }
 
+    // Inlined into `array`, for the reason `Resolve::find` gives: the buffer it returned was read
+    // back through memory.
     #[inline(always)]
     fn buffer(&mut self, dt: &DataType, min: Option<usize>) -> Result<DeviceBuffer> {
         let index = self.next_buffer;
