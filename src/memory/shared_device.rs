@@ -149,8 +149,7 @@ impl Drop for KeepIdle {
         let mut keepers = KEEPERS.lock().unwrap_or_else(|p| p.into_inner());
         *keepers -= 1;
         if *keepers == 0 {
-            let idle: Vec<_> = IDLE.lock().unwrap_or_else(|p| p.into_inner()).drain(..).collect();
-            idle.iter().for_each(|r| retire(r.ordinal, &r.memory));
+            retire_idle(|_| true);
         }
     }
 }
@@ -158,9 +157,14 @@ impl Drop for KeepIdle {
 /// Frees the idle regions of device `ordinal`, for an allocation there that ran out of memory;
 /// returns their bytes.
 pub(crate) fn free_idle(ordinal: usize) -> usize {
+    retire_idle(|r| r.ordinal == ordinal)
+}
+
+/// Takes the idle regions `which` picks out of the pool and [`retire`]s them; returns their bytes.
+fn retire_idle(which: impl Fn(&Idle) -> bool) -> usize {
     let freed: VecDeque<Idle> = {
         let mut idle = IDLE.lock().unwrap_or_else(|p| p.into_inner());
-        let (freed, kept) = idle.drain(..).partition(|r| r.ordinal == ordinal);
+        let (freed, kept) = idle.drain(..).partition(|r| which(r));
         *idle = kept;
         freed
     };

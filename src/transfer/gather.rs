@@ -86,19 +86,11 @@ pub(crate) fn gather(
     }
     let event = stream.record()?;
     laps.lap("dtoh.copy");
-    let layouts = match placed {
-        Some(place) => {
-            let mut place = place.into_iter();
-            arrays.iter().map(|a| host_layout(a, &mut place)).collect()
-        }
-        None => {
-            // Placed first, in a loop of their own: the walk below then takes each place without
-            // a call through the iterators that find them.
-            let places: Vec<Range<usize>> = buffers().map(|b| spans[0].place(b)).collect();
-            let mut place = places.into_iter();
-            arrays.iter().map(|a| host_layout(a, &mut place)).collect()
-        }
-    };
+    // Placed first, in a loop of their own: the walk below then takes each place without a call
+    // through the iterators that find them.
+    let places = placed.unwrap_or_else(|| buffers().map(|b| spans[0].place(b)).collect());
+    let mut place = places.into_iter();
+    let layouts = arrays.iter().map(|a| host_layout(a, &mut place)).collect();
     laps.lap("dtoh.layouts");
     Ok(Gathered { memory, layouts, event })
 }
