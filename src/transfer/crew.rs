@@ -43,7 +43,7 @@ pub(crate) struct Crew {
 #[derive(Clone, Copy, PartialEq, Eq)]
 struct Open(NonNull<Handoff<'static>>);
 
-// SAFETY: a `Handoff` is `Sync` (a locked queue and atomics); the pointer is only read while the
+// SAFETY: a `Handoff` is `Sync` (slots set once, and atomics); the pointer is only read while the
 // handoff is alive (see `Open`).
 unsafe impl Send for Open {}
 
@@ -177,7 +177,7 @@ mod tests {
     use arrow_data::ArrayData;
 
     use super::*;
-    use crate::transfer::pack::{Cutter, Part};
+    use crate::transfer::pack::Cutter;
     use crate::transfer::plan::Plan;
 
     /// Forty columns of about 200 KB, and the bytes their plan fills.
@@ -202,20 +202,13 @@ mod tests {
     }
 
     /// Plans `data` into `plan`, handing each part of 4 KiB to `handoff` as soon as it is planned,
-    /// as an upload does; returns the parts.
-    fn hand_off<'a>(
-        data: &'a [ArrayData],
-        plan: &mut Plan<'a>,
-        cutter: &mut Cutter<'a>,
-        handoff: &Handoff<'a>,
-    ) -> Vec<Arc<Part<'a>>> {
-        let mut parts = vec![];
+    /// as an upload does.
+    fn hand_off<'a>(data: &'a [ArrayData], plan: &mut Plan<'a>, cutter: &mut Cutter<'a>, handoff: &Handoff<'a>) {
         for d in data {
             plan.array(d).unwrap();
-            handoff.push_all(cutter.cut_whole(plan, plan.size()), &mut parts);
+            handoff.push_all(cutter.cut_whole(plan, plan.size()));
         }
-        handoff.push_all(cutter.cut(plan, plan.size()), &mut parts);
-        parts
+        handoff.push_all(cutter.cut(plan, plan.size()));
     }
 
     /// The staging the crew and the uploading thread pack, cut while planned as an upload cuts
@@ -226,18 +219,20 @@ mod tests {
         let (data, whole) = batch();
         let upload = || {
             let mut staging = vec![0x55; whole.len()];
-            let handoff = Handoff::default();
+            let handoff = Handoff::new(whole.len().div_ceil(4096));
             let mut cutter = Cutter::new(&mut staging, 4096, None);
             let mut plan = Plan::default();
             Crew::get().help(&handoff, |help| {
-                let parts = hand_off(&data, &mut plan, &mut cutter, &handoff);
+                hand_off(&data, &mut plan, &mut cutter, &handoff);
                 help.close();
                 while let Some(part) = handoff.take() {
                     part.pack();
                 }
-                parts.iter().for_each(|p| p.pack());
-                assert!(parts.iter().all(|p| p.is_packed()));
+                handoff.parts().for_each(|p| p.pack());
+                assert!(handoff.parts().all(|p| p.is_packed()));
+                assert_eq!(handoff.parts().count(), whole.len().div_ceil(4096));
             });
+            drop(handoff);
             staging
         };
         for round in 0..20 {
@@ -261,13 +256,13 @@ mod tests {
         let (data, whole) = batch();
         for _ in 0..20 {
             let mut staging = vec![0x55; whole.len()];
-            let handoff = Handoff::default();
+            let handoff = Handoff::new(whole.len().div_ceil(4096));
             let mut cutter = Cutter::new(&mut staging, 4096, None);
             let mut plan = Plan::default();
-            let parts = Crew::get().help(&handoff, |_| hand_off(&data, &mut plan, &mut cutter, &handoff));
+            Crew::get().help(&handoff, |_| hand_off(&data, &mut plan, &mut cutter, &handoff));
             assert_eq!(handoff.helpers.load(Ordering::Acquire), 0);
-            let packed: Vec<_> = parts.iter().map(|p| (p.range(), p.is_packed())).collect();
-            drop((parts, handoff));
+            let packed: Vec<_> = handoff.parts().map(|p| (p.range(), p.is_packed())).collect();
+            drop(handoff);
             for (range, packed) in packed {
                 let expected = if packed {
                     &whole[range.clone()]

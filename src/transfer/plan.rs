@@ -56,11 +56,15 @@ impl<'a> Plan<'a> {
         self.size
     }
 
-    /// The operations that write some of `range`, for [`fill_part`].
-    pub fn ops_in(&self, range: Range<usize>) -> &[PackOp<'a>] {
-        let first = self.ops.partition_point(|op| op.dst + op.len <= range.start);
-        let end = self.ops.partition_point(|op| op.dst < range.end);
-        &self.ops[first..end.max(first)]
+    /// The operations that write some of `range`, for [`fill_part`], looked for from operation
+    /// `*from` on (none before it may write bytes past `range.start`), which moves to the first of
+    /// them: ranges asked for in order are found in one pass over the operations.
+    pub fn ops_in(&self, range: Range<usize>, from: &mut usize) -> &[PackOp<'a>] {
+        let rest = self.ops.get(*from..).unwrap_or_default();
+        let first = *from + rest.iter().take_while(|op| op.dst + op.len <= range.start).count();
+        let end = first + self.ops[first..].iter().take_while(|op| op.dst < range.end).count();
+        *from = first;
+        &self.ops[first..end]
     }
 
     /// Plans a whole array.

@@ -24,7 +24,7 @@ use crate::trace::Laps;
 use super::crew::Crew;
 use super::deferred::{Keep, defer_release, release_finished};
 use super::layout::Layout;
-use super::pack::{CACHED_MAX, Cutter, Handoff, Part};
+use super::pack::{CACHED_MAX, Cutter, Handoff};
 use super::plan::{Plan, column_data, estimated_size, flat_size_bound};
 use super::times::{StagingStep, StagingTimes, timed};
 
@@ -194,22 +194,24 @@ fn upload_staged(
             }
         })
     };
-    // Sends the packed parts from `*next` on in one copy, if they come to at least `min` bytes
-    // and lie in `memory`. The copy is traced as `htod.copy`, apart from the `step` it interrupts.
+    // Sends the packed parts of the handoff from `*next` on in one copy, if they come to at least
+    // `min` bytes and lie in `memory`. The copy is traced as `htod.copy`, apart from the `step` it
+    // interrupts.
     let send_packed = |laps: &mut Laps,
                        step: &'static str,
                        memory: &DeviceBuffer,
-                       parts: &[Arc<Part<'_>>],
+                       handoff: &Handoff<'_>,
                        next: &mut usize,
                        min: usize| {
-        let packed = parts[*next..].iter().take_while(|p| p.is_packed()).count();
-        if packed > 0 {
-            let range = parts[*next].range().start..parts[*next + packed - 1].range().end;
+        let mut packed = handoff.parts().skip(*next).take_while(|p| p.is_packed());
+        if let Some(first) = packed.next() {
+            let (count, end) = packed.fold((1, first.range().end), |(n, _), p| (n + 1, p.range().end));
+            let range = first.range().start..end;
             if range.len() >= min && range.end <= memory.len() {
                 laps.lap(step);
                 send_early(memory, range)?;
                 laps.lap("htod.copy");
-                *next += packed;
+                *next += count;
             }
         }
         Ok::<_, Error>(())
@@ -220,12 +222,11 @@ fn upload_staged(
     let data = column_data(arrays);
     let data = &data;
     laps.lap("htod.to_data");
-    let handoff = Handoff::default();
+    let handoff = Handoff::new(EARLY.div_ceil(SEGMENT));
     let mut cutter = Cutter::new(free, SEGMENT, times);
     let result = Crew::get().help(&handoff, |help| {
         laps.lap("htod.wake");
-        let mut parts: Vec<Arc<Part<'_>>> = Vec::new();
-        // The first of `parts` not sent.
+        // The first of the handoff's parts not sent.
         let mut next = 0;
         let mut plan = Plan::for_columns(arrays.len());
         let mut layouts = Vec::with_capacity(arrays.len());
@@ -233,12 +234,12 @@ fn upload_staged(
         // they are packed while the rest is planned.
         for (array, data) in arrays.iter().zip(data) {
             layouts.push(plan.column(*array, data.as_ref())?);
-            handoff.push_all(cutter.cut_whole(&plan, plan.size().min(EARLY)), &mut parts);
+            handoff.push_all(cutter.cut_whole(&plan, plan.size().min(EARLY)));
             if let Some(memory) = &early_memory {
-                send_packed(&mut laps, "htod.plan", memory, &parts, &mut next, SEND_MIN)?;
+                send_packed(&mut laps, "htod.plan", memory, &handoff, &mut next, SEND_MIN)?;
             }
         }
-        handoff.push_all(cutter.cut(&plan, plan.size().min(EARLY)), &mut parts);
+        handoff.push_all(cutter.cut(&plan, plan.size().min(EARLY)));
         help.close();
         let (plan, rest) = (&plan, cutter.at()..plan.size());
         laps.lap("htod.plan");
@@ -256,11 +257,11 @@ fn upload_staged(
         laps.lap("htod.alloc");
         // Whatever is packed by now is sent, however little, so that the link is busy while the
         // device arrays are built; and again after them.
-        send_packed(&mut laps, "htod.arrays", &memory, &parts, &mut next, 1)?;
+        send_packed(&mut laps, "htod.arrays", &memory, &handoff, &mut next, 1)?;
         // The device arrays are built while the crew packs the rest and the first copies travel.
         let columns = try_collect(layouts.iter().map(|l| l.to_device(&memory)))?;
         laps.lap("htod.arrays");
-        send_packed(&mut laps, "htod.pack", &memory, &parts, &mut next, 1)?;
+        send_packed(&mut laps, "htod.pack", &memory, &handoff, &mut next, 1)?;
         let sink = Sink {
             memory: &memory,
             pool: &pool,
@@ -269,16 +270,16 @@ fn upload_staged(
         };
         // The parts are packed here in order, those a crew thread packs waited for, so that what
         // is packed is sent as soon as it is, at least SEND_MIN bytes at a time.
-        for part in &parts {
+        for part in handoff.parts() {
             part.pack();
-            send_packed(&mut laps, "htod.pack", &memory, &parts, &mut next, SEND_MIN)?;
+            send_packed(&mut laps, "htod.pack", &memory, &handoff, &mut next, SEND_MIN)?;
         }
-        send_packed(&mut laps, "htod.pack", &memory, &parts, &mut next, 1)?;
-        if next < parts.len() {
+        send_packed(&mut laps, "htod.pack", &memory, &handoff, &mut next, 1)?;
+        let sent = handoff.parts().take(next).last().map_or(0, |p| p.range().end);
+        if sent < rest.start {
             // Only a crew thread that panicked leaves a part unpacked.
             return Err(Error::InvalidData(format!(
-                "bytes {}.. of the batch were not packed",
-                parts[next].range().start
+                "bytes {sent}.. of the batch were not packed"
             )));
         }
         laps.lap("htod.pack");
@@ -289,6 +290,7 @@ fn upload_staged(
     });
     // Once the crew's threads have left the handoff.
     laps.lap("htod.join");
+    drop(handoff);
     keep.push(Box::new(early));
     retire(result.as_ref().ok().map(|(_, e)| e), stream, keep, in_flight);
     laps.lap("htod.retire");
