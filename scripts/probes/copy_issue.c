@@ -4,24 +4,7 @@
 // stream drained after each batch of five and with copies still queued.
 //
 //   nvcc -O2 -o /tmp/copy_issue scripts/probes/copy_issue.c -lcuda && /tmp/copy_issue
-#include <cuda.h>
-#include <stdio.h>
-#include <time.h>
-
-#define CHECK(x)                                              \
-    do {                                                      \
-        CUresult r = (x);                                     \
-        if (r != CUDA_SUCCESS) {                              \
-            printf("%s failed: %d\n", #x, (int)r);            \
-            return 1;                                         \
-        }                                                     \
-    } while (0)
-
-static double micros(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
-}
+#include "probe.h"
 
 enum { ROUNDS = 2000, DRAIN_EVERY_QUEUED = 8 };
 

@@ -4,24 +4,7 @@
 // through cuStreamSynchronize or by spinning on a flag the kernel writes into mapped pinned memory.
 //
 //   nvcc -O2 -o /tmp/driver_calls scripts/probes/driver_calls.c -lcuda && /tmp/driver_calls
-#include <cuda.h>
-#include <stdio.h>
-#include <time.h>
-
-#define CHECK(x)                                              \
-    do {                                                      \
-        CUresult r = (x);                                     \
-        if (r != CUDA_SUCCESS) {                              \
-            printf("%s failed: %d\n", #x, (int)r);            \
-            return 1;                                         \
-        }                                                     \
-    } while (0)
-
-static double micros(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
-}
+#include "probe.h"
 
 enum { N = 5000 };
 
