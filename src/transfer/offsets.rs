@@ -305,6 +305,13 @@ mod tests {
         }
     }
 
+    /// A GPU, a stream of it and its gather kernel, where there is one.
+    fn gpu() -> Option<(Device, Stream, CudaFunction)> {
+        let device = cuda()?;
+        let kernel = gather_kernel(device).unwrap().expect("NVRTC compiles the gather");
+        Some((device, Stream::new(device).unwrap(), kernel))
+    }
+
     fn text(i: usize) -> Option<String> {
         (i % 7 != 3).then(|| "é".repeat(i % 11))
     }
@@ -361,11 +368,9 @@ mod tests {
     /// variable-width type, whole, sliced on the device (offsets at every position) and empty.
     #[test]
     fn the_gather_reads_what_the_batched_copy_reads() {
-        let Some(device) = cuda() else {
+        let Some((device, stream, kernel)) = gpu() else {
             return;
         };
-        let stream = Stream::new(device).unwrap();
-        let kernel = gather_kernel(device).unwrap().expect("NVRTC compiles the gather");
         let (mut reads, mut arrays_on_device) = (vec![], vec![]);
         for rows in [0, 1, 200] {
             for array in arrays(rows) {
@@ -402,11 +407,9 @@ mod tests {
     /// wrote.
     #[test]
     fn a_gather_behind_other_work_is_waited_for() {
-        let Some(device) = cuda() else {
+        let Some((device, stream, kernel)) = gpu() else {
             return;
         };
-        let stream = Stream::new(device).unwrap();
-        let kernel = gather_kernel(device).unwrap().expect("NVRTC compiles the gather");
         let expected: Vec<i64> = (0..600).map(|i| i * 1_000_003 - 7).collect();
         let on_device = htod_array(&Int64Array::from(expected.clone()), device, &stream).unwrap();
         let base = on_device.buffers[0].address();
@@ -439,11 +442,9 @@ mod tests {
     /// on the host say.
     #[test]
     fn the_gather_reads_unaligned_and_negative_offsets() {
-        let Some(device) = cuda() else {
+        let Some((device, stream, kernel)) = gpu() else {
             return;
         };
-        let stream = Stream::new(device).unwrap();
-        let kernel = gather_kernel(device).unwrap().expect("NVRTC compiles the gather");
         let bytes: Vec<u8> = (0..400u32).map(|i| (i * 97 % 256) as u8).collect();
         let on_device = htod_array(&UInt8Array::from(bytes.clone()), device, &stream).unwrap();
         let base = on_device.buffers[0].address();
