@@ -93,9 +93,8 @@ struct Pending {
 }
 
 impl Pending {
-    /// Waits until the values are in `block` and nothing writes it any more: for
-    /// up to [`SPIN`] on the gather's flags, then (or without flags) by synchronising with the
-    /// stream.
+    /// Waits until the values are in `block` and nothing writes it any more: for up to [`SPIN`]
+    /// on the gather's flags, then (or without flags) by synchronising with the stream.
     fn finish(&self) -> Result<()> {
         match self.flags {
             Some((at, count)) if self.flags_set(at, count) => Ok(()),
