@@ -495,6 +495,14 @@ pub(crate) fn cuda_for_tests() -> Option<Device> {
     }
 }
 
+/// For the crate's unit tests: whether they run under compute-sanitizer (the GPU run sets
+/// `ARROW_CUDA_SANITIZER`), which reports every failed driver call and runs a stream's work one
+/// piece at a time.
+#[cfg(test)]
+pub(crate) fn under_sanitizer() -> bool {
+    std::env::var_os("ARROW_CUDA_SANITIZER").is_some()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -465,9 +465,9 @@ fn batches_dropped_before_their_upload_finished_wait_for_it() {
         }
         for resource in resources {
             // Another test's device-wide synchronisation can let the copies finish early: then
-            // this tries again. Behind 8 GiB (a few milliseconds on an H200) the upload into shared
-            // device memory, which makes and exports a region first, had finished by the time it
-            // returned, five tries in a row, on one H200 machine.
+            // this tries again. 32 GiB, not less: behind 8 GiB (a few milliseconds on an H200) the
+            // upload into shared device memory, which makes and exports a region first, can finish
+            // before it returns.
             let queued = (0..5).any(|_| {
                 for _ in 0..32 {
                     // SAFETY: both buffers outlive the copies (the stream is synchronised below).

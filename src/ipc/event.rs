@@ -194,7 +194,7 @@ mod tests {
         event.record(&stream).unwrap();
         let handle = event.handle().unwrap();
         // CUDA refuses it (the failing call is left out under compute-sanitizer, which reports it).
-        if std::env::var_os("ARROW_CUDA_SANITIZER").is_none() {
+        if !device::under_sanitizer() {
             assert!(
                 IpcEvent::open(&handle, gpu.ordinal().unwrap()).is_err(),
                 "CUDA opened a handle of its own process"

@@ -82,32 +82,33 @@ pub(crate) struct OffsetsRead {
 }
 
 /// Offsets on their way into `block` from byte `at`, eight bytes each, of which the first of
-/// `widths` hold the value, in the order of `stream`; `flags` (the byte where they start and
-/// their count) are the gather's flags in `block`, each set once its part of the values is there.
+/// `widths` hold the value, in the order of `stream`; then the gather's `flags` (four bytes each,
+/// none for a batched copy), each set once its part of the values is there.
 struct Pending {
     block: DeviceBuffer,
     at: usize,
     widths: Vec<usize>,
     stream: Stream,
-    flags: Option<(usize, usize)>,
+    flags: usize,
 }
 
 impl Pending {
     /// Waits until the values are in `block` and nothing writes it any more: for up to [`SPIN`]
     /// on the gather's flags, then (or without flags) by synchronising with the stream.
     fn finish(&self) -> Result<()> {
-        match self.flags {
-            Some((at, count)) if self.flags_set(at, count) => Ok(()),
-            _ => self.stream.synchronize(),
+        if self.flags > 0 && self.flags_set() {
+            return Ok(());
         }
+        self.stream.synchronize()
     }
 
-    /// Whether the `count` flags at byte `at` of the block were all seen set within [`SPIN`].
-    fn flags_set(&self, at: usize, count: usize) -> bool {
+    /// Whether the flags, after the values, were all seen set within [`SPIN`].
+    fn flags_set(&self) -> bool {
+        let at = self.at + 8 * self.widths.len();
         let flags = (self.block.address() + at as u64) as *mut u32;
         let start = Instant::now();
         let mut seen = 0;
-        while seen < count {
+        while seen < self.flags {
             // SAFETY: flag `seen` is an aligned `u32` of the pinned block (host memory, `at` a
             // multiple of 8), alive as long as `self`; the device writes it, so it is read
             // atomically, and only through this pointer until the flags are all set.
@@ -130,13 +131,7 @@ impl OffsetsRead {
         OffsetsRead { values, pending: None }
     }
 
-    fn pending(
-        block: DeviceBuffer,
-        at: usize,
-        widths: Vec<usize>,
-        stream: &Stream,
-        flags: Option<(usize, usize)>,
-    ) -> Self {
+    fn pending(block: DeviceBuffer, at: usize, widths: Vec<usize>, stream: &Stream, flags: usize) -> Self {
         let stream = stream.clone();
         OffsetsRead {
             values: vec![],
@@ -229,13 +224,7 @@ unsafe fn gather(f: &CudaFunction, reads: &[(u64, usize)], device: Device, strea
     // caller, a byte at a time.
     driver::launch(cuda, f, blocks as u64, BLOCK, &[addresses, values, n as u64, flags])?;
     // The kernel writes each value sign-extended to eight bytes.
-    Ok(OffsetsRead::pending(
-        block,
-        8 * n,
-        vec![8; n],
-        stream,
-        Some((16 * n, blocks)),
-    ))
+    Ok(OffsetsRead::pending(block, 8 * n, vec![8; n], stream, blocks))
 }
 
 /// The offsets read into pinned memory with one batched copy (one copy each where the driver has
@@ -266,7 +255,7 @@ unsafe fn copy_offsets(reads: &[(u64, usize)], device: Device, stream: &Stream) 
         0,
         reads.iter().map(|&(_, w)| w).collect(),
         stream,
-        None,
+        0,
     ))
 }
 
@@ -425,9 +414,9 @@ mod tests {
         let copies = stream.record().unwrap();
         // SAFETY: every read lies in `on_device`'s values, which live to the end.
         let read = unsafe { gather(&kernel, &reads, device, &stream) }.unwrap();
-        // compute-sanitizer (the GPU run sets `ARROW_CUDA_SANITIZER`) runs the work on a stream
-        // one piece at a time: nothing is queued behind anything there.
-        if std::env::var_os("ARROW_CUDA_SANITIZER").is_none() {
+        // compute-sanitizer runs the work on a stream one piece at a time: nothing is queued
+        // behind anything there.
+        if !crate::device::under_sanitizer() {
             assert!(
                 !copies.is_complete().unwrap(),
                 "4 GiB of copies were still on their way"
