@@ -695,6 +695,33 @@ fn uploads_in_parts_and_chunks_round_trip() {
     });
 }
 
+/// Uploads of a few MiB from several threads at once, each on its own stream: the packing threads
+/// pack and send parts of several uploads at a time, each into its own memory, and every batch
+/// arrives whole.
+#[test]
+fn uploads_from_several_threads_at_once_round_trip() {
+    const ROWS: usize = 6_000;
+    let batches: Vec<RecordBatch> = (0..4)
+        .map(|t| {
+            let columns = mid_columns(40 + 10 * t, ROWS - 500 * t);
+            RecordBatch::try_from_iter(columns).unwrap()
+        })
+        .collect();
+    each_device(|device, _| {
+        std::thread::scope(|s| {
+            for (t, batch) in batches.iter().enumerate() {
+                s.spawn(move || {
+                    let stream = Stream::new(device).unwrap();
+                    for round in 0..10 {
+                        let back = dtoh(&htod(batch, device, &stream).unwrap(), &stream).unwrap();
+                        check_batch(&format!("thread {t}, round {round}"), &back, batch);
+                    }
+                });
+            }
+        });
+    });
+}
+
 /// A column that cannot be planned (offsets that run backwards), after megabytes that pool threads
 /// are already packing, or after a small batch's other columns: the upload fails with an error,
 /// and returns.
