@@ -695,8 +695,8 @@ fn uploads_in_parts_and_chunks_round_trip() {
     });
 }
 
-/// Uploads of a few MiB from several threads at once, each on its own stream: the packing threads
-/// pack and send parts of several uploads at a time, each into its own memory, and every batch
+/// Uploads of a MiB or more from several threads at once, each on its own stream: the packing
+/// threads pack parts of several uploads at a time, each into its own staging, and every batch
 /// arrives whole.
 #[test]
 fn uploads_from_several_threads_at_once_round_trip() {
@@ -707,6 +707,10 @@ fn uploads_from_several_threads_at_once_round_trip() {
             RecordBatch::try_from_iter(columns).unwrap()
         })
         .collect();
+    for b in &batches {
+        // Well above what the calling thread packs alone (256 KiB).
+        assert!(b.get_array_memory_size() > 1 << 20, "{}", b.get_array_memory_size());
+    }
     each_device(|device, _| {
         std::thread::scope(|s| {
             for (t, batch) in batches.iter().enumerate() {
