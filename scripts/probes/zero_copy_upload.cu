@@ -109,6 +109,10 @@ int main(int argc, char** argv) {
     go.store(g, std::memory_order_release);
   };
   auto packed_all = [&] { while (finished.load(std::memory_order_acquire) < THREADS) {} };
+  auto run_kernel = [&](unsigned g) {
+    copy_parts<<<PARTS * K, 256, 0, st>>>((const uint4*)staging_d, (uint4*)dev, ready_d, g, PART, N, count, done_d);
+  };
+  auto wait_done = [&](unsigned g) { while (((volatile unsigned*)done)[0] != g) {} };
   const int REPS = 300;
   double t_copies = 0, t_persistent = 0, t_after = 0, t_kernel = 0, t_dma = 0, n_copies = 0;
   unsigned g = 0;
@@ -137,9 +141,9 @@ int main(int argc, char** argv) {
       // persistent kernel
       g++;
       t0 = clk::now();
-      copy_parts<<<PARTS * K, 256, 0, st>>>((const uint4*)staging_d, (uint4*)dev, ready_d, g, PART, N, count, done_d);
+      run_kernel(g);
       pack(g);
-      while (((volatile unsigned*)done)[0] != g) {}
+      wait_done(g);
       t_persistent += us(t0, clk::now());
       packed_all();
       cudaStreamSynchronize(st);
@@ -148,16 +152,16 @@ int main(int argc, char** argv) {
       t0 = clk::now();
       pack(g);
       packed_all();
-      copy_parts<<<PARTS * K, 256, 0, st>>>((const uint4*)staging_d, (uint4*)dev, ready_d, g, PART, N, count, done_d);
-      while (((volatile unsigned*)done)[0] != g) {}
+      run_kernel(g);
+      wait_done(g);
       t_after += us(t0, clk::now());
       cudaStreamSynchronize(st);
       // the kernel alone (staging packed long before, flags set)
       g++;
       for (unsigned p = 0; p < PARTS; p++) ready[p] = g;
       t0 = clk::now();
-      copy_parts<<<PARTS * K, 256, 0, st>>>((const uint4*)staging_d, (uint4*)dev, ready_d, g, PART, N, count, done_d);
-      while (((volatile unsigned*)done)[0] != g) {}
+      run_kernel(g);
+      wait_done(g);
       t_kernel += us(t0, clk::now());
       cudaStreamSynchronize(st);
       // one copy of the packed staging
