@@ -16,6 +16,12 @@
 //!   and the consumer keeps its mappings by their ids); `copied_100_columns_polling_cuda_ipc`
 //!   beside it writes the messages into new CUDA IPC memory each time instead
 //!   (`SenderOptions::message_resource`), which the consumer opens and closes.
+//! - `ipc_latency/host_ipc_100_columns` and `host_ipc_100_columns_polling`: the same batch the
+//!   way a producer without this crate's channel sends it, through the host: downloaded
+//!   (`transfer::dtoh`), written with arrow-ipc to a Unix socket, read by the consumer and uploaded
+//!   to its device (`transfer::htod`, which returns once the batch is there); one way ends when the
+//!   upload returns. The consumer sleeps in its reads, or (`_polling`) polls the socket on a busy
+//!   core while the producer polls for the receive time and the acknowledgement.
 //! - `ipc_latency/lent_100_columns_new_region_polling` (printed after the latency cases, not
 //!   measured by criterion, as each region is opened once): the polling case with every batch in a
 //!   region of shared device memory the consumer has not mapped yet, mean of 64 batches (the
@@ -37,7 +43,8 @@
 //! The producer also splits the one-way time: its `send`; from `send`'s return to the consumer's
 //! call of `recv`, when it called it later; from then to the consumer having read the frame; the
 //! consumer's `recv` after that (the consumer reports its call and that time with each receive
-//! time).
+//! time). Through the host, `send` is the download and the write, the frame is the arrow-ipc
+//! message (read and decoded), and what follows it the upload.
 //!
 //! Consumers are this binary started again with `ARROW_CUDA_IPC_BENCH` naming their part.
 //! `cargo bench --bench ipc`; without a CUDA device it prints `skipped: no CUDA device` and returns
@@ -172,8 +179,97 @@ fn latency(c: &mut Criterion, device: Device, stream: &Stream) -> bool {
         drop(sender);
         stop(child);
     }
+    // The naive way, through the host.
+    let on_device = upload(&template, pool, stream);
+    for (name, busy) in [("host_ipc_100_columns", false), ("host_ipc_100_columns_polling", true)] {
+        let role = if busy {
+            "host-reader-stamp-poll"
+        } else {
+            "host-reader-stamp"
+        };
+        let mut host = HostPath::start(name, role, device, &template);
+        let mut stamps = host.child.stdout.take().expect("consumer stdout");
+        let mut one_way = || {
+            let sent = monotonic_ns();
+            host.send(&on_device, stream);
+            let returned = monotonic_ns();
+            let received = stamp(&mut stamps, busy);
+            host.wait_ack(busy);
+            OneWay::of(sent, returned, received)
+        };
+        one_way();
+        let (mut ran, mut split, mut calls) = (false, OneWay::default(), 0);
+        g.bench_function(name, |b| {
+            ran = true;
+            b.iter_custom(|iters| {
+                (0..iters)
+                    .map(|_| {
+                        let w = one_way();
+                        split += w;
+                        calls += 1;
+                        w.total()
+                    })
+                    .sum()
+            })
+        });
+        if ran {
+            println!("{}", split.means(calls));
+        }
+        host.finish();
+    }
     g.finish();
     any_ran
+}
+
+/// The way through the host, what a producer without this crate's channel does: each batch
+/// downloaded (`dtoh`), written with arrow-ipc to a Unix socket, read by the consumer (`role`,
+/// one of the `host-reader` roles) and uploaded to its device, which acknowledges it with a byte.
+struct HostPath {
+    writer: StreamWriter<BufWriter<UnixStream>>,
+    acks: UnixStream,
+    path: PathBuf,
+    child: Child,
+}
+
+impl HostPath {
+    fn start(name: &str, role: &str, device: Device, template: &RecordBatch) -> HostPath {
+        let path = socket(name);
+        let listener = UnixListener::bind(&path).expect("bind");
+        let child = consumer(role, &path, device);
+        let (socket, _) = listener.accept().expect("consumer");
+        let acks = socket.try_clone().expect("socket");
+        let writer =
+            StreamWriter::try_new(BufWriter::with_capacity(8 << 20, socket), &template.schema()).expect("writer");
+        HostPath {
+            writer,
+            acks,
+            path,
+            child,
+        }
+    }
+
+    /// Downloads `batch` and writes it to the socket.
+    fn send(&mut self, batch: &DeviceRecordBatch, stream: &Stream) {
+        let host = dtoh(batch, stream).expect("download");
+        self.writer.write(&host).expect("write");
+        self.writer.flush().expect("flush");
+    }
+
+    /// Waits for the consumer's acknowledgement, polling the socket when `busy`.
+    fn wait_ack(&mut self, busy: bool) {
+        if busy {
+            wait_readable(self.acks.as_fd());
+        }
+        self.acks.read_exact(&mut [0u8; 1]).expect("acknowledged");
+    }
+
+    /// Ends the stream and the consumer.
+    fn finish(mut self) {
+        self.writer.finish().expect("finish");
+        drop(self.writer);
+        let _ = std::fs::remove_file(&self.path);
+        stop(self.child);
+    }
 }
 
 /// One-way latency of batches lent from regions the consumer has not mapped yet: each of
@@ -364,26 +460,14 @@ fn streaming(c: &mut Criterion, device: Device, stream: &Stream, bytes: usize) {
     drop(lendable);
 
     // Through the host: device to host, arrow-ipc over a socket, host to device.
-    let path = socket("stream-host");
-    let listener = UnixListener::bind(&path).expect("bind");
-    let child = consumer("host-reader", &path, device);
-    let (socket, _) = listener.accept().expect("consumer");
-    let mut acks = socket.try_clone().expect("socket");
-    let mut writer =
-        StreamWriter::try_new(BufWriter::with_capacity(8 << 20, socket), &template.schema()).expect("writer");
+    let mut host = HostPath::start("stream-host", "host-reader", device, &template);
     g.bench_function("host_ipc", |b| {
         b.iter(|| {
-            let host = dtoh(&on_device, stream).expect("download");
-            writer.write(&host).expect("write");
-            writer.flush().expect("flush");
-            let mut ack = [0u8; 1];
-            acks.read_exact(&mut ack).expect("acknowledged");
+            host.send(&on_device, stream);
+            host.wait_ack(false);
         })
     });
-    writer.finish().expect("finish");
-    drop(writer);
-    let _ = std::fs::remove_file(&path);
-    stop(child);
+    host.finish();
     g.finish();
 }
 
@@ -395,16 +479,8 @@ fn consume(role: &str) {
         _ => Device::Cuda(0),
     };
     let stream = Stream::new(device).expect("stream");
-    if role == "host-reader" {
-        let socket = UnixStream::connect(&path).expect("connect");
-        let mut acks = socket.try_clone().expect("socket");
-        let reader = StreamReader::try_new(BufReader::with_capacity(8 << 20, socket), None).expect("reader");
-        for batch in reader {
-            let on_device = htod(&batch.expect("batch"), device, &stream).expect("upload");
-            drop(on_device);
-            acks.write_all(&[1]).expect("ack");
-        }
-        return;
+    if let Some(how) = role.strip_prefix("host-reader") {
+        return read_through_host(&path, device, &stream, how);
     }
     let options = ReceiverOptions {
         retain_mappings: role.starts_with("retain"),
@@ -458,6 +534,50 @@ fn consume(role: &str) {
             "steps of the consumer's recv ({role}), mean of {received} batches:\n{}",
             trace.means("recv.", received)
         );
+    }
+}
+
+/// The consumer of a [`HostPath`]: reads each batch from the socket and uploads it to `device`,
+/// then acknowledges it. `how` is the rest of its role: `-stamp` writes each batch's [`Stamp`] to
+/// stdout (the upload being what follows the frame), and `-stamp-poll` also polls the socket.
+fn read_through_host(path: &Path, device: Device, stream: &Stream, how: &str) {
+    let socket = UnixStream::connect(path).expect("connect");
+    let mut acks = socket.try_clone().expect("socket");
+    let polled = Polled {
+        socket,
+        busy: how.ends_with("-poll"),
+    };
+    let mut reader = StreamReader::try_new(BufReader::with_capacity(8 << 20, polled), None).expect("reader");
+    let mut stamps = std::io::stdout().lock();
+    loop {
+        let called = monotonic_ns();
+        let Some(batch) = reader.next() else { break };
+        let read = monotonic_ns();
+        let on_device = htod(&batch.expect("batch"), device, stream).expect("upload");
+        let arrived = monotonic_ns();
+        drop(on_device);
+        if how.starts_with("-stamp") {
+            for v in [arrived, arrived - read, called] {
+                stamps.write_all(&v.to_le_bytes()).expect("stamp");
+            }
+            stamps.flush().expect("stamp");
+        }
+        acks.write_all(&[1]).expect("ack");
+    }
+}
+
+/// A socket whose reads poll it on a busy core first when `busy`.
+struct Polled {
+    socket: UnixStream,
+    busy: bool,
+}
+
+impl Read for Polled {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.busy {
+            wait_readable(self.socket.as_fd());
+        }
+        self.socket.read(buf)
     }
 }
 
