@@ -10,20 +10,9 @@
 // (mean of 2,000, after 200 unmeasured), and checks the words.
 //
 //   nvcc -O2 -std=c++17 -o /tmp/batched_reads scripts/probes/batched_reads.cu -lcuda && /tmp/batched_reads
-#include <cuda.h>
+#include "probe.h"
 #include <cuda_runtime.h>
-#include <chrono>
-#include <cstdio>
 #include <cstring>
-
-using clk = std::chrono::steady_clock;
-static double us(clk::time_point a, clk::time_point b) { return std::chrono::duration<double, std::micro>(b - a).count(); }
-
-#define CHECK(x)                                                              \
-  do {                                                                        \
-    CUresult r_ = (x);                                                        \
-    if (r_ != CUDA_SUCCESS) { printf("%s failed: %d\n", #x, (int)r_); return 1; } \
-  } while (0)
 
 __global__ void gather(const unsigned long long* addrs, unsigned* out, unsigned n, volatile unsigned* flag) {
   unsigned i = threadIdx.x;
@@ -78,7 +67,7 @@ int main() {
     for (unsigned r = 0; r < ROUNDS + WARM; r++) {
       for (unsigned i = 0; i < N; i++) out[i] = 0xFFFFFFFFu;
       *(volatile unsigned*)flag = 0;
-      auto t0 = clk::now();
+      double t0 = micros();
       if (way == 0) {
         gather<<<1, 64, 0, st>>>(addrs_d, out_d, N, flag_d);
       } else if (way == 3) {
@@ -91,7 +80,7 @@ int main() {
         CHECK(cuMemcpyBatchAsync(dsts, srcs, sizes, N, &attr, &attr_idx, 1, &failed, s));
 #endif
       }
-      auto t1 = clk::now();
+      double t1 = micros();
       if (way == 0) {
         while (*(volatile unsigned*)flag == 0) {}
       } else if (way == 2) {
@@ -100,10 +89,10 @@ int main() {
       } else {
         CHECK(cuStreamSynchronize(s));
       }
-      auto t2 = clk::now();
+      double t2 = micros();
       if (r >= WARM) {
-        issue += us(t0, t1);
-        total += us(t0, t2);
+        issue += t1 - t0;
+        total += t2 - t0;
       }
       for (unsigned i = 0; i < N; i++) wrong += out[i] != word[i];
     }

@@ -12,17 +12,13 @@
 // of it. The argument is the number of blocks per part (1 if none).
 //
 //   nvcc -O2 -std=c++17 -o /tmp/zero_copy_upload scripts/probes/zero_copy_upload.cu && /tmp/zero_copy_upload 1
+#include "probe.h"
 #include <cuda_runtime.h>
 #include <atomic>
-#include <chrono>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <vector>
-
-using clk = std::chrono::steady_clock;
-static double us(clk::time_point a, clk::time_point b) { return std::chrono::duration<double, std::micro>(b - a).count(); }
 
 __global__ void copy_parts(const uint4* staging, uint4* dev, const volatile unsigned* ready, unsigned gen,
                            unsigned long long part, unsigned long long n, unsigned* count, volatile unsigned* done) {
@@ -121,7 +117,7 @@ int main(int argc, char** argv) {
     for (int r = 0; r < REPS; r++) {
       // copies
       g++;
-      auto t0 = clk::now();
+      double t0 = micros();
       pack(g);
       unsigned sent = 0;
       while (sent < PARTS) {
@@ -136,40 +132,40 @@ int main(int argc, char** argv) {
       }
       cudaEventRecord(ev, st);
       while (cudaEventQuery(ev) != cudaSuccess) {}
-      t_copies += us(t0, clk::now());
+      t_copies += micros() - t0;
       packed_all();
       // persistent kernel
       g++;
-      t0 = clk::now();
+      t0 = micros();
       run_kernel(g);
       pack(g);
       wait_done(g);
-      t_persistent += us(t0, clk::now());
+      t_persistent += micros() - t0;
       packed_all();
       cudaStreamSynchronize(st);
       // kernel after the packing
       g++;
-      t0 = clk::now();
+      t0 = micros();
       pack(g);
       packed_all();
       run_kernel(g);
       wait_done(g);
-      t_after += us(t0, clk::now());
+      t_after += micros() - t0;
       cudaStreamSynchronize(st);
       // the kernel alone (staging packed long before, flags set)
       g++;
       for (unsigned p = 0; p < PARTS; p++) ready[p] = g;
-      t0 = clk::now();
+      t0 = micros();
       run_kernel(g);
       wait_done(g);
-      t_kernel += us(t0, clk::now());
+      t_kernel += micros() - t0;
       cudaStreamSynchronize(st);
       // one copy of the packed staging
-      t0 = clk::now();
+      t0 = micros();
       cudaMemcpyAsync(dev, staging, N, cudaMemcpyHostToDevice, st);
       cudaEventRecord(ev, st);
       while (cudaEventQuery(ev) != cudaSuccess) {}
-      t_dma += us(t0, clk::now());
+      t_dma += micros() - t0;
     }
     printf("K=%u round %d (1.3 MB, %u parts, %u packing threads): copies %.1f us (%.1f copies), persistent kernel %.1f us, "
            "kernel after packing %.1f us, kernel alone %.1f us, one copy alone %.1f us\n",
