@@ -30,8 +30,8 @@ use arrow_cuda::transfer::{dtoh, dtoh_array, dtoh_async, htod_async};
 use arrow_cuda::{Device, DeviceBuffer, DeviceRecordBatch, Error, Event, MemoryResource, Stream};
 use arrow_ipc::writer::{DictionaryTracker, IpcDataGenerator, IpcWriteContext, IpcWriteOptions};
 use arrow_schema::{DataType, Field, Fields, Schema, SchemaRef};
-use common::check_batch;
 use common::corpus::{ROWS, every_type_batch};
+use common::{Gate, check_batch};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -1396,20 +1396,15 @@ fn peer() {
             until_parent_lets_go();
         }
         "send-pending" => {
-            // Sends one batch still being written (a host function that sleeps 20 seconds, past
+            // Sends one batch still being written (a gate that stays closed for 20 seconds, past
             // the kill, holds the stream before its upload), so that it goes with an
             // interprocess event, says whether it still was once sent, and waits to be killed.
             let sender = Sender::bind(&socket, corpus().schema(), SenderOptions::default()).unwrap();
             sender.wait_for_receivers(1, Duration::from_secs(60)).unwrap();
             // An upload first, so that the one below finds its staging in the pinned pool:
-            // allocating pinned memory can wait for the device, which would wait for `hold`.
+            // allocating pinned memory can wait for the device, which would wait for the gate.
             drop(upload(&stream_batch(0), MemoryResource::default_for(device), &stream));
-            unsafe extern "C" fn hold(_: *mut std::ffi::c_void) {
-                std::thread::sleep(Duration::from_secs(20));
-            }
-            let raw = stream.cuda().expect("a CUDA stream").cu_stream();
-            // SAFETY: a live stream; `hold` makes no CUDA call and takes no argument.
-            unsafe { cudarc::driver::result::stream::launch_host_function(raw, hold, std::ptr::null_mut()) }.unwrap();
+            let _gate = Gate::close(&stream, Duration::from_secs(20));
             let batch = htod_async(&stream_batch(0), MemoryResource::default_for(device), &stream).unwrap();
             assert_ne!(sender.send(&batch).unwrap(), 0);
             say(match batch.ready().is_complete().unwrap() {

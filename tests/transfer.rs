@@ -5,16 +5,17 @@ mod common;
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use arrow_array::builder::{Int32Builder, ListBuilder, StringBuilder};
 use arrow_array::types::{Int16Type, Int32Type, UInt8Type};
 use arrow_array::*;
 use arrow_buffer::{NullBuffer, OffsetBuffer, ScalarBuffer};
 use arrow_cuda::transfer::{dtoh, dtoh_array, dtoh_async, htod, htod_array, htod_async};
-use arrow_cuda::{Device, DeviceArrayData, DeviceBuffer, DeviceRecordBatch, MemoryResource, Stream};
+use arrow_cuda::{Device, DeviceArrayData, DeviceRecordBatch, MemoryResource, Stream};
 use arrow_schema::{DataType, Field, FieldRef, Fields, Schema};
 use common::corpus::{ROWS, every_type, every_type_batch, slice_cuts, sliced};
-use common::{check_batch, each_device};
+use common::{Gate, check_batch, each_device};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -446,7 +447,7 @@ fn downloads_outlive_the_device_batch() {
     });
 }
 
-/// A batch dropped while its upload is still queued (behind gigabytes of other copies) lets go of its
+/// A batch dropped while its upload is still queued (behind a [`Gate`]) lets go of its
 /// device memory only once the device is done with it, in every kind of device memory: the stream
 /// then finishes without a fault, and the device goes on working.
 #[test]
@@ -454,33 +455,36 @@ fn batches_dropped_before_their_upload_finished_wait_for_it() {
     let batch = every_type_batch();
     each_device(|device, stream| {
         let Device::Cuda(o) = device else { return };
-        let busy = 1 << 30;
-        let from = DeviceBuffer::alloc(MemoryResource::Device(o), busy, stream).unwrap();
-        let mut to = DeviceBuffer::alloc(MemoryResource::Device(o), busy, stream).unwrap();
         let mut resources = vec![MemoryResource::DevicePool(o), MemoryResource::Device(o)];
-        // Under compute-sanitizer an upload into new shared device memory always finished before
-        // it returned (five tries in a row on an H200): that case runs in the plain pass.
-        if MemoryResource::shared_for(device) == MemoryResource::SharedDevice(o) && !common::under_sanitizer() {
+        if MemoryResource::shared_for(device) == MemoryResource::SharedDevice(o) {
             resources.push(MemoryResource::SharedDevice(o));
         }
-        // Another test's device-wide synchronisation can let the copies finish early: then this
-        // tries again. 32 GiB, not less: behind 8 GiB (a few milliseconds on an H200) the upload
-        // into shared device memory, which makes and exports a region first, can finish before it
-        // returns. Under compute-sanitizer, 256 GiB: behind 32 GiB, every try found the upload
-        // finished when this test ran beside three other test binaries under memcheck (twice on an
-        // H200; it passed alone), presumably the sanitizers, busy on every core, slowing the
-        // upload's driver calls.
-        let gib = if common::under_sanitizer() { 256 } else { 32 };
         for resource in resources {
-            let queued = (0..5).any(|_| {
-                for _ in 0..gib {
-                    // SAFETY: both buffers outlive the copies (the stream is synchronised below).
-                    unsafe { to.copy_from_async(0, &from, stream) }.unwrap();
-                }
+            // A round trip first, so that the upload behind the gate finds its staging in the
+            // pinned pool (allocating pinned memory can wait for the device, and so for the gate).
+            let back = dtoh(&htod_async(&batch, resource, stream).unwrap(), stream).unwrap();
+            check_batch(&format!("{resource:?}"), &back, &batch);
+            // Each upload is dropped while its copies wait behind a closed gate, which another
+            // thread opens soon after: a drop that frees the memory at once must wait for them
+            // until then. A driver call of another test that waits for the whole device (freeing
+            // memory does) can hold this upload's calls until the gate opens by itself: then
+            // the upload is found done when it returns, and this tries again (once in a run of
+            // this binary under compute-sanitizer on an H200).
+            let held = (0..5).position(|_| {
+                let gate = Gate::close(stream, Duration::from_secs(5));
                 let on_device = htod_async(&batch, resource, stream).unwrap();
-                !on_device.ready().is_complete().unwrap()
+                let queued = !on_device.ready().is_complete().unwrap();
+                let opener = gate.open_after(Duration::from_millis(20));
+                drop(on_device);
+                opener.join().unwrap();
+                queued
             });
-            assert!(queued, "{resource:?}: an upload still queued when its batch dropped");
+            let Some(tries) = held else {
+                panic!("{resource:?}: every upload behind a closed gate finished before it returned")
+            };
+            if tries > 0 {
+                eprintln!("{resource:?}: an upload held behind the gate at try {}", tries + 1);
+            }
             stream.synchronize().unwrap();
             let back = dtoh(&htod_async(&batch, resource, stream).unwrap(), stream).unwrap();
             check_batch(&format!("{resource:?}, after a batch dropped early"), &back, &batch);

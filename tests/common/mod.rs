@@ -5,6 +5,9 @@ pub mod c_schema;
 pub mod corpus;
 pub mod fuzz;
 
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
 use arrow_array::RecordBatch;
 use arrow_cuda::{Device, Stream};
 
@@ -40,8 +43,6 @@ pub fn cuda() -> Option<Device> {
     devices().into_iter().find(|d| matches!(d, Device::Cuda(_)))
 }
 
-/// The rows of a result as text lines, cells trimmed (so that rows compare across results whose
-/// columns have other widths); sorted unless the order matters.
 /// The tokio runtime the DataFusion tests block on (four workers).
 #[cfg(feature = "datafusion")]
 pub fn runtime() -> &'static tokio::runtime::Runtime {
@@ -55,6 +56,8 @@ pub fn runtime() -> &'static tokio::runtime::Runtime {
     })
 }
 
+/// The rows of a result as text lines, cells trimmed (so that rows compare across results whose
+/// columns have other widths); sorted unless the order matters.
 #[cfg(feature = "datafusion")]
 pub fn rows(batches: &[RecordBatch], ordered: bool) -> Vec<String> {
     let text = datafusion::arrow::util::pretty::pretty_format_batches(batches)
@@ -112,5 +115,60 @@ pub fn invalid_data<T: std::fmt::Debug>(what: &str, result: arrow_cuda::Result<T
             message
         }
         other => panic!("{what}: expected InvalidData, got {other:?}"),
+    }
+}
+
+/// A host function queued on a CUDA stream that holds the work queued after it until the gate
+/// opens: when [`Gate::open`] is called, when the gate drops, or once `limit` has passed, so that a
+/// test that fails while it is closed still ends. Work behind a closed gate is still queued,
+/// whatever the load on the machine.
+pub struct Gate(Arc<GateState>);
+
+struct GateState {
+    open: Mutex<bool>,
+    opened: Condvar,
+    limit: Duration,
+}
+
+impl Gate {
+    /// Closes a gate on `stream` (a CUDA stream). The driver runs host functions on a thread of its
+    /// own: allocating pinned memory can wait for the device, and so for the gate.
+    pub fn close(stream: &Stream, limit: Duration) -> Gate {
+        unsafe extern "C" fn hold(data: *mut std::ffi::c_void) {
+            // SAFETY: `data` is the reference `close` leaked for this call, taken back once.
+            let state = unsafe { Arc::from_raw(data as *const GateState) };
+            let open = state.open.lock().unwrap_or_else(|p| p.into_inner());
+            drop(state.opened.wait_timeout_while(open, state.limit, |open| !*open));
+        }
+        let state = Arc::new(GateState {
+            open: Mutex::new(false),
+            opened: Condvar::new(),
+            limit,
+        });
+        let raw = stream.cuda().expect("a CUDA stream").cu_stream();
+        let data = Arc::into_raw(state.clone()) as *mut std::ffi::c_void;
+        // SAFETY: a live stream; `hold` makes no CUDA call and takes back the reference it is given.
+        unsafe { cudarc::driver::result::stream::launch_host_function(raw, hold, data) }.unwrap();
+        Gate(state)
+    }
+
+    /// Lets the work behind the gate run.
+    pub fn open(&self) {
+        *self.0.open.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        self.0.opened.notify_all();
+    }
+
+    /// Opens the gate from another thread once `delay` has passed.
+    pub fn open_after(self, delay: Duration) -> std::thread::JoinHandle<()> {
+        std::thread::spawn(move || {
+            std::thread::sleep(delay);
+            self.open();
+        })
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.open();
     }
 }
