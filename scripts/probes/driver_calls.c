@@ -1,7 +1,8 @@
 // What the driver calls on the small-batch paths cost the calling thread: creating, recording and
 // destroying an event, a stream waiting on one, looking up the device address of mapped pinned
 // memory, launching a one-thread kernel, and how long until the host sees that kernel done,
-// through cuStreamSynchronize or by spinning on a flag the kernel writes into mapped pinned memory.
+// through cuStreamSynchronize or by spinning on a flag the kernel writes into mapped pinned memory;
+// and the same kernel launched as a one-node CUDA graph.
 //
 //   nvcc -O2 -o /tmp/driver_calls scripts/probes/driver_calls.c -lcuda && /tmp/driver_calls
 #include "probe.h"
@@ -82,6 +83,43 @@ int main(void) {
         }
         printf("launch %.2f then cuStreamSynchronize %.2f us; launch %.2f then spin on a mapped flag %.2f us\n",
                launch / N, sync / N, launch2 / N, spin / N);
+        // The flag kernel as a one-node graph, instantiated once, its value set before each launch
+        // (as an import would set the addresses it reads).
+        CUDA_KERNEL_NODE_PARAMS params = {0};
+        params.func = flag;
+        params.gridDimX = params.gridDimY = params.gridDimZ = 1;
+        params.blockDimX = params.blockDimY = params.blockDimZ = 1;
+        unsigned first = 0;
+        void* first_args[] = {&dptr, &first};
+        params.kernelParams = first_args;
+        CUgraph graph;
+        CUgraphNode node;
+        CUgraphExec exec;
+        CHECK(cuGraphCreate(&graph, 0));
+        CHECK(cuGraphAddKernelNode(&node, graph, NULL, 0, &params));
+        CHECK(cuGraphInstantiate(&exec, graph, 0));
+        double set = 0, graph_launch = 0, graph_spin = 0;
+        for (int i = 0; i < N; i++) {
+            unsigned v = (unsigned)(1000000 + round * N + i);
+            void* args[] = {&dptr, &v};
+            params.kernelParams = args;
+            double a = micros();
+            CHECK(cuGraphExecKernelNodeSetParams(exec, node, &params));
+            double b = micros();
+            CHECK(cuGraphLaunch(exec, s));
+            double c = micros();
+            while (*host != v) {
+            }
+            double d = micros();
+            set += b - a;
+            graph_launch += c - b;
+            graph_spin += d - c;
+            CHECK(cuStreamSynchronize(s));
+        }
+        printf("the flag kernel as a graph: set its value %.2f, cuGraphLaunch %.2f, then spin %.2f us\n", set / N,
+               graph_launch / N, graph_spin / N);
+        CHECK(cuGraphExecDestroy(exec));
+        CHECK(cuGraphDestroy(graph));
         // The same, after the stream was made to wait for an event of another stream that has
         // completed (as an import waits for its producer's event).
         double waited = 0, launched = 0, synced = 0;

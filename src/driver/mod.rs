@@ -29,6 +29,7 @@
 //! |---|---|
 //! | `probe.rs` | [`available`]: the driver library, every checked symbol, `cuInit`, at least one GPU |
 //! | `nvrtc.rs` | [`nvrtc_available`]: NVRTC and the module/launch entry points; [`function`]: a kernel of CUDA C, compiled once per device; [`launch`] |
+//! | `graph.rs` | [`KernelGraph`]: a kernel launched through a one-node graph, for launches on a latency path |
 //! | `symbols.rs` | the checked lists, cudarc's safe calls, the source-scanning tests |
 //! | `device.rs` | initialisation, device count and handles, UUIDs, driver version, default memory pools |
 //! | `memory.rs` | allocation and free of every kind, pinning, memset, 1D and 2D copies |
@@ -51,6 +52,7 @@ mod calls;
 mod batch;
 mod device;
 mod event;
+mod graph;
 mod ipc;
 mod memory;
 mod nvrtc;
@@ -66,6 +68,7 @@ pub(crate) use device::{
     mem_pool_set_release_threshold,
 };
 pub(crate) use event::{event_create_interprocess, event_destroy, event_record, event_synchronize, stream_wait_event};
+pub(crate) use graph::KernelGraph;
 pub(crate) use ipc::{
     IPC_HANDLE_BYTES, ipc_close_mem_handle, ipc_get_event_handle, ipc_get_mem_handle, ipc_open_event_handle,
     ipc_open_mem_handle,
@@ -75,11 +78,13 @@ pub(crate) use memory::{
     mem_host_alloc_write_combined, mem_host_get_device_pointer, mem_host_register, mem_host_unregister,
     memcpy_2d_async, memcpy_async, memset_d8_async,
 };
+pub(crate) use nvrtc::function;
+#[cfg(feature = "datafusion")]
+pub(crate) use nvrtc::launch;
 #[cfg(feature = "datafusion")]
 pub(crate) use nvrtc::launch_shared;
 #[cfg(feature = "datafusion")]
 pub(crate) use nvrtc::nvrtc_available;
-pub(crate) use nvrtc::{function, launch};
 pub(crate) use pointer::{is_pinned_host, mem_get_address_range};
 pub(crate) use probe::available;
 pub(crate) use vmm::{

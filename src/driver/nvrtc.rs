@@ -1,4 +1,5 @@
-//! The run-time compiler (NVRTC) and the driver entry points that load and launch what it compiles.
+//! The run-time compiler (NVRTC) and the driver entry points that load and launch what it compiles
+//! (through `cuLaunchKernel` or a [`KernelGraph`](super::KernelGraph)).
 //!
 //! Without the NVRTC library, or with a driver or library that lacks an entry point cudarc calls to
 //! compile, load or launch, kernels are [`Error::Unsupported`]; the rest of the crate still works.
@@ -14,7 +15,7 @@ use crate::error::{Error, Result};
 
 fn probe() -> Result<()> {
     super::available()?;
-    for &s in KERNELS {
+    for &s in KERNELS.iter().chain(super::graph::SYMBOLS) {
         // SAFETY: the driver library is present (checked by `available`).
         if !unsafe { super::probe::has_symbol(s) } {
             return Err(Error::DriverTooOld { symbol: s });
@@ -126,6 +127,7 @@ fn compile(ctx: &Arc<CudaContext>, source: &str) -> Result<Arc<CudaModule>> {
 }
 
 /// Launches `f` on `stream` with 8-byte arguments (device pointers and `unsigned long long`).
+#[cfg_attr(not(feature = "datafusion"), allow(dead_code))]
 pub(crate) fn launch(stream: &Arc<CudaStream>, f: &CudaFunction, grid: u64, block: u32, args: &[u64]) -> Result<()> {
     launch_shared(stream, f, grid, block, 0, args)
 }

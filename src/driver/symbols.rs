@@ -143,6 +143,7 @@ mod tests {
             .chain(KERNELS.iter().copied())
             .chain(crate::driver::batch::SYMBOLS.iter().copied())
             .chain(crate::driver::vmm::SYMBOLS.iter().copied())
+            .chain(crate::driver::graph::SYMBOLS.iter().copied())
             .collect()
     }
 

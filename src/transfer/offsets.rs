@@ -4,19 +4,21 @@
 //! NVRTC is missing or cannot compile the kernel, with one batched copy; then one wait.
 //!
 //! The kernel is compiled once per device, on the first read there (tens of milliseconds;
-//! `crate::driver` keeps the module); after that the launch costs what one small copy does, where
+//! `crate::driver` keeps the module), and launched through a one-node graph
+//! ([`KernelGraph`]), which costs the calling thread about half of what `cuLaunchKernel` does;
 //! the batched copy paid a few hundred nanoseconds per offset. The kernel also sets a flag in the
 //! pinned memory once its values are there, and the wait spins on it: on the H200s the host sees
 //! a one-thread kernel done 3.8-4.1 µs after its launch returned that way, 5.2-5.3 µs through
 //! `cuStreamSynchronize` (`scripts/probes/driver_calls.c`).
 
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaFunction;
 
 use crate::device::{self, Device, Stream};
-use crate::driver;
+use crate::driver::{self, KernelGraph};
 use crate::error::{Error, Result};
 use crate::memory::pinned::PinnedPool;
 use crate::memory::{DeviceBuffer, MemoryResource, copy};
@@ -90,16 +92,24 @@ struct Pending {
     widths: Vec<usize>,
     stream: Stream,
     flags: usize,
+    /// The gather's graph, given back once the gather is done.
+    graph: Option<KernelGraph>,
 }
 
 impl Pending {
     /// Waits until the values are in `block` and nothing writes it any more: for up to [`SPIN`]
     /// on the gather's flags, then (or without flags) by synchronising with the stream.
-    fn finish(&self) -> Result<()> {
-        if self.flags > 0 && self.flags_set() {
-            return Ok(());
+    fn finish(&mut self) -> Result<()> {
+        let done = match self.flags > 0 && self.flags_set() {
+            true => Ok(()),
+            false => self.stream.synchronize(),
+        };
+        if done.is_ok()
+            && let Some(graph) = self.graph.take()
+        {
+            give_back(graph);
         }
-        self.stream.synchronize()
+        done
     }
 
     /// Whether the flags, after the values, were all seen set within [`SPIN`].
@@ -131,7 +141,14 @@ impl OffsetsRead {
         OffsetsRead { values, pending: None }
     }
 
-    fn pending(block: DeviceBuffer, at: usize, widths: Vec<usize>, stream: &Stream, flags: usize) -> Self {
+    fn pending(
+        block: DeviceBuffer,
+        at: usize,
+        widths: Vec<usize>,
+        stream: &Stream,
+        flags: usize,
+        graph: Option<KernelGraph>,
+    ) -> Self {
         let stream = stream.clone();
         OffsetsRead {
             values: vec![],
@@ -141,13 +158,14 @@ impl OffsetsRead {
                 widths,
                 stream,
                 flags,
+                graph,
             }),
         }
     }
 
     /// Waits for the offsets and returns their values, in the order they were asked for.
     pub(crate) fn wait(mut self) -> Result<Vec<i64>> {
-        let Some(pending) = &self.pending else {
+        let Some(pending) = &mut self.pending else {
             return Ok(std::mem::take(&mut self.values));
         };
         pending.finish()?;
@@ -168,7 +186,7 @@ impl Drop for OffsetsRead {
     /// Unread offsets are waited for: the block they land in goes back to the pool, and the
     /// memory they are read from may be freed, once this returns.
     fn drop(&mut self) {
-        if let Some(pending) = &self.pending {
+        if let Some(pending) = &mut self.pending {
             let _ = pending.finish();
         }
     }
@@ -222,9 +240,40 @@ unsafe fn gather(f: &CudaFunction, reads: &[(u64, usize)], device: Device, strea
     // `gather_offsets` reads the `n` addresses and writes the `n` values and `blocks` flags of
     // `block` (mapped, kept until the read is waited for), and reads each offset, valid per the
     // caller, a byte at a time.
-    driver::launch(cuda, f, blocks as u64, BLOCK, &[addresses, values, n as u64, flags])?;
+    let mut graph = take_graph(device, f)?;
+    let grid = u32::try_from(blocks).map_err(|_| Error::InvalidArgument(format!("{n} offsets to read")))?;
+    // SAFETY: as above; `gather_offsets` takes these four 8-byte parameters.
+    unsafe { graph.launch(cuda, grid, &[addresses, values, n as u64, flags]) }?;
     // The kernel writes each value sign-extended to eight bytes.
-    Ok(OffsetsRead::pending(block, 8 * n, vec![8; n], stream, blocks))
+    Ok(OffsetsRead::pending(
+        block,
+        8 * n,
+        vec![8; n],
+        stream,
+        blocks,
+        Some(graph),
+    ))
+}
+
+/// The gather's graphs that no read holds, with their device ordinals. A read takes one (the first
+/// reads on a device make theirs: `cuLaunchKernel` costs about twice what setting and launching a
+/// graph does) and gives it back once the gather is done, so that the launches of one graph, which
+/// run one after another, never wait for another read's stream.
+static GRAPHS: Mutex<Vec<KernelGraph>> = Mutex::new(Vec::new());
+
+/// A graph of the gather kernel `f` of `device`.
+fn take_graph(device: Device, f: &CudaFunction) -> Result<KernelGraph> {
+    let ordinal = device.ordinal().unwrap_or(0);
+    let mut free = GRAPHS.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(at) = free.iter().position(|g| g.ordinal() == ordinal) {
+        return Ok(free.swap_remove(at));
+    }
+    drop(free);
+    KernelGraph::new(&device::context(ordinal)?, f, BLOCK, 4)
+}
+
+fn give_back(graph: KernelGraph) {
+    GRAPHS.lock().unwrap_or_else(|p| p.into_inner()).push(graph);
 }
 
 /// The offsets read into pinned memory with one batched copy (one copy each where the driver has
@@ -256,6 +305,7 @@ unsafe fn copy_offsets(reads: &[(u64, usize)], device: Device, stream: &Stream) 
         reads.iter().map(|&(_, w)| w).collect(),
         stream,
         0,
+        None,
     ))
 }
 
