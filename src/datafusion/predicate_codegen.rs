@@ -80,6 +80,23 @@ pub(crate) struct LateLiteral {
     pub(crate) expr: std::sync::Arc<dyn ::datafusion::physical_expr::PhysicalExpr>,
 }
 
+/// CUDA C declaring the booleans `(v, k)` (value, known) of `a AND b` (or `a OR b`, `and` false)
+/// under SQL's three-valued logic, from those of `a` and `b`: a false side decides an `AND` and a
+/// true side an `OR` even where the other side is null.
+pub(crate) fn kleene(and: bool, (v, k): (&str, &str), (va, ka): (&str, &str), (vb, kb): (&str, &str)) -> String {
+    if and {
+        format!(
+            "bool {k} = ({ka} && {kb}) || ({ka} && !{va}) || ({kb} && !{vb}); \
+             bool {v} = {ka} && {va} && {kb} && {vb};"
+        )
+    } else {
+        format!(
+            "bool {k} = ({ka} && {kb}) || ({ka} && {va}) || ({kb} && {vb}); \
+             bool {v} = ({ka} && {va}) || ({kb} && {vb});"
+        )
+    }
+}
+
 impl Codegen {
     /// A generator for kernels over `batch`'s columns (only their types are read).
     pub(crate) fn new(batch: &DeviceRecordBatch) -> Self {
@@ -344,18 +361,8 @@ impl Codegen {
             Predicate::And(a, b) | Predicate::Or(a, b) => {
                 let (va, ka) = self.emit(a)?;
                 let (vb, kb) = self.emit(b)?;
-                let text = if matches!(p, Predicate::And(..)) {
-                    format!(
-                        "bool {k} = ({ka} && {kb}) || ({ka} && !{va}) || ({kb} && !{vb}); \
-                         bool {v} = {ka} && {va} && {kb} && {vb};"
-                    )
-                } else {
-                    format!(
-                        "bool {k} = ({ka} && {kb}) || ({ka} && {va}) || ({kb} && {vb}); \
-                         bool {v} = ({ka} && {va}) || ({kb} && {vb});"
-                    )
-                };
-                line(&mut self.body, text);
+                let and = matches!(p, Predicate::And(..));
+                line(&mut self.body, kleene(and, (&v, &k), (&va, &ka), (&vb, &kb)));
             }
             Predicate::Not(a) => {
                 let (va, ka) = self.emit(a)?;

@@ -29,7 +29,7 @@ use arrow_schema::{DataType, Schema};
 use ::datafusion::logical_expr::ColumnarValue;
 use ::datafusion::physical_expr::scalar_subquery::ScalarSubqueryExpr;
 
-use super::super::predicate_codegen::{Codegen, LateLiteral};
+use super::super::predicate_codegen::{Codegen, LateLiteral, kleene};
 use crate::error::{Error, Result};
 
 /// A compiled expression: the names of its value and validity variables, and its type.
@@ -310,18 +310,7 @@ impl<'c> ExprCompiler<'c> {
                 let l = self.compile(b.left())?;
                 let r = self.compile(b.right())?;
                 let (v, k) = self.fresh();
-                let (va, ka, vb, kb) = (&l.v, &l.k, &r.v, &r.k);
-                self.line(if op == Operator::And {
-                    format!(
-                        "bool {k} = ({ka} && {kb}) || ({ka} && !{va}) || ({kb} && !{vb}); \
-                         bool {v} = {ka} && {va} && {kb} && {vb};"
-                    )
-                } else {
-                    format!(
-                        "bool {k} = ({ka} && {kb}) || ({ka} && {va}) || ({kb} && {vb}); \
-                         bool {v} = ({ka} && {va}) || ({kb} && {vb});"
-                    )
-                });
+                self.line(kleene(op == Operator::And, (&v, &k), (&l.v, &l.k), (&r.v, &r.k)));
                 Ok(Val {
                     v,
                     k,
