@@ -14,9 +14,9 @@ use arrow_array::{
 };
 use arrow_cuda::Device;
 use arrow_cuda::datafusion::{GpuTable, LoadOptions, Progress, StagingStep, StagingTimes, supports_filter};
-use arrow_cuda_workloads::tpch;
-use arrow_schema::{DataType, Field, Schema, SchemaRef, TimeUnit};
+use arrow_schema::{DataType, Field, Schema, TimeUnit};
 use common::rows;
+use common::tables::{Data, Tpch, tpch_query};
 use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::catalog::TableProvider;
 use datafusion::common::stats::Precision;
@@ -31,47 +31,10 @@ fn session() -> SessionContext {
     SessionContext::new_with_config(SessionConfig::new().with_target_partitions(PARTITIONS))
 }
 
-/// A table's schema and its batches, in partitions.
-#[derive(Clone)]
-struct Data {
-    schema: SchemaRef,
-    partitions: Vec<Vec<RecordBatch>>,
-}
-
-impl Data {
-    fn rows(&self) -> usize {
-        self.partitions.iter().flatten().map(RecordBatch::num_rows).sum()
-    }
-}
-
-/// TPC-H table `name` at scale factor `sf`, in `PARTITIONS` partitions of 4,096-row batches.
-fn tpch_table(name: &str, sf: f64) -> Data {
-    let table = tpch::table(name, sf, PARTITIONS, 4096).expect("generate");
-    Data {
-        schema: table.schema,
-        partitions: table.partitions,
-    }
-}
-
-/// The SQL of TPC-H query `name`.
-fn tpch_query(name: &str) -> &'static str {
-    tpch::query(name).expect("a TPC-H query")
-}
-
-struct Tpch {
-    lineitem: Data,
-    orders: Data,
-    part: Data,
-}
-
-/// TPC-H at scale factor 0.01 (lineitem: 60,175 rows), generated once.
+/// TPC-H at scale factor 0.01 (lineitem: 60,175 rows) in 4,096-row batches, generated once.
 fn tpch() -> &'static Tpch {
     static TPCH: OnceLock<Tpch> = OnceLock::new();
-    TPCH.get_or_init(|| Tpch {
-        lineitem: tpch_table("lineitem", 0.01),
-        orders: tpch_table("orders", 0.01),
-        part: tpch_table("part", 0.01),
-    })
+    TPCH.get_or_init(|| Tpch::generate(0.01, PARTITIONS, 4096))
 }
 
 fn gpu_table(data: &Data, device: Device) -> GpuTable {

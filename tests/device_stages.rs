@@ -15,8 +15,8 @@ use arrow_array::{
 use arrow_cuda::datafusion::{DeviceStageRule, GpuTable, LoadOptions};
 use arrow_cuda::{Device, DeviceBuffer, Error, MemoryResource, Stream};
 use arrow_cuda_workloads::tpch;
-use arrow_schema::SchemaRef;
 use common::rows;
+use common::tables::{Data, Tpch, tpch_query};
 use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::datasource::MemTable;
 use datafusion::execution::SessionStateBuilder;
@@ -57,22 +57,6 @@ fn stage_session() -> SessionContext {
         .with_physical_optimizer_rule(Arc::new(rule))
         .build();
     SessionContext::new_with_state(state)
-}
-
-#[derive(Clone)]
-struct Data {
-    schema: SchemaRef,
-    partitions: Vec<Vec<RecordBatch>>,
-}
-
-impl Data {
-    /// A table of these partitions, the schema of their first batch.
-    fn new(partitions: Vec<Vec<RecordBatch>>) -> Data {
-        Data {
-            schema: partitions[0][0].schema(),
-            partitions,
-        }
-    }
 }
 
 /// Two sessions over the same tables: GPU tables on `device` with device stages, and `MemTable`s.
@@ -122,39 +106,10 @@ fn assert_same(gpu: &SessionContext, mem: &SessionContext, sql: &str, staged: bo
     }
 }
 
-/// The TPC-H table `name` at scale factor `sf`, in `PARTITIONS` partitions of 65,536-row batches.
-fn tpch_table(name: &str, sf: f64) -> Data {
-    Data::from(tpch::table(name, sf, PARTITIONS, 1 << 16).expect("generate"))
-}
-
-impl From<tpch::Table> for Data {
-    fn from(t: tpch::Table) -> Data {
-        Data {
-            schema: t.schema,
-            partitions: t.partitions,
-        }
-    }
-}
-
-/// The SQL of TPC-H query `name`.
-fn tpch_query(name: &str) -> &'static str {
-    tpch::query(name).expect("a TPC-H query")
-}
-
-struct Tpch {
-    lineitem: Data,
-    orders: Data,
-    part: Data,
-}
-
-/// TPC-H at scale factor 0.1 (lineitem: 600,572 rows), generated once.
+/// TPC-H at scale factor 0.1 (lineitem: 600,572 rows) in 65,536-row batches, generated once.
 fn tpch() -> &'static Tpch {
     static TPCH: OnceLock<Tpch> = OnceLock::new();
-    TPCH.get_or_init(|| Tpch {
-        lineitem: tpch_table("lineitem", 0.1),
-        orders: tpch_table("orders", 0.1),
-        part: tpch_table("part", 0.1),
-    })
+    TPCH.get_or_init(|| Tpch::generate(0.1, PARTITIONS, 1 << 16))
 }
 
 /// TPC-H queries and other aggregates over lineitem: a stage runs each single-table aggregate,

@@ -4,6 +4,7 @@
 pub mod c_schema;
 pub mod corpus;
 pub mod fuzz;
+pub mod tables;
 
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
