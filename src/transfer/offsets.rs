@@ -241,9 +241,8 @@ unsafe fn gather(f: &CudaFunction, reads: &[(u64, usize)], device: Device, strea
     // `block` (mapped, kept until the read is waited for), and reads each offset, valid per the
     // caller, a byte at a time.
     let mut graph = take_graph(device, f)?;
-    let grid = u32::try_from(blocks).map_err(|_| Error::InvalidArgument(format!("{n} offsets to read")))?;
     // SAFETY: as above; `gather_offsets` takes these four 8-byte parameters.
-    unsafe { graph.launch(cuda, grid, &[addresses, values, n as u64, flags]) }?;
+    unsafe { graph.launch(cuda, blocks as u64, &[addresses, values, n as u64, flags]) }?;
     // The kernel writes each value sign-extended to eight bytes.
     Ok(OffsetsRead::pending(
         block,
