@@ -1238,6 +1238,16 @@ fn negative_fixed_widths_are_refused() {
         import(exported(&list), &DataType::FixedSizeList(item, -1)),
     );
     assert!(message.contains("negative"), "{message}");
+    // Nested: a list of binaries of width 2, imported as a list of width -1.
+    let values = FixedSizeBinaryArray::try_from_iter([[1u8, 2], [3, 4]].into_iter()).unwrap();
+    let field = |w| Arc::new(Field::new("item", DataType::FixedSizeBinary(w), true));
+    let offsets = arrow_buffer::OffsetBuffer::new(vec![0, 2].into());
+    let nested = ListArray::new(field(2), offsets, Arc::new(values), None);
+    let message = invalid_data(
+        "List(FixedSizeBinary(-1))",
+        import(exported(&nested), &DataType::List(field(-1))),
+    );
+    assert!(message.contains("negative"), "{message}");
 }
 
 /// A fixed-size list of `n` lists of `k` needs `n * k` child elements from the child's own offset:

@@ -34,7 +34,9 @@ pub struct DeviceArrayData {
     /// and cannot have changed since: buffers are immutable while shared, and the array holds
     /// views of them. Downloads of such arrays skip arrow-rs's validation. Arrays assembled from
     /// parts, imported or received are not trusted, and neither is an array whose memory was
-    /// handed to another process ([`DeviceArrayData::is_trusted`]).
+    /// handed to another process ([`DeviceArrayData::is_trusted`]). A trusted array's memory is
+    /// this process's own (allocated here, not lent by another process), so no fence guards it
+    /// and [`DeviceArrayData::check_readable`] has nothing to ask.
     pub(crate) trusted: bool,
 }
 
@@ -208,7 +210,20 @@ impl DeviceArrayData {
     /// ([`DeviceBuffer::check_readable`]). Every read of the array through this crate checks it
     /// first; code that hands the buffers' addresses on itself calls it too.
     pub fn check_readable(&self) -> Result<()> {
-        check_all(self.all_buffers())
+        match self.is_own_memory() {
+            true => Ok(()),
+            false => check_all(self.all_buffers()),
+        }
+    }
+
+    /// Whether the array's memory is known to be this process's own, so that no fence guards it:
+    /// a trusted array's is (see `trusted`).
+    fn is_own_memory(&self) -> bool {
+        debug_assert!(
+            !self.trusted || self.all_buffers().all(|b| b.fence().is_none()),
+            "a trusted array holds memory another process lent"
+        );
+        self.trusted
     }
 
     /// Whether a download may skip validating the array: its bytes were written by this crate from
@@ -405,7 +420,8 @@ impl DeviceRecordBatch {
     /// sender of a batch received through [`crate::ipc::Receiver`]) no longer keeps it
     /// ([`DeviceArrayData::check_readable`]).
     pub fn check_readable(&self) -> Result<()> {
-        check_all(self.columns.iter().flat_map(DeviceArrayData::all_buffers))
+        let maybe_lent = self.columns.iter().filter(|c| !c.is_own_memory());
+        check_all(maybe_lent.flat_map(DeviceArrayData::all_buffers))
     }
 
     /// Keeps only the columns at `indices`, in that order, sharing their memory.
@@ -533,6 +549,13 @@ pub(crate) fn child_types(dt: &DataType) -> Vec<&DataType> {
 /// negative (a C producer can write `w:-1`, on which arrow-rs's layout panics), integer dictionary
 /// keys and run ends, and map entries that are a struct of two fields.
 pub(crate) fn check_type(dt: &DataType) -> Result<()> {
+    check_own_type(dt)?;
+    child_types(dt).into_iter().try_for_each(check_type)
+}
+
+/// [`check_type`] of `dt` alone, not of the types nested in it: for a walk that visits those itself.
+#[inline]
+pub(crate) fn check_own_type(dt: &DataType) -> Result<()> {
     let fault = match dt {
         DataType::FixedSizeBinary(w) if *w < 0 => Some("a negative width"),
         DataType::FixedSizeList(_, n) if *n < 0 => Some("a negative size"),
@@ -547,10 +570,10 @@ pub(crate) fn check_type(dt: &DataType) -> Result<()> {
         }
         _ => None,
     };
-    if let Some(fault) = fault {
-        return Err(Error::InvalidData(format!("{dt} has {fault}")));
+    match fault {
+        Some(fault) => Err(Error::InvalidData(format!("{dt} has {fault}"))),
+        None => Ok(()),
     }
-    child_types(dt).into_iter().try_for_each(check_type)
 }
 
 #[cfg(test)]

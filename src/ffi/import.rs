@@ -15,7 +15,7 @@ use smallvec::SmallVec;
 use arrow_schema::{DataType, SchemaRef, UnionMode};
 
 use crate::abi::{FFI_ArrowArray, FFI_ArrowDeviceArray, FFI_ArrowSchema};
-use crate::array::{Buffers, DeviceArrayData, DeviceRecordBatch, check_type, has_validity};
+use crate::array::{Buffers, DeviceArrayData, DeviceRecordBatch, check_own_type, has_validity};
 use crate::device::{Device, Event, Stream};
 use crate::driver::{self, CUevent};
 use crate::error::{Error, Result};
@@ -75,7 +75,6 @@ enum Slot {
 
 /// Walks a producer's struct, checking it, building its arrays without their buffers and noting
 /// those in `slots`, and the offsets to read from the device (string and binary sizes) in `reads`.
-#[derive(Default)]
 struct Walker {
     /// (address, width) of each offset to read.
     reads: Vec<(u64, usize)>,
@@ -252,6 +251,17 @@ impl<'a> Parts<'a> {
 }
 
 impl Walker {
+    /// A walker with room for the slots and reads of `a` when its children are flat (at most four
+    /// slots and one read each, as a string column has), so that a batch's walk does not grow them.
+    fn sized_for(a: &FFI_ArrowArray) -> Walker {
+        let arrays = usize::try_from(a.n_children).unwrap_or(0).min(MAX_CHILDREN) + 1;
+        Walker {
+            reads: Vec::with_capacity(arrays),
+            slots: Vec::with_capacity(4 * arrays),
+            open: false,
+        }
+    }
+
     /// # Safety
     /// `a` must be a valid, unreleased `ArrowArray` whose pointers are valid per the spec.
     unsafe fn node(
@@ -261,6 +271,8 @@ impl Walker {
         depth: usize,
         node: &mut DeviceArrayData,
     ) -> Result<()> {
+        // Every type nested in the import's is walked here, so each is checked here.
+        check_own_type(dt)?;
         // SAFETY: `a` is valid per the caller.
         let p = unsafe { Parts::of(a, dt, depth, node)? };
         self.open = true;
@@ -349,7 +361,7 @@ impl Walker {
             }
             DataType::FixedSizeBinary(w) => {
                 p.expect(2, 0)?;
-                // Not negative: `import_array` checked the type.
+                // Not negative: `Walker::node` checked the type.
                 self.slots.push(p.values(1, *w as usize)?);
             }
             DataType::Utf8 | DataType::Binary | DataType::LargeUtf8 | DataType::LargeBinary => {
@@ -430,7 +442,7 @@ impl Walker {
                 p.expect(1, 1)?;
                 // SAFETY: as above.
                 let len = unsafe { self.child(p, 0, f.data_type(), node)? };
-                // Not negative: `import_array` checked the type.
+                // Not negative: `Walker::node` checked the type.
                 let needed = end
                     .checked_mul(*size as usize)
                     .ok_or_else(|| invalid("fixed-size list too long"))?;
@@ -595,7 +607,6 @@ pub unsafe fn import_array(
     if array.is_released() {
         return Err(invalid("the array has been released"));
     }
-    check_type(data_type)?;
     let device = Device::from_c(array.device_type, array.device_id)?;
     // The device must exist: with a CUDA stream passed in, nothing else would look it up.
     device.context()?;
@@ -603,7 +614,7 @@ pub unsafe fn import_array(
     laps.lap("import.device");
     let ready = wait_for_producer(&array, device, &stream)?;
     laps.lap("import.wait");
-    let mut walker = Walker::default();
+    let mut walker = Walker::sized_for(&array.array);
     let mut data = blank(data_type);
     // SAFETY: valid per the caller.
     unsafe { walker.node(&array.array, data_type, 0, &mut data)? };
@@ -619,7 +630,7 @@ pub unsafe fn import_array(
     // SAFETY: the reads are elements of offsets buffers, valid per the caller until `span` drops.
     let offsets = unsafe { start_reading(&walker.reads, device, &stream)? };
     laps.lap("import.gather");
-    let mut late = Vec::new();
+    let mut late = Vec::with_capacity(walker.reads.len());
     attach(
         &mut data,
         &mut walker.slots.iter(),
