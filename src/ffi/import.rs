@@ -1,8 +1,8 @@
 //! Zero-copy import of arrays and batches from the C Device Data Interface.
 //!
 //! The producer's struct is moved into an owner that every imported buffer shares; its release
-//! callback runs exactly once, when the last buffer drops. One walk checks the structure (counts,
-//! lengths, offsets, pointers), builds the arrays where they end up and notes their buffers; the
+//! callback runs exactly once, when the last buffer drops. One walk checks the structure (types,
+//! counts, lengths, offsets, pointers), builds the arrays where they end up and notes their buffers; the
 //! sizes of string and binary data come from the last offset of each array, read after the
 //! producer's event, all of them at once (one gather kernel on a GPU, see `transfer::offsets`)
 //! while the buffers' views are made, with one synchronisation. Every imported buffer is a view of
