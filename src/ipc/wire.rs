@@ -307,7 +307,8 @@ pub(crate) fn wait_readable<const N: usize>(
     fds: [BorrowedFd<'_>; N],
     timeout: Option<std::time::Duration>,
 ) -> io::Result<Option<[libc::c_short; N]>> {
-    let deadline = timeout.map(|t| std::time::Instant::now() + t);
+    // A timeout past the end of time is none.
+    let deadline = timeout.and_then(|t| std::time::Instant::now().checked_add(t));
     let mut polls = fds.map(|fd| libc::pollfd {
         fd: fd.as_raw_fd(),
         events: libc::POLLIN,

@@ -387,6 +387,14 @@ impl Link {
         self.out.lock().unwrap_or_else(|p| p.into_inner()).ring = Some(ring);
     }
 
+    /// Wakes the receiver if it sleeps on its ring, ahead of a frame being made
+    /// ([`RingWriter::wake`]).
+    pub fn wake(&self) {
+        if let Some(ring) = &self.out.lock().unwrap_or_else(|p| p.into_inner()).ring {
+            ring.wake();
+        }
+    }
+
     /// Sends one frame; concurrent senders never interleave. Through a ring, a frame with
     /// descriptors or too large for it goes on the socket, announced in the ring first.
     pub fn send(&self, frame: &Frame) -> io::Result<()> {

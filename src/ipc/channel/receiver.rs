@@ -62,9 +62,16 @@ pub struct ReceiverOptions {
     /// polling costs no system call; waking a sleeping thread costs tens of microseconds, and on
     /// virtual machines up to a few hundred. A receiver that expects the next batch soon and cares
     /// about latency can spend a core to save that. A sender that dies while a receiver polls is
-    /// noticed when the polling ends.
+    /// noticed when the polling ends. Whatever this is, a sender wakes a sleeping receiver as it
+    /// begins a send, and the receiver then polls for that frame for up to 200 µs before it
+    /// sleeps again: its thread wakes while the sender describes the batch.
     pub poll: Duration,
 }
+
+/// How long a receiver woken ahead of a frame polls for it before it sleeps again: longer than a
+/// send takes from its start to its frame (a few to a few tens of microseconds, with a copy into a
+/// message), so that only a send that fails or waits for credit leaves the receiver to sleep again.
+const WOKEN_AHEAD_POLL: Duration = Duration::from_micros(200);
 
 impl Default for ReceiverOptions {
     fn default() -> Self {
@@ -358,6 +365,10 @@ impl Receiver {
     fn next_frame(&mut self, start: Instant, laps: &mut Laps) -> std::result::Result<Result<Frame>, RecvError> {
         let left = |timeout: Option<Duration>| timeout.map(|t| t.saturating_sub(start.elapsed()));
         let socket = self.link.socket.as_fd();
+        // Polls until then (`None`: for ever): the end of `options.poll`, or a while after the
+        // sender rang ahead.
+        let mut poll_until = start.checked_add(self.options.poll);
+        let polling = |until: Option<Instant>| until.is_none_or(|t| Instant::now() < t);
         while !self.on_socket {
             match self.ring.pop().map_err(RecvError::Broken)? {
                 Some(Entry::Frame(payload)) => {
@@ -369,8 +380,12 @@ impl Receiver {
                     return Ok(Frame::decode(frame, Some(&mut self.opened)));
                 }
                 Some(Entry::OnSocket) => self.on_socket = true,
-                None if start.elapsed() < self.options.poll => std::hint::spin_loop(),
+                None if polling(poll_until) => std::hint::spin_loop(),
                 None => match self.ring.sleep(socket, left(self.options.recv_timeout)) {
+                    // Rung ahead of a frame still being made.
+                    Ok(Some(Woken::Ring)) if self.ring.is_empty() => {
+                        poll_until = Instant::now().checked_add(WOKEN_AHEAD_POLL);
+                    }
                     Ok(Some(Woken::Socket)) if self.ring.is_empty() => {
                         // Nothing was announced: the connection has ended, or the sender broke
                         // the protocol.
@@ -399,7 +414,7 @@ impl Receiver {
         // The sender announces a frame before it writes it: a polling receiver polls the socket too
         // (unless an earlier read brought the frame's bytes already).
         while self.reader.is_empty()
-            && start.elapsed() < self.options.poll
+            && polling(poll_until)
             && wire::wait_readable([socket], Some(Duration::ZERO)).is_ok_and(|r| r.is_none())
         {
             std::hint::spin_loop();
@@ -645,6 +660,28 @@ mod tests {
         fake.join().unwrap();
         r.options.recv_timeout = Some(Duration::from_secs(10));
         assert!(r.recv().unwrap().is_none(), "the end of the stream");
+    }
+
+    /// A receiver woken ahead of a frame that does not come polls for a while only, then sleeps
+    /// again, and still takes the frame when it comes.
+    #[test]
+    fn a_receiver_woken_ahead_for_nothing_sleeps_again() {
+        let wait_until_asleep = |ring: &RingWriter| {
+            let start = Instant::now();
+            while !ring.receiver_sleeps() {
+                assert!(start.elapsed() < Duration::from_secs(10), "the receiver never slept");
+                std::thread::yield_now();
+            }
+        };
+        let (mut r, fake) = fake_sender("ahead", move |ring, s| {
+            wait_until_asleep(ring);
+            ring.wake();
+            wait_until_asleep(ring);
+            ring.push(Some(&[3]), s).unwrap();
+        });
+        assert_eq!(r.options.poll, Duration::ZERO);
+        assert!(r.recv().unwrap().is_none(), "the end of the stream");
+        fake.join().unwrap();
     }
 
     /// A batch naming a region by an id its receiver does not keep (never sent, or let go of) is

@@ -16,6 +16,11 @@
 //! side stores its own word and then loads the other's, both sequentially consistent, so at least
 //! one of them sees the other: no entry is left waiting for a receiver that sleeps.
 //!
+//! A sender also rings ahead: as a send begins, before the batch is described, it lowers a raised
+//! flag and writes the doorbell, so that the receiver's thread wakes (several microseconds on the
+//! GPU machines) while the entry is made; a receiver woken to an empty ring polls for the entry a
+//! short while before it sleeps again (see `Receiver::recv`), and the push finds it awake.
+//!
 //! Neither side trusts the other. Each keeps its own position privately and only reads the other's,
 //! checking that it stays within the ring. The receiver copies an entry out of shared memory before
 //! it reads it, and checks its length against what was published and against its frame limit. A
@@ -260,12 +265,26 @@ impl RingWriter {
         self.shared.copy_in(self.tail + 4, body);
         self.tail += need;
         self.shared.counter(TAIL).store(self.tail, Ordering::SeqCst);
+        self.wake();
+        Ok(())
+    }
+
+    /// Whether the receiver has raised its flag to sleep.
+    #[cfg(test)]
+    pub fn receiver_sleeps(&self) -> bool {
+        self.shared.sleeping().load(Ordering::SeqCst) != 0
+    }
+
+    /// Rings the doorbell if the receiver is asleep, lowering its flag. After a push this wakes a
+    /// receiver that went to sleep before the entry came; before one ([`RingWriter::wake`] called
+    /// when a send begins), it wakes the receiver while the entry is made, and the push then finds
+    /// it awake and rings nothing.
+    pub fn wake(&self) {
         if self.shared.sleeping().swap(0, Ordering::SeqCst) != 0 {
             // SAFETY: 8 bytes from a valid u64 to our eventfd. A full counter (EAGAIN) means the
             // bell is ringing already.
             unsafe { libc::write(self.bell.as_raw_fd(), (&1u64 as *const u64).cast(), 8) };
         }
-        Ok(())
     }
 
     fn wait_for_room(&self, need: u64, socket: &UnixStream) -> io::Result<()> {
@@ -319,7 +338,7 @@ pub(crate) enum Entry<'a> {
 /// What woke a receiver asleep on its ring.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Woken {
-    /// The ring may hold an entry.
+    /// The ring may hold an entry, or the sender rang ahead of one.
     Ring,
     /// The socket has bytes to read, or has ended.
     Socket,
@@ -541,6 +560,37 @@ mod tests {
             r.sleep(peer.as_fd(), Some(Duration::from_secs(10))).unwrap(),
             Some(Woken::Socket)
         );
+    }
+
+    /// Ringing ahead wakes a reader that sleeps, and only one: the push that follows finds it awake
+    /// and rings nothing more.
+    #[test]
+    fn ringing_ahead_wakes_a_sleeping_reader_once() {
+        let (mut w, mut r, s, peer) = pair(1 << 20);
+        let rung = |w: &RingWriter| {
+            crate::ipc::wire::wait_readable([w.bell()], Some(Duration::ZERO))
+                .unwrap()
+                .is_some()
+        };
+        // An awake reader is not rung for.
+        w.wake();
+        assert!(!rung(&w));
+        let reader = std::thread::spawn(move || {
+            let woken = r.sleep(peer.as_fd(), Some(Duration::from_secs(10))).unwrap();
+            (r, woken)
+        });
+        let asleep = Instant::now();
+        while !w.receiver_sleeps() {
+            assert!(asleep.elapsed() < Duration::from_secs(10), "the reader never slept");
+            std::thread::yield_now();
+        }
+        w.wake();
+        let (mut r, woken) = reader.join().unwrap();
+        assert_eq!(woken, Some(Woken::Ring));
+        assert!(r.is_empty(), "woken ahead of the entry");
+        w.push(Some(b"made"), &s).unwrap();
+        assert!(!rung(&w), "the push found the reader awake");
+        assert_eq!(frame(&mut r).unwrap(), b"made");
     }
 
     /// The atomic copies move every byte, at every alignment of either end and every length.

@@ -266,9 +266,18 @@ impl Sender {
                 "the batch's fields differ from the channel's schema".into(),
             ));
         }
-        if self.shared.lock().last.is_some() {
-            return Err(Error::InvalidArgument("the stream has ended".into()));
+        let peers = {
+            let st = self.shared.lock();
+            if st.last.is_some() {
+                return Err(Error::InvalidArgument("the stream has ended".into()));
+            }
+            Shared::active(&st)
+        };
+        // Receivers asleep wake while the batch is described, not after its frame is written.
+        for (_, link) in &peers {
+            link.wake();
         }
+        laps.lap("send.wake");
         let device = batch.device();
         let (described, mut shared) = match self.route(batch)? {
             Route::Lend(located) => {
