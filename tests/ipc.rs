@@ -1727,6 +1727,41 @@ fn a_killed_receiver_is_reclaimed_within_a_second() {
     });
 }
 
+/// Timeouts past what `Instant` can hold (`Duration::MAX`) are no limit, not a panic: a receiver
+/// that connects and receives with them, and a sender that waits for its receiver, for credit and
+/// for the acknowledgement with them.
+#[test]
+fn timeouts_past_the_end_of_time_are_no_limit() {
+    let _devices = using_devices();
+    let stream = Stream::cpu();
+    let path = socket_path("forever");
+    let batch = stream_batch(1);
+    let options = SenderOptions {
+        send_timeout: Duration::MAX,
+        ..SenderOptions::default()
+    };
+    let sender = Sender::bind(&path, batch.schema(), options).unwrap();
+    let receiver = std::thread::spawn({
+        let path = path.clone();
+        move || {
+            let options = ReceiverOptions {
+                connect_timeout: Duration::MAX,
+                recv_timeout: Some(Duration::MAX),
+                ..ReceiverOptions::default()
+            };
+            let mut r = Receiver::connect(&path, options).unwrap();
+            let rows = r.recv().unwrap().expect("a batch").num_rows();
+            assert!(r.recv().unwrap().is_none(), "the end of the stream");
+            rows
+        }
+    });
+    sender.wait_for_receivers(1, Duration::MAX).unwrap();
+    sender.send(&upload(&batch, lendable(Device::Cpu), &stream)).unwrap();
+    sender.wait_idle(Duration::MAX).unwrap();
+    sender.finish().unwrap();
+    assert_eq!(receiver.join().unwrap(), batch.num_rows());
+}
+
 #[test]
 fn a_killed_sender_makes_the_receiver_fail() {
     each_device(|device, stream| {

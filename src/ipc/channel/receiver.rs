@@ -192,7 +192,8 @@ impl Receiver {
     /// an [`Error::Io`] of kind [`std::io::ErrorKind::PermissionDenied`].
     pub fn connect(path: impl AsRef<Path>, options: ReceiverOptions) -> Result<Receiver> {
         let path = path.as_ref();
-        let deadline = Instant::now() + options.connect_timeout;
+        // A timeout past the end of time is none.
+        let deadline = Instant::now().checked_add(options.connect_timeout);
         // Room for the descriptors of the regions it may keep, and as many more for the rest of
         // the process, made before the sender can count this receiver: growing the table may
         // take milliseconds, which no batch then waits for.
@@ -202,7 +203,7 @@ impl Receiver {
                 Ok(s) => break s,
                 Err(e)
                     if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused)
-                        && Instant::now() < deadline =>
+                        && deadline.is_none_or(|d| Instant::now() < d) =>
                 {
                     std::thread::sleep(Duration::from_millis(10));
                 }
@@ -217,11 +218,12 @@ impl Receiver {
         // Kept for the receiver's life: a read may take frames after the greeting too.
         let mut reader = FrameReader::new(options.max_frame_bytes);
         let mut greeting = |what: &str| {
-            let left = deadline
-                .saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(1));
+            let left = deadline.map(|d| {
+                d.saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(1))
+            });
             let frame = reader
-                .recv(socket.as_fd(), Some(left))
+                .recv(socket.as_fd(), left)
                 .map_err(RecvError::into_error)?
                 .ok_or_else(|| Error::io(what, io::ErrorKind::UnexpectedEof.into()))?;
             Frame::decode(frame, None)

@@ -220,19 +220,18 @@ impl Sender {
     }
 
     fn wait_until(&self, timeout: Duration, what: &str, done: impl Fn(&State) -> bool) -> Result<()> {
-        let deadline = Instant::now() + timeout;
+        // A timeout past the end of time is none.
+        let deadline = Instant::now().checked_add(timeout);
         let mut st = self.shared.lock();
         while !done(&st) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::io(format!("waiting for {what}"), io::ErrorKind::TimedOut.into()));
-            }
-            st = self
-                .shared
-                .changed
-                .wait_timeout(st, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            let changed = &self.shared.changed;
+            st = match deadline.map(|d| d.saturating_duration_since(Instant::now())) {
+                Some(left) if left.is_zero() => {
+                    return Err(Error::io(format!("waiting for {what}"), io::ErrorKind::TimedOut.into()));
+                }
+                Some(left) => changed.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0,
+                None => changed.wait(st).unwrap_or_else(|p| p.into_inner()),
+            };
         }
         Ok(())
     }
