@@ -19,7 +19,7 @@ mod view;
 
 pub use buffer::DeviceBuffer;
 pub(crate) use buffer::{check_range, copy, stream_for};
-pub use register::{Registered, RegisteredMut, register, register_mut};
+pub use register::{Registered, RegisteredMut, RegisteredSlice, register, register_mut};
 pub(crate) use resource::Allocation;
 pub use resource::{ALIGNMENT, MemoryResource};
 pub use shared_device::SharedDeviceHandle;

@@ -204,19 +204,19 @@ impl Drop for Mapping {
     }
 }
 
-/// A shared host slice, page-locked and mapped into the device's address space until dropped.
+/// A host slice, page-locked and mapped into the device's address space until dropped: `D` is the
+/// slice, shared ([`Registered`]) or mutable ([`RegisteredMut`]).
 #[derive(Debug)]
-pub struct Registered<'a> {
-    data: &'a [u8],
+pub struct RegisteredSlice<D> {
+    data: D,
     reg: Registration,
 }
 
+/// A shared host slice, page-locked and mapped into the device's address space until dropped.
+pub type Registered<'a> = RegisteredSlice<&'a [u8]>;
+
 /// A mutable host slice, page-locked and mapped into the device's address space until dropped.
-#[derive(Debug)]
-pub struct RegisteredMut<'a> {
-    data: &'a mut [u8],
-    reg: Registration,
-}
+pub type RegisteredMut<'a> = RegisteredSlice<&'a mut [u8]>;
 
 /// Page-locks `data` (`cuMemHostRegister`, portable and device-mapped) until the guard drops, with
 /// CUDA device `ordinal`'s context current.
@@ -227,24 +227,25 @@ pub struct RegisteredMut<'a> {
 /// GPU this returns [`Error::NoDriver`] / [`Error::NoDevice`].
 pub fn register(data: &[u8], ordinal: usize) -> Result<Registered<'_>> {
     let reg = Registration::new(data.as_ptr() as usize, data.len(), ordinal)?;
-    Ok(Registered { data, reg })
+    Ok(RegisteredSlice { data, reg })
 }
 
 /// Page-locks `data` as [`register`] does, keeping it writable through the guard.
 pub fn register_mut(data: &mut [u8], ordinal: usize) -> Result<RegisteredMut<'_>> {
     let reg = Registration::new(data.as_mut_ptr() as usize, data.len(), ordinal)?;
-    Ok(RegisteredMut { data, reg })
+    Ok(RegisteredSlice { data, reg })
 }
 
-impl Registered<'_> {
+impl<D: AsRef<[u8]>> RegisteredSlice<D> {
     /// The registered bytes.
     pub fn host_slice(&self) -> &[u8] {
-        self.data
+        self.data.as_ref()
     }
 
     /// The address through which kernels on the device reach the bytes
-    /// (`cuMemHostGetDevicePointer`). Only device work may use it, and only while the guard lives.
-    /// For an empty slice, the host address.
+    /// (`cuMemHostGetDevicePointer`). Only device work may use it, and only while the guard lives;
+    /// only that of a [`RegisteredMut`] may write through it, and the host must not touch the bytes
+    /// while such work runs. For an empty slice, the host address.
     pub fn device_pointer(&self) -> Result<u64> {
         self.reg.device_pointer()
     }
@@ -266,36 +267,9 @@ impl Registered<'_> {
 }
 
 impl RegisteredMut<'_> {
-    /// The registered bytes.
-    pub fn host_slice(&self) -> &[u8] {
-        self.data
-    }
-
     /// The registered bytes, writable.
     pub fn host_slice_mut(&mut self) -> &mut [u8] {
         self.data
-    }
-
-    /// The address through which kernels on the device reach the bytes
-    /// (`cuMemHostGetDevicePointer`). Only device work may use it, and only while the guard lives;
-    /// the host must not touch the bytes while such work runs. For an empty slice, the host address.
-    pub fn device_pointer(&self) -> Result<u64> {
-        self.reg.device_pointer()
-    }
-
-    /// The pinned memory's device: [`Device::CudaHost`] of the ordinal it was registered with.
-    pub fn device(&self) -> Device {
-        Device::CudaHost(self.reg.ordinal)
-    }
-
-    /// The length in bytes.
-    pub fn len(&self) -> usize {
-        self.reg.len
-    }
-
-    /// Whether the slice is empty.
-    pub fn is_empty(&self) -> bool {
-        self.reg.len == 0
     }
 }
 
