@@ -276,9 +276,9 @@ impl RingWriter {
     }
 
     /// Rings the doorbell if the receiver is asleep, lowering its flag. After a push this wakes a
-    /// receiver that went to sleep before the entry came; before one ([`RingWriter::wake`] called
-    /// when a send begins), it wakes the receiver while the entry is made, and the push then finds
-    /// it awake and rings nothing.
+    /// receiver that went to sleep before the entry came; called as a send begins, before the
+    /// entry is made, it wakes the receiver while the sender makes it, and the push then finds the
+    /// receiver awake and rings nothing.
     pub fn wake(&self) {
         if self.shared.sleeping().swap(0, Ordering::SeqCst) != 0 {
             // SAFETY: 8 bytes from a valid u64 to our eventfd. A full counter (EAGAIN) means the
