@@ -9,7 +9,8 @@
 //! children's lengths. What depends on the data (string and list offsets, view indices, union type
 //! ids, dictionary keys) is checked when the batch is copied to the host ([`crate::transfer::dtoh`]
 //! validates every array); device code that reads a received batch must treat those as untrusted.
-//! The schema's types are checked as [`DeviceArrayData::try_new`] checks them; every array built
+//! The schema's types are checked as [`DeviceArrayData::try_new`] checks them, each as the decoder
+//! reaches its arrays (the value types of dictionaries in their `DictionaryBatch`); every array built
 //! from them then passes its other checks too (one device, the buffers and children of its type,
 //! sizes that hold its elements) by construction, so those are not run again on every receive:
 //! debug builds assert it, and the fuzz targets of `tests/ipc_fuzz.rs` (run in debug builds in CI)
@@ -24,7 +25,7 @@ use std::collections::HashMap;
 use arrow_ipc::{MessageHeader, MetadataVersion};
 use arrow_schema::{DataType, Field, Fields, Schema, SchemaRef, UnionMode};
 
-use crate::array::{Buffers, DeviceArrayData, DeviceRecordBatch, check_rows, check_type};
+use crate::array::{Buffers, DeviceArrayData, DeviceRecordBatch, check_own_type, check_rows};
 use crate::device::{Device, Event};
 use crate::error::{Error, Result};
 use crate::ipc::layout::{Sizes, dictionaries_in, fixed_sizes, has_validity};
@@ -37,8 +38,19 @@ fn invalid(msg: impl Into<String>) -> Error {
     Error::InvalidData(msg.into())
 }
 
+/// `value` as a count. Inlined: a batch's metadata has a few hundred counts, and the error is
+/// made apart, out of the way.
+#[inline]
 fn count(value: i64, what: &str) -> Result<usize> {
-    usize::try_from(value).map_err(|_| invalid(format!("negative {what} ({value}) in IPC metadata")))
+    match usize::try_from(value) {
+        Ok(n) => Ok(n),
+        Err(_) => Err(negative(value, what)),
+    }
+}
+
+#[cold]
+fn negative(value: i64, what: &str) -> Error {
+    invalid(format!("negative {what} ({value}) in IPC metadata"))
 }
 
 /// A zero-length buffer on `device`.
@@ -137,9 +149,6 @@ pub(crate) fn batch(
         )));
     }
     let num_rows = count(header.batch.length(), "batch length")?;
-    for f in schema.fields() {
-        check_type(f.data_type())?;
-    }
     let mut d = Decoder::new(header, device, resolve, first_buffer, 0, dictionaries);
     let columns = d.arrays(schema.fields().iter().map(AsRef::as_ref), 0)?;
     d.finish()?;
@@ -166,7 +175,6 @@ pub(crate) fn dictionary(
     let values = value_type(schema.fields(), id, &mut 0)
         .ok_or_else(|| invalid(format!("dictionary id {id}: the schema has no such dictionary")))?;
     let len = count(header.batch.length(), "dictionary length")?;
-    check_type(&values)?;
     let first_id = id - dictionaries_in(&values) as i64;
     let mut d = Decoder::new(header, device, resolve, first_buffer, first_id, dictionaries);
     let array = d
@@ -353,6 +361,9 @@ impl<'m, 'r, 'd> Decoder<'m, 'r, 'd> {
             return Err(invalid(format!("nesting deeper than {MAX_DEPTH}")));
         }
         let dt = field.data_type();
+        // Every type of the schema that has arrays is reached here (dictionary values as the
+        // arrays of their `DictionaryBatch`), so each is checked here.
+        check_own_type(dt)?;
         let (len, node_nulls) = self.node(field)?;
         let mut null_count = 0;
         let mut nulls = None;
