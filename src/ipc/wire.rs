@@ -296,6 +296,12 @@ impl RecvError {
     }
 }
 
+/// The moment `timeout` from now; `None` (no limit) for a timeout past what an `Instant` holds,
+/// such as `Duration::MAX`.
+pub(crate) fn deadline(timeout: std::time::Duration) -> Option<std::time::Instant> {
+    std::time::Instant::now().checked_add(timeout)
+}
+
 /// Waits until one of `fds` has bytes to read (or has ended or failed) and returns the `revents` of
 /// each; `None` when `timeout` passed first (`None`: no limit).
 ///
@@ -307,8 +313,7 @@ pub(crate) fn wait_readable<const N: usize>(
     fds: [BorrowedFd<'_>; N],
     timeout: Option<std::time::Duration>,
 ) -> io::Result<Option<[libc::c_short; N]>> {
-    // A timeout past the end of time is none.
-    let deadline = timeout.and_then(|t| std::time::Instant::now().checked_add(t));
+    let deadline = timeout.and_then(deadline);
     let mut polls = fds.map(|fd| libc::pollfd {
         fd: fd.as_raw_fd(),
         events: libc::POLLIN,

@@ -192,8 +192,7 @@ impl Receiver {
     /// an [`Error::Io`] of kind [`std::io::ErrorKind::PermissionDenied`].
     pub fn connect(path: impl AsRef<Path>, options: ReceiverOptions) -> Result<Receiver> {
         let path = path.as_ref();
-        // A timeout past the end of time is none.
-        let deadline = Instant::now().checked_add(options.connect_timeout);
+        let deadline = wire::deadline(options.connect_timeout);
         // Room for the descriptors of the regions it may keep, and as many more for the rest of
         // the process, made before the sender can count this receiver: growing the table may
         // take milliseconds, which no batch then waits for.

@@ -39,7 +39,7 @@ use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::ipc::wire::wait_readable;
+use crate::ipc::wire::{self, wait_readable};
 use crate::memory::shm;
 
 /// The ring's size in bytes, a power of two. A 100-column batch's frame takes about 3 KiB.
@@ -303,7 +303,7 @@ impl RingWriter {
             }
             let deadline = match deadline {
                 Some(d) => d,
-                None => *deadline.insert(socket.write_timeout()?.and_then(|t| Instant::now().checked_add(t))),
+                None => *deadline.insert(socket.write_timeout()?.and_then(wire::deadline)),
             };
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Err(io::Error::new(io::ErrorKind::TimedOut, "waiting for room in the ring"));

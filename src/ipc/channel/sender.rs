@@ -220,8 +220,7 @@ impl Sender {
     }
 
     fn wait_until(&self, timeout: Duration, what: &str, done: impl Fn(&State) -> bool) -> Result<()> {
-        // A timeout past the end of time is none.
-        let deadline = Instant::now().checked_add(timeout);
+        let deadline = wire::deadline(timeout);
         let mut st = self.shared.lock();
         while !done(&st) {
             let changed = &self.shared.changed;
